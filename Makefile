@@ -1,0 +1,61 @@
+# The commands a newcomer types: `make demo` and `make test`. Everything else is a building block.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch must be installed before anything that depends on torch: an unpinned
+# `torch` pulls a multi-GB CUDA build. On a GPU cluster use environment.yml instead.
+TORCH_PIN ?= torch==2.13.0
+STAMPS := .stamps
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-system demo test test-quick lint format bench clean help
+
+help:
+	@echo "make setup       create $(VENV) (torch CPU pinned first) and install the package with test/lint extras"
+	@echo "make demo        tiny chess model + random games, 2-process FSDP run on CPU (< 5 min)"
+	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
+	@echo "make test-quick  the suite without the slow end-to-end tests"
+	@echo "make lint        ruff check + ruff format --check + mypy"
+	@echo "make bench       throughput benchmarks (tokens/s), results in bench/results/"
+
+$(STAMPS)/venv: pyproject.toml
+	@mkdir -p $(STAMPS)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test,lint]"
+	@touch $@
+
+# Debian packages used by the tests: Slurm (one-node cluster on localhost) and munge.
+$(STAMPS)/system: slurm/local/install.sh
+	@mkdir -p $(STAMPS)
+	bash slurm/local/install.sh
+	@touch $@
+
+setup: $(STAMPS)/venv
+
+setup-system: $(STAMPS)/system
+
+demo: setup
+	$(PY) -m fsdp_utils.demo
+
+test: setup setup-system
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-quick: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(STAMPS) runs demo_assets bench/results

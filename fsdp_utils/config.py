@@ -1,0 +1,410 @@
+"""The training configuration: one typed dataclass, the single source of truth.
+
+The command line and config files (YAML or JSON) are thin layers over `TrainConfig`:
+defaults < `--config FILE` < explicit command-line flags. The resolved config is written
+to the run folder (`config.json`) so every run can be reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"]
+Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
+OptimizerName = Literal["adamw", "sgd"]
+LrSchedule = Literal["cosine", "linear", "constant"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+
+DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
+DEFAULT_DATASET = "laion/strategic_game_chess"
+# laion/strategic_game_chess has hundreds of ~500 MB shards: by default one is enough.
+DEFAULT_DATASET_INCLUDE = "chess_game_0001.parquet"
+DEFAULT_TOTAL_BATCH_SIZE = 32
+# The text a game becomes (see fsdp_utils.render). Fields: {result}, {termination}, {moves}.
+DEFAULT_TEMPLATE = "[Result {result}] [Termination {termination}] {moves}"
+
+
+def _opt(help: str, **extra: Any) -> Any:
+    return {"help": help, **extra}
+
+
+@dataclass
+class TrainConfig:
+    # --- assets -------------------------------------------------------------------------
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_opt("Hub id (resolved from the offline cache) or a local model folder."),
+    )
+    dataset: str = field(
+        default=DEFAULT_DATASET,
+        metadata=_opt(
+            "Hub dataset id (from the offline cache), a local folder, or files: parquet in the "
+            "laion/strategic_game_chess schema, or jsonl with a `text` field. Comma-separate "
+            "several files."
+        ),
+    )
+    dataset_include: str | None = field(
+        default=DEFAULT_DATASET_INCLUDE,
+        metadata=_opt(
+            "Glob of dataset files to use (hub datasets and local folders), e.g. "
+            "'chess_game_000[1-2].parquet'. Empty string: all files."
+        ),
+    )
+    revision: str | None = field(
+        default=None, metadata=_opt("Model revision (branch, tag or commit) in the cache.")
+    )
+    dataset_revision: str | None = field(
+        default=None, metadata=_opt("Dataset revision (branch, tag or commit) in the cache.")
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=_opt("Hugging Face hub cache written by download_models.py (default: HF_HOME)."),
+    )
+    output_dir: str = field(
+        default="runs/chess",
+        metadata=_opt("Run folder: config, metrics, checkpoints, final model, logs."),
+    )
+
+    # --- batch ---------------------------------------------------------------------------
+    total_batch_size: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Sequences per optimizer step, held fixed whatever the number of GPUs: gradient "
+            f"accumulation is derived from it (default {DEFAULT_TOTAL_BATCH_SIZE})."
+        ),
+    )
+    batch_size_per_device: int = field(
+        default=1, metadata=_opt("Sequences per forward/backward pass on each device.")
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Micro-batches per optimizer step. Normally derived from --total_batch_size; "
+            "if both are given they must agree."
+        ),
+    )
+    max_seq_length: int = field(default=1024, metadata=_opt("Tokens per sequence (block)."))
+
+    # --- optimisation ----------------------------------------------------------------------
+    learning_rate: float = field(default=2e-5, metadata=_opt("Peak learning rate."))
+    optimizer: OptimizerName = field(
+        default="adamw",
+        metadata=_opt("adamw (2 fp32 states per parameter) or sgd (none without momentum)."),
+    )
+    weight_decay: float = field(default=0.0, metadata=_opt("Decoupled weight decay."))
+    momentum: float = field(
+        default=0.0, metadata=_opt("SGD momentum (0 keeps SGD stateless: least memory).")
+    )
+    lr_schedule: LrSchedule = field(
+        default="cosine", metadata=_opt("Decay after linear warmup: cosine, linear or constant.")
+    )
+    warmup_steps: int | None = field(
+        default=None, metadata=_opt("Linear warmup steps (default: 5% of max_training_steps).")
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata=_opt("Final learning rate as a fraction of the peak.")
+    )
+    grad_clip: float = field(
+        default=1.0, metadata=_opt("Clip the global gradient norm to this value (0: off).")
+    )
+    max_training_steps: int = field(default=100, metadata=_opt("Optimizer steps to run."))
+    seed: int = field(default=1234, metadata=_opt("Seed for model init, shuffling, dropout."))
+
+    # --- parallelism and memory ----------------------------------------------------------
+    no_fsdp: bool = field(
+        default=False, metadata=_opt("Plain data parallel (DDP): every device holds everything.")
+    )
+    no_layer_wrap_policy: bool = field(
+        default=False,
+        metadata=_opt("Shard only at the root (one FSDP group for the whole model)."),
+    )
+    sharding: Sharding = field(
+        default="full",
+        metadata=_opt(
+            "full: shard params, grads, optimizer state; shard_grad_op: keep params gathered "
+            "between forward and backward; hybrid: shard within a node, replicate across nodes; "
+            "no_shard: replicate (DDP-like)."
+        ),
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata=_opt("Keep sharded params, grads and optimizer state in host RAM (FSDP2)."),
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata=_opt("Recompute decoder-layer activations in backward.")
+    )
+    checkpoint_every_n_layers: int = field(
+        default=1, metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer.")
+    )
+    defer_grad_sync: bool = field(
+        default=False,
+        metadata=_opt(
+            "Reduce gradients only on the last micro-batch (less communication, but full "
+            "unsharded gradients stay in memory)."
+        ),
+    )
+    precision: Precision = field(
+        default="bf16-mixed",
+        metadata=_opt(
+            "bf16-mixed (fp32 master weights, bf16 compute), fp16-mixed (with a gradient "
+            "scaler), bf16-true (everything bf16: least memory), fp32."
+        ),
+    )
+    device: DeviceName = field(
+        default="auto", metadata=_opt("cuda if available, else cpu (gloo backend).")
+    )
+
+    # --- data ----------------------------------------------------------------------------
+    template: str = field(
+        default=DEFAULT_TEMPLATE,
+        metadata=_opt("How a chess game becomes text: {result}, {termination}, {moves}."),
+    )
+    text_field: str = field(default="text", metadata=_opt("Text column of jsonl datasets."))
+    no_packing: bool = field(
+        default=False,
+        metadata=_opt("Pad each document to max_seq_length instead of packing full blocks."),
+    )
+    max_examples: int | None = field(
+        default=None, metadata=_opt("Use at most this many documents (quick runs).")
+    )
+    eval_examples: int = field(
+        default=200, metadata=_opt("Documents held out for evaluation (0: no eval split).")
+    )
+    eval_every: int = field(
+        default=50, metadata=_opt("Evaluate every N optimizer steps and at the end (0: end only).")
+    )
+    eval_batches: int = field(
+        default=20, metadata=_opt("At most this many batches per device per evaluation.")
+    )
+    num_proc: int | None = field(
+        default=None, metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).")
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata=_opt("Where tokenised/packed data is cached (default: beside the hub cache)."),
+    )
+
+    # --- metrics -------------------------------------------------------------------------
+    log_every: int = field(default=1, metadata=_opt("Log metrics every N optimizer steps."))
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=_opt("Peak TFLOP/s of one device for MFU (detected for A100/H100/H200)."),
+    )
+
+    # --- checkpoints and time limits -----------------------------------------------------
+    save_every_steps: int = field(
+        default=0, metadata=_opt("Save a sharded checkpoint every N steps (0: off).")
+    )
+    save_every_minutes: float = field(
+        default=30.0, metadata=_opt("Save a sharded checkpoint every M minutes (0: off).")
+    )
+    keep_last: int = field(default=2, metadata=_opt("Checkpoints to keep (older are deleted)."))
+    resume: str = field(
+        default="auto",
+        metadata=_opt(
+            "auto: continue from the newest complete checkpoint in output_dir if there is one; "
+            "never: start fresh; or a checkpoint folder."
+        ),
+    )
+    time_limit_margin_minutes: float | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop this long before the Slurm job ends (default: estimated from the "
+            "measured save time, at least 2 minutes)."
+        ),
+    )
+    stop_file: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop at the next step boundary once this file exists (the sbatch "
+            "script creates it when Slurm signals the job; default: output_dir/STOP)."
+        ),
+    )
+    no_final_save: bool = field(
+        default=False, metadata=_opt("Do not write the Hugging Face model at the end.")
+    )
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return round(0.05 * self.max_training_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# --- command line and config files ---------------------------------------------------------
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """`int | None` -> (int, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _parse_optional(inner: type) -> Any:
+    def parse(text: str) -> Any:
+        if text.lower() in ("none", "null", ""):
+            return None
+        return inner(text)
+
+    return parse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; defaults are SUPPRESSed so we know what was given."""
+    hints = _field_types()
+    for f in dataclasses.fields(TrainConfig):
+        tp, optional = _unwrap_optional(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text + default_note}
+        if tp is bool:
+            kwargs["action"] = "store_true"
+            kwargs["help"] = help_text
+        elif typing.get_origin(tp) is Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+            kwargs["type"] = str
+        else:
+            kwargs["type"] = _parse_optional(tp) if optional else tp
+            kwargs["metavar"] = tp.__name__.upper()
+        parser.add_argument(f"--{f.name}", **kwargs)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict of TrainConfig fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"Config file {path} does not exist.")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"Config file {path} must hold a mapping of option: value.")
+    return data
+
+
+def config_from_dict(values: dict[str, Any], *, source: str = "config") -> TrainConfig:
+    """Build a TrainConfig, rejecting unknown keys and wrong types with the field's name."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"Unknown option(s) in {source}: {', '.join(hints)}.")
+    hints_by_name = _field_types()
+    checked: dict[str, Any] = {}
+    for name, value in values.items():
+        tp, optional = _unwrap_optional(hints_by_name[name])
+        if value is None and optional:
+            checked[name] = None
+        elif typing.get_origin(tp) is Literal:
+            choices = typing.get_args(tp)
+            if value not in choices:
+                raise ValueError(f"{source}: {name} must be one of {list(choices)}, got {value!r}.")
+            checked[name] = value
+        elif tp is float and isinstance(value, int) and not isinstance(value, bool):
+            checked[name] = float(value)
+        elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ValueError(
+                f"{source}: {name} must be {tp.__name__}, got {value!r} ({type(value).__name__})."
+            )
+        else:
+            checked[name] = value
+    config = TrainConfig(**checked)
+    validate_config(config)
+    return config
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Checks that need no model, data or world size (those come in the batch plan)."""
+    positive = ["batch_size_per_device", "max_seq_length", "max_training_steps", "log_every"]
+    positive.append("checkpoint_every_n_layers")
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")
+    for name in ("total_batch_size", "gradient_accumulation_steps"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}.")
+    if config.learning_rate <= 0:
+        raise ValueError(f"--learning_rate must be positive, got {config.learning_rate}.")
+    warmup = config.warmup_steps
+    if warmup is not None and (warmup < 0 or (warmup > 0 and warmup >= config.max_training_steps)):
+        raise ValueError(
+            f"--warmup_steps ({warmup}) must be between 0 and "
+            f"--max_training_steps - 1 ({config.max_training_steps - 1})."
+        )
+    if not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {config.min_lr_ratio}.")
+    if config.grad_clip < 0:
+        raise ValueError(f"--grad_clip must be >= 0 (0 disables clipping), got {config.grad_clip}.")
+    if config.no_fsdp and (config.no_layer_wrap_policy or config.cpu_offload):
+        raise ValueError(
+            "--no_fsdp (DDP) cannot be combined with --no_layer_wrap_policy or --cpu_offload, "
+            "which are FSDP options."
+        )
+    if config.no_fsdp and config.sharding != "full":
+        raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
+    for field_name in ("{moves}",):
+        if field_name not in config.template:
+            raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")
+
+
+def parse_config(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[TrainConfig, argparse.Namespace]:
+    """Parse the command line (and `--config FILE`) into a validated TrainConfig.
+
+    Returns the config and the namespace (for CLI-only switches such as --print_config).
+    """
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_config_file(args.config))
+    field_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in field_names})
+    return config_from_dict(values, source="the command line and config file"), args
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options.")
+    parser.add_argument(
+        "--print_config", action="store_true", help="Print the resolved config and exit."
+    )
+    add_config_arguments(parser)
+    return parser

@@ -1,0 +1,52 @@
+"""Where a run keeps its files. One folder per run, stable across Slurm requeues.
+
+    <output_dir>/
+        config.json        resolved TrainConfig (+ world size, batch plan, versions)
+        metrics.jsonl      one JSON object per logged step / eval / event
+        checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
+        final/             Hugging Face model + tokenizer (safetensors) at the end
+        gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
+        logs/              Slurm and launcher logs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    @classmethod
+    def of(cls, output_dir: str | Path) -> RunLayout:
+        return cls(Path(output_dir))
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final_model(self) -> Path:
+        return self.root / "final"
+
+    @property
+    def gpu_samples(self) -> Path:
+        return self.root / "gpu_samples"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def default_stop_file(self) -> Path:
+        return self.root / "STOP"

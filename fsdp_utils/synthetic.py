@@ -1,0 +1,222 @@
+"""Tiny, fully local stand-ins for the real assets: chess games, a tokenizer and small models.
+
+`make demo` and the tests use them so that nothing is ever fetched from the Hub:
+- random legal chess games (the `chess` package) written as parquet shards in the schema of
+  `laion/strategic_game_chess` (`Moves`, `Termination`, `Result`, files `chess_game_NNNN.parquet`);
+- a BPE tokenizer trained with `tokenizers` on the rendered games;
+- small Llama / Qwen2 / Mistral / Gemma / GPT-2 / GPT-NeoX models saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdp_utils.config import DEFAULT_TEMPLATE
+from fsdp_utils.render import render_row
+
+SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+TINY_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox")
+
+
+# --- games ---------------------------------------------------------------------------------
+
+
+def random_game(rng: random.Random, capture_bias: float = 0.7) -> dict[str, Any]:
+    """Play one random legal game to its end.
+
+    Captures are preferred with probability `capture_bias`: purely random games last ~330 plies
+    and need slow draw-claim checks; capture-biased ones end (mostly by insufficient material)
+    in ~180 plies, about 8x faster to generate, which keeps `make demo` short.
+    """
+    import chess
+
+    board = chess.Board()
+    while (outcome := board.outcome()) is None:
+        moves = list(board.legal_moves)
+        captures = [m for m in moves if board.is_capture(m)]
+        pool = captures if captures and rng.random() < capture_bias else moves
+        board.push(rng.choice(pool))
+    return {
+        "Moves": [m.uci() for m in board.move_stack],
+        "Termination": outcome.termination.name,
+        "Result": outcome.result(),
+    }
+
+
+def random_games(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [random_game(rng) for _ in range(n)]
+
+
+def shard_name(index: int) -> str:
+    """File name of shard `index` in laion/strategic_game_chess (they start at 0001 there)."""
+    return f"chess_game_{index:04d}.parquet"
+
+
+def write_chess_shards(
+    games: list[dict[str, Any]], folder: str | Path, num_shards: int = 1, first_index: int = 1
+) -> list[Path]:
+    """Write games as parquet shards with the laion schema (Moves: list<string>, ...)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema(
+        [("Moves", pa.list_(pa.string())), ("Termination", pa.string()), ("Result", pa.string())]
+    )
+    paths = []
+    per_shard = -(-len(games) // num_shards)
+    for shard in range(num_shards):
+        rows = games[shard * per_shard : (shard + 1) * per_shard]
+        table = pa.Table.from_pylist(rows, schema=schema)
+        path = folder / shard_name(first_index + shard)
+        pq.write_table(table, path)
+        paths.append(path)
+    return paths
+
+
+# --- tokenizer -----------------------------------------------------------------------------
+
+
+def train_chess_tokenizer(texts: list[str], vocab_size: int = 512) -> Any:
+    """A byte-level-free BPE tokenizer over whitespace-split chess text, as a transformers
+    `PreTrainedTokenizerFast` with <s>, </s>, <pad>, <unk>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.BPEDecoder()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
+    tokenizer.model = models.BPE(unk_token=SPECIAL_TOKENS["unk_token"], end_of_word_suffix="</w>")
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+# --- models --------------------------------------------------------------------------------
+
+
+def tiny_model_config(
+    arch: str,
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 1024,
+    special_ids: dict[str, int] | None = None,
+    tie_word_embeddings: bool | None = None,
+) -> Any:
+    """A small transformers config of the given architecture family."""
+    import transformers
+
+    ids = special_ids or {}
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "bos_token_id": ids.get("bos"),
+        "eos_token_id": ids.get("eos"),
+        "pad_token_id": ids.get("pad"),
+    }
+    intermediate = 2 * hidden_size
+    if arch in ("llama", "qwen2", "mistral", "gemma"):
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig,
+            "gemma": transformers.GemmaConfig,
+        }[arch]
+        # Qwen2.5 and Gemma tie the input and output embeddings; Llama 2 and Mistral do not.
+        tied = arch in ("qwen2", "gemma") if tie_word_embeddings is None else tie_word_embeddings
+        extra: dict[str, Any] = {"head_dim": hidden_size // num_heads} if arch == "gemma" else {}
+        return cls(
+            hidden_size=hidden_size,
+            intermediate_size=intermediate,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=max(1, num_heads // 2),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=tied,
+            **extra,
+            **common,
+        )
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            n_inner=intermediate,
+            **common,
+        )
+    if arch == "gpt_neox":
+        return transformers.GPTNeoXConfig(
+            hidden_size=hidden_size,
+            intermediate_size=intermediate,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            **common,
+        )
+    raise ValueError(f"Unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}.")
+
+
+def save_tiny_model(
+    folder: str | Path, tokenizer: Any, arch: str = "llama", seed: int = 0, **config_kwargs: Any
+) -> Path:
+    """Initialise a tiny model for `tokenizer` and save it (safetensors) with the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    special_ids = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+    }
+    config = tiny_model_config(arch, len(tokenizer), special_ids=special_ids, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# --- everything for the demo ---------------------------------------------------------------
+
+
+def iter_rendered(games: list[dict[str, Any]], template: str = DEFAULT_TEMPLATE) -> Iterator[str]:
+    for game in games:
+        yield render_row(game, template)
+
+
+def build_demo_assets(
+    root: str | Path,
+    *,
+    num_games: int = 3000,
+    num_shards: int = 2,
+    arch: str = "llama",
+    vocab_size: int = 512,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> dict[str, Path]:
+    """Create `root/data` (parquet shards) and `root/model` (tiny model + tokenizer).
+
+    Returns {"data": folder, "model": folder}.
+    """
+    root = Path(root)
+    games = random_games(num_games, seed=seed)
+    data_dir = root / "data"
+    write_chess_shards(games, data_dir, num_shards=num_shards)
+    tokenizer = train_chess_tokenizer(list(iter_rendered(games)), vocab_size=vocab_size)
+    model_dir = save_tiny_model(root / "model", tokenizer, arch=arch, seed=seed, **model_kwargs)
+    return {"data": data_dir, "model": model_dir}
