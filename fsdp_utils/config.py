@@ -278,7 +278,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     hints = _field_types()
     for f in dataclasses.fields(TrainConfig):
         tp, optional = _unwrap_optional(hints[f.name])
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")
         default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text + default_note}
         if tp is bool:
@@ -400,7 +400,7 @@ def parse_config(
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options.")
     parser.add_argument(

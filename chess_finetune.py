@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Fine-tune a causal LM on chess games with FSDP2. See `python chess_finetune.py --help`.
+
+    torchrun --nproc_per_node 4 chess_finetune.py --model codellama/CodeLlama-7b-hf \\
+        --total_batch_size 32 --batch_size_per_device 2 --gradient_checkpointing
+"""
+
+from fsdp_utils.offline import enable_offline_mode
+
+# Compute nodes have no internet: the Hugging Face libraries read these at import time.
+enable_offline_mode()
+
+if __name__ == "__main__":
+    import sys
+
+    from fsdp_utils.cli import main
+
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`chess_finetune.py`'s main: parse, check, train, save. User mistakes end with one clear
+paragraph (printed once, by rank 0) and exit code 2, never a bare traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from fsdp_utils.config import TrainConfig, build_parser, parse_config
+
+EXIT_USAGE = 2
+
+DESCRIPTION = """Fine-tune a causal LM on chess games (or any text) with FSDP2.
+Run with torchrun (one process per GPU; gloo on CPU) or as a plain process."""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = build_parser(DESCRIPTION)
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="Check config, batch arithmetic for --world_size processes, offline assets and "
+        "sequence length in seconds, without loading weights; exit 0 if all is well.",
+    )
+    parser.add_argument(
+        "--world_size",
+        type=int,
+        default=None,
+        help="With --preflight: the number of processes the run will have.",
+    )
+    return parser
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _fail(message: str) -> int:
+    if _rank() == 0:
+        print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def preflight(config: TrainConfig, world_size: int) -> str:
+    """Everything that can be checked without GPUs, weights or a process group."""
+    from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
+    from fsdp_utils.batch import plan_batch
+    from fsdp_utils.model import check_seq_length, load_model_config
+
+    plan = plan_batch(config, world_size)
+    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
+    check_seq_length(load_model_config(model_dir), config.max_seq_length)
+    files = resolve_dataset_files(
+        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+    )
+    return f"preflight OK: {plan.describe()}; model {model_dir}; {len(files)} data file(s)"
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    from fsdp_utils import distributed as dist_utils
+    from fsdp_utils.trainer import Trainer
+
+    env = dist_utils.init_distributed(config.device)
+    trainer = None
+    try:
+        trainer = Trainer(config, env)
+        trainer.setup()
+        summary = trainer.train()
+        final = trainer.save_final_model()
+        summary["final_model"] = str(final) if final else None
+        summary["output_dir"] = str(trainer.layout.root)
+        if env.is_main:
+            _print_summary(summary)
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist_utils.destroy()
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    last, ev = summary.get("last") or {}, summary.get("eval")
+    lines = [f"done in {summary['seconds']:.1f}s"]
+    if last:
+        lines.append(
+            f"  final train loss {last['loss']:.4f} | {last['tokens_per_s']:,.0f} tokens/s "
+            f"({last['tokens_per_s_per_device']:,.0f} per device)"
+        )
+    if ev:
+        lines.append(
+            f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}"
+        )
+    lines.append(f"  run folder: {summary['output_dir']}")
+    if summary.get("final_model"):
+        lines.append(f"  model (from_pretrained): {summary['final_model']}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fsdp_utils.trainer import TrainingDivergedError
+
+    parser = make_parser()
+    try:
+        config, args = parse_config(argv, parser)
+    except ValueError as err:
+        return _fail(str(err))
+    if args.print_config:
+        print(config.to_json())
+        return 0
+    try:
+        if args.preflight:
+            from fsdp_utils.distributed import world_size_from_env
+
+            print(preflight(config, args.world_size or world_size_from_env()), flush=True)
+            return 0
+        run(config)
+    except (ValueError, TrainingDivergedError) as err:
+        return _fail(str(err))
+    return 0

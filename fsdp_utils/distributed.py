@@ -1,0 +1,125 @@
+"""Process group and device setup: nccl on CUDA, gloo on CPU, or a plain single process.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we run as one process
+(still with a process group, so the same code path is exercised).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_utils.config import Sharding
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30) -> DistEnv:
+    """Initialise the default process group for this process and pick its device."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = world_size_from_env()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+
+    use_cuda = device_preference == "cuda" or (
+        device_preference == "auto" and torch.cuda.is_available()
+    )
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but no CUDA device is visible.")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"Local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this "
+                "node. Start as many processes per node as GPUs (torchrun --nproc_per_node)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python chess_finetune.py`
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if use_cuda else None,
+        )
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def build_mesh(env: DistEnv, sharding: Sharding) -> DeviceMesh:
+    """A 1-D mesh for full/shard_grad_op; 2-D (replicate, shard) for hybrid and no_shard.
+
+    hybrid shards within a node and replicates across nodes (HSDP); no_shard replicates
+    everywhere, which FSDP2 expresses as HSDP with a shard dimension of 1.
+    """
+    device_type = env.device.type  # "cpu" explicitly on CPU: a gloo mesh must not meet GPUs
+    if sharding == "hybrid":
+        shard = env.local_world_size
+        if env.world_size % shard != 0:
+            raise ValueError(
+                f"--sharding hybrid needs the same number of processes on every node: world size "
+                f"{env.world_size} is not a multiple of {shard} processes per node."
+            )
+        return init_device_mesh(
+            device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+        )
+    if sharding == "no_shard":
+        return init_device_mesh(
+            device_type, (env.world_size, 1), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,94 @@
+"""Write a trained (sharded) model as a Hugging Face folder: safetensors + config + tokenizer.
+
+The full state dict is gathered to rank 0's CPU (one copy, on one rank) and written with
+`huggingface_hub.save_torch_state_dict`, which shards large models into 5 GB files with an
+index, exactly as `save_pretrained` does, so `from_pretrained` loads the result.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils.model import tied_parameter_names
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it. Rank 0 gets CPU tensors, the others `{}`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def drop_tied_duplicates(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Keep one name per tied group (the first, e.g. embed_tokens); transformers re-ties the
+    others from `tie_word_embeddings` when loading."""
+    for names in tied_parameter_names(model):
+        for follower in names[1:]:
+            state.pop(follower, None)
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)
+
+
+def write_hf_folder(
+    state: dict[str, torch.Tensor],
+    hf_config: Any,
+    destination: Path,
+    tokenizer_source: Path | None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write state dict + config (+ tokenizer files) so that `from_pretrained(destination)`
+    works. Writes into a temporary sibling and renames it, so a crash leaves no half model."""
+    from huggingface_hub import save_torch_state_dict
+
+    destination = Path(destination)
+    tmp = destination.with_name(destination.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    save_torch_state_dict(state, tmp, max_shard_size="5GB")
+    hf_config.use_cache = True  # training switched it off; generation wants it
+    hf_config.save_pretrained(tmp)
+    if tokenizer_source is not None:
+        copy_tokenizer_files(tokenizer_source, tmp)
+    if destination.exists():
+        shutil.rmtree(destination)
+    tmp.rename(destination)
+    return destination
+
+
+def save_hf_model(
+    model: nn.Module,
+    hf_config: Any,
+    destination: Path,
+    tokenizer_source: Path | None,
+    is_main: bool,
+) -> Path:
+    """Collective over all ranks; rank 0 writes."""
+    state = gather_full_state_dict(model)
+    if is_main:
+        drop_tied_duplicates(state, model)
+        write_hf_folder(state, hf_config, destination, tokenizer_source)
+    return destination

@@ -1,0 +1,317 @@
+"""Model construction: build on the meta device, find the decoder layers, load weights sharded.
+
+The flow (torchtitan's): `build_meta_model` -> `parallelize` (fsdp_utils.parallelize) ->
+`materialize` (to_empty on the real device) -> `load_pretrained_weights`, which reads from the
+safetensors files only the slices this rank owns, so no rank ever holds a full copy in RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils.config import Precision
+
+# Attribute names under which transformers configs store the context length.
+_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def load_model_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(
+            f"Cannot read the model config in {model_dir}: {err}. Is it a transformers model "
+            "folder (config.json with a known model_type)?"
+        ) from err
+
+
+def context_length(hf_config: Any) -> int | None:
+    for key in _CONTEXT_LENGTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_length(hf_config: Any, max_seq_length: int) -> None:
+    limit = context_length(hf_config)
+    if limit is not None and max_seq_length > limit:
+        raise ValueError(
+            f"--max_seq_length {max_seq_length} is above the model's context length of {limit} "
+            f"tokens ({hf_config.model_type}). Use --max_seq_length {limit} or less."
+        )
+
+
+def param_dtype_for(precision: Precision) -> torch.dtype:
+    """dtype in which parameters (and so optimizer state) are stored."""
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device but buffers for real (on CPU).
+
+    Non-persistent buffers (rotary `inv_freq`, causal masks) are computed in `__init__` and are
+    not in the checkpoint; building them for real here means we can restore them after
+    `to_empty`, for any architecture, without knowing how each one computes them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        # A parameter already on meta is being shared (tied embeddings): keep the same object.
+        if param is not None and param.device.type != "meta":
+            # Parameters are created with torch.empty (pages never touched) and initialised
+            # only after registration, so the initialisation runs on meta: no time, no RAM.
+            registered = module._parameters[name]
+            assert registered is not None
+            module._parameters[name] = type(registered)(
+                registered.to(torch.device("meta")), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
+    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = param_dtype_for(precision)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except ValueError as err:
+        raise ValueError(
+            f"transformers cannot build a causal LM from this config ({hf_config.model_type}): "
+            f"{err}"
+        ) from err
+    finally:
+        torch.set_default_dtype(previous)
+    # The KV cache is useless in training and costs memory.
+    model.config.use_cache = False
+    return model
+
+
+# --- decoder layers ----------------------------------------------------------------------
+
+
+def _module_lists(model: nn.Module) -> Iterator[tuple[str, nn.ModuleList]]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            yield name, module
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order, found from the model itself.
+
+    1. `_no_split_modules`: transformers lists there the block classes that must not be split
+       across devices, which are exactly the decoder layers (LlamaDecoderLayer, GPT2Block,
+       GPTNeoXLayer, ...).
+    2. Otherwise the longest `nn.ModuleList` whose children all have one class (the repeated
+       block).
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    if no_split:
+        layers = [m for m in model.modules() if type(m).__name__ in no_split]
+        if layers:
+            return layers
+    best: list[nn.Module] = []
+    for _, modules in _module_lists(model):
+        classes = Counter(type(m) for m in modules)
+        if len(classes) == 1 and len(modules) > len(best):
+            best = list(modules)
+    if not best:
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(model).__name__}: it declares no "
+            "_no_split_modules and has no list of identical blocks. Use --no_layer_wrap_policy "
+            "to shard the whole model as one unit."
+        )
+    return best
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share storage (e.g. embed_tokens and lm_head)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name.replace(_CHECKPOINT_PREFIX, ""))
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, parameters outside the embeddings), counting tied weights once."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+    )
+    return total, total - embedding
+
+
+# --- materialisation and weight loading -----------------------------------------------------
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on `device`; restore the real non-persistent buffers.
+
+    `to_empty` keeps FSDP2's DTensor sharding, so each rank allocates only its shard.
+    """
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    for name, buf in buffers.items():
+        assert buf.device.type != "meta", f"buffer {name} was built on meta"
+    tied = tied_parameter_names(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name].to(buf.dtype))
+    _retie(model, tied)
+
+
+def _retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """`to_empty` gives each module its own new tensor, untying shared weights of plain
+    modules (FSDP2 keeps them shared). Point the followers back at the leader."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    params = {
+        n.replace(_CHECKPOINT_PREFIX, ""): p for n, p in model.named_parameters(remove_duplicate=False)
+    }
+    for leader, *followers in tied:
+        for follower in followers:
+            if params[follower] is not params[leader]:
+                module_name, _, attr = follower.rpartition(".")
+                owner = model.get_submodule(module_name) if module_name else model
+                setattr(owner, attr, params[leader])
+
+
+def _safetensors_keys(model_dir: Path) -> set[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def _checkpoint_renamer(model: nn.Module, model_keys: set[str]) -> Any:
+    """checkpoint key -> model key, with transformers' own checkpoint conversion mapping.
+
+    transformers 5 renames some legacy checkpoint keys on load (GPT-NeoX's `embed_out` is the
+    model's `lm_head`) and adds/strips the base-model prefix (`h.0...` vs `transformer.h.0...`).
+    Conversions that are more than renames (fused MoE experts, ...) cannot be sliced per rank.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4: keys match, up to the base-model prefix
+        def rename_v4(key: str) -> str:
+            if key not in model_keys and f"{prefix}.{key}" in model_keys:
+                return f"{prefix}.{key}"
+            return key
+
+        return rename_v4
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta_state = dict.fromkeys(model_keys, True)
+
+    def rename(key: str) -> str:
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if converter is not None:
+            raise ValueError(
+                f"Checkpoint tensor {key!r} needs a transformers weight conversion "
+                f"({converter!r}), which the sharded loader cannot apply slice by slice. "
+                "Convert the checkpoint once with from_pretrained(...).save_pretrained(...)."
+            )
+        return renamed
+
+    return rename
+
+
+def checkpoint_key_map(model: nn.Module, model_dir: Path) -> dict[str, str]:
+    """Map each model state-dict key to its name in `model_dir`'s safetensors files.
+
+    Call it on the freshly built model, before `parallelize` (FSDP2 swaps the classes that
+    transformers looks its conversion mapping up by). Tied output embeddings are usually not
+    stored; non-persistent buffers never are.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    checkpoint_keys = _safetensors_keys(model_dir)
+    if not checkpoint_keys:
+        raise ValueError(
+            f"No safetensors weights in {model_dir}. Convert .bin weights once with "
+            "`AutoModelForCausalLM.from_pretrained(...).save_pretrained(..., "
+            "safe_serialization=True)` or download the safetensors files."
+        )
+
+    model_keys = set(get_model_state_dict(model))
+    rename = _checkpoint_renamer(model, model_keys)
+    mapping = {}
+    for ckpt_key in checkpoint_keys:
+        model_key = rename(ckpt_key)
+        if model_key in model_keys:
+            mapping[model_key] = ckpt_key
+    tied_followers = {n for names in tied_parameter_names(model) for n in names[1:]}
+    missing = [
+        key
+        for key in sorted(model_keys - set(mapping))
+        if key not in tied_followers and not _is_non_persistent_buffer(model, key)
+    ]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(
+            f"The checkpoint lacks {len(missing)} weight(s) the model needs: {shown}. Is the "
+            "folder's config.json the one these weights were saved with?"
+        )
+    return mapping
+
+
+def _is_non_persistent_buffer(model: nn.Module, key: str) -> bool:
+    module_name, _, buffer_name = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buffer_name in getattr(module, "_non_persistent_buffers_set", set())
+
+
+def load_pretrained_weights(model: nn.Module, model_dir: Path, key_map: dict[str, str]) -> None:
+    """Load safetensors weights into the (possibly sharded) model.
+
+    torch.distributed.checkpoint's HuggingFaceStorageReader reads, for each rank, only the
+    slices of each tensor that the rank's DTensor shard covers (safetensors `get_slice` on a
+    memory map), and casts to the parameter dtype on copy.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state = get_model_state_dict(model)
+    to_load = {ckpt_key: state[model_key] for model_key, ckpt_key in key_map.items()}
+    dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(model_dir)))
+    loaded = {model_key: to_load[ckpt_key] for model_key, ckpt_key in key_map.items()}
+    # strict=False: tied followers and non-persistent buffers are not in `loaded`.
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))

@@ -1,0 +1,382 @@
+"""A one-node Slurm on localhost: try `sbatch slurm/finetune.sh` on a workstation, test against it.
+
+Debian's slurm-wlm and munge run a real slurmctld and slurmd (as root: slurmd starts jobs as
+their users). The node advertises exactly the CPUs and memory `slurmd -C` detects, plus GPUs
+emulated for scheduling only: jobs that ask for them get `SLURM_GPUS_ON_NODE` and
+`CUDA_VISIBLE_DEVICES` as on a GPU node, while the training itself runs on CPU (gloo).
+
+Everything lives in one git-ignored state folder (config, spool, logs, pid files):
+
+    <state>/etc/slurm.conf, <state>/etc/gres.conf   written by the pure functions below
+    <state>/gpus/nvidia0 ...                         the emulated GPU devices
+    <state>/spool/, <state>/log/, <state>/leases/    daemon state, logs, who uses the cluster
+
+`up()`/`down()` are idempotent and serialised by a file lock. Each user of the cluster (a pytest
+session, or `up.sh` for a person) holds a lease; `release()` stops the daemons only when the
+last lease is gone, so concurrent test sessions share one cluster safely.
+
+Only the standard library is used, so `slurm/local/up.sh` also works with the system python3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from fsdp_utils.slurm.local_conf import (
+    LocalCluster,
+    NodeHardware,
+    render_gres_conf,
+    render_slurm_conf,
+)
+
+DEFAULT_STATE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "local" / "state"
+MANUAL_LEASE = "manual"
+# /dev/null's device numbers: slurmd accepts only character or block devices in gres.conf.
+NULL_DEVICE = (1, 3)
+# Daemons live in /usr/sbin, which is not on an ordinary user's PATH.
+SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+INSTALL_HINT = "Install them with: bash slurm/local/install.sh (or: make setup-system)"
+
+
+class LocalClusterError(RuntimeError):
+    """The local cluster could not be brought up or down; the message says why and what to do."""
+
+
+# --- running it ------------------------------------------------------------------------------
+
+
+def which(command: str) -> str:
+    path = shutil.which(command, path=SBIN_PATH)
+    if path is None:
+        raise LocalClusterError(f"`{command}` is not installed. {INSTALL_HINT}")
+    return path
+
+
+def detect_node_hardware() -> NodeHardware:
+    """The hardware as slurmd sees it (and the short host name it will register as)."""
+    out = subprocess.run([which("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
+    return NodeHardware.from_slurmd_c(out.splitlines()[0])
+
+
+def default_cluster(state_dir: Path | None = None, gpus: int = 4) -> LocalCluster:
+    return LocalCluster(
+        state_dir=(state_dir or DEFAULT_STATE_DIR).resolve(),
+        node=detect_node_hardware(),
+        gpus=gpus,
+    )
+
+
+def write_config(cluster: LocalCluster) -> None:
+    for folder in (
+        cluster.conf_file.parent,
+        cluster.ctld_spool,
+        cluster.slurmd_spool,
+        cluster.log_dir,
+        cluster.ctld_pid_file.parent,
+        cluster.lease_dir,
+    ):
+        folder.mkdir(parents=True, exist_ok=True)
+    cluster.conf_file.write_text(render_slurm_conf(cluster))
+    cluster.gres_conf_file.write_text(render_gres_conf(cluster))
+    gpu_dir = cluster.state_dir / "gpus"
+    gpu_dir.mkdir(exist_ok=True)
+    for path in cluster.gpu_files:
+        if path.exists() and not stat.S_ISCHR(path.stat().st_mode):
+            path.unlink()
+        if not path.exists():
+            os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
+
+
+def _pid_alive(pid_file: Path) -> int | None:
+    """The pid in `pid_file` if that process is alive."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def munge_works() -> bool:
+    """True if a munged answers on the default socket (ours or the system's)."""
+    try:
+        cred = subprocess.run(
+            [which("munge"), "-n"], capture_output=True, check=True, timeout=10
+        ).stdout
+        subprocess.run([which("unmunge")], input=cred, capture_output=True, check=True, timeout=10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, LocalClusterError):
+        return False
+    return True
+
+
+def start_munge(cluster: LocalCluster) -> None:
+    """Start munged as user munge unless one already answers (a system service, say)."""
+    if munge_works():
+        return
+    key = Path("/etc/munge/munge.key")
+    if not key.exists():
+        raise LocalClusterError(f"{key} is missing. {INSTALL_HINT}")
+    run_dir = Path("/run/munge")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.chown(run_dir, "munge", "munge")
+    # munged forks into the background itself; its first process exits at once.
+    subprocess.run([which("munged")], user="munge", check=True, start_new_session=True)
+    cluster.munged_marker.write_text("munged was started by fsdp_utils.slurm.local_cluster\n")
+    _wait_for(munge_works, timeout=10, what="munged to answer")
+
+
+def stop_munge(cluster: LocalCluster) -> None:
+    if not cluster.munged_marker.exists():
+        return  # not ours: leave the system's munged alone
+    pid = _pid_alive(Path("/run/munge/munged.pid"))
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+    cluster.munged_marker.unlink()
+
+
+def _wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise LocalClusterError(f"Timed out after {timeout:.0f} s waiting for {what}.")
+
+
+def node_state(cluster: LocalCluster) -> str | None:
+    """The node's state as sinfo prints it (idle, mixed, allocated, down*, drained...)."""
+    try:
+        result = subprocess.run(
+            [which("sinfo"), "-h", "-N", "-n", cluster.node.name, "-o", "%T"],
+            capture_output=True,
+            text=True,
+            env=cluster.env(),
+            timeout=15,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    state = result.stdout.strip()
+    return state if result.returncode == 0 and state else None
+
+
+def _usable(state: str | None) -> bool:
+    return state is not None and state.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
+
+
+def is_up(cluster: LocalCluster) -> bool:
+    """Both of our daemons run and the node accepts jobs."""
+    ours = _pid_alive(cluster.ctld_pid_file) and _pid_alive(cluster.slurmd_pid_file)
+    return bool(ours) and _usable(node_state(cluster))
+
+
+def _log_tail(cluster: LocalCluster, lines: int = 15) -> str:
+    parts = []
+    for name in ("slurmctld.log", "slurmd.log"):
+        path = cluster.log_dir / name
+        if path.exists():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {path}\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
+def start(cluster: LocalCluster) -> None:
+    """Write the config and start munged (if needed), slurmctld and slurmd; wait until the
+    node is idle."""
+    if os.geteuid() != 0:
+        raise LocalClusterError(
+            "The local Slurm needs root (slurmd starts jobs as their users): "
+            "run `sudo slurm/local/up.sh`."
+        )
+    write_config(cluster)
+    start_munge(cluster)
+    env = cluster.env()
+    conf = str(cluster.conf_file)
+    if _pid_alive(cluster.ctld_pid_file) is None:
+        _refuse_foreign_daemon(cluster)
+        subprocess.run(
+            [which("slurmctld"), "-f", conf], env=env, check=True, start_new_session=True
+        )
+    if _pid_alive(cluster.slurmd_pid_file) is None:
+        subprocess.run(
+            [which("slurmd"), "-f", conf, "-N", cluster.node.name],
+            env=env,
+            check=True,
+            start_new_session=True,
+        )
+    try:
+        _wait_for(lambda: _usable(node_state(cluster)), timeout=30, what="the node to be idle")
+    except LocalClusterError as error:
+        raise LocalClusterError(
+            f"{error} Node state: {node_state(cluster)}.\n{_log_tail(cluster)}"
+        ) from None
+
+
+def _refuse_foreign_daemon(cluster: LocalCluster) -> None:
+    """Another slurmctld on our port (another checkout's local cluster) would take our jobs."""
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        if probe.connect_ex(("127.0.0.1", cluster.slurmctld_port)) == 0:
+            raise LocalClusterError(
+                f"Port {cluster.slurmctld_port} is taken by another slurmctld (not started from "
+                f"{cluster.state_dir}): stop it with its checkout's `slurm/local/down.sh`."
+            )
+
+
+def stop(cluster: LocalCluster) -> None:
+    """Cancel every job, stop slurmd and slurmctld, and munged if we started it."""
+    env = cluster.env()
+    if _pid_alive(cluster.ctld_pid_file) is not None:
+        jobs = subprocess.run(
+            [which("squeue"), "-h", "-o", "%A"], capture_output=True, text=True, env=env
+        ).stdout.split()
+        if jobs:
+            subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
+            # Give slurmstepd a moment to kill the job processes (KillWait is 5 s).
+            with contextlib.suppress(LocalClusterError):
+                _wait_for(lambda: _no_job_steps(cluster), timeout=15, what="jobs to end")
+    _terminate(cluster.slurmd_pid_file)
+    _terminate(cluster.ctld_pid_file)
+    stop_munge(cluster)
+
+
+def _terminate(pid_file: Path, timeout: float = 15) -> None:
+    pid = _pid_alive(pid_file)
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(LocalClusterError):
+        _wait_for(lambda: _pid_alive(pid_file) is None, timeout=timeout, what=f"{pid_file}")
+
+
+def _no_job_steps(cluster: LocalCluster) -> bool:
+    out = subprocess.run(
+        [which("squeue"), "-h", "-t", "RUNNING,COMPLETING", "-o", "%A"],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+    ).stdout
+    return not out.strip()
+
+
+# --- sharing: leases under a lock ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(cluster: LocalCluster) -> Iterator[None]:
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    with cluster.lock_file.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _live_leases(cluster: LocalCluster) -> list[Path]:
+    """Leases whose owner still runs (a crashed test session leaves a stale one behind)."""
+    live = []
+    for lease in sorted(cluster.lease_dir.glob("*")):
+        if lease.name == MANUAL_LEASE:
+            live.append(lease)
+            continue
+        pid = lease.name.split("-", 1)[0]
+        try:
+            os.kill(int(pid), 0)
+            live.append(lease)
+        except (OSError, ValueError):
+            lease.unlink(missing_ok=True)
+    return live
+
+
+def acquire(cluster: LocalCluster, owner: str | None = None) -> Path:
+    """Bring the cluster up if needed and register `owner` as a user. Returns the lease."""
+    with _locked(cluster):
+        if not is_up(cluster):
+            start(cluster)
+        cluster.lease_dir.mkdir(parents=True, exist_ok=True)
+        lease = cluster.lease_dir / (owner or f"{os.getpid()}-{time.time_ns()}")
+        lease.touch()
+        return lease
+
+
+def release(cluster: LocalCluster, lease: Path) -> bool:
+    """Drop a lease; stop the cluster if nobody else uses it. Returns True if it was stopped."""
+    with _locked(cluster):
+        lease.unlink(missing_ok=True)
+        if _live_leases(cluster):
+            return False
+        stop(cluster)
+        return True
+
+
+def up(cluster: LocalCluster) -> None:
+    """For a person: bring the cluster up and keep it up until `down`."""
+    acquire(cluster, owner=MANUAL_LEASE)
+
+
+def down(cluster: LocalCluster) -> None:
+    """For a person: stop the cluster whoever else uses it."""
+    with _locked(cluster):
+        for lease in cluster.lease_dir.glob("*"):
+            lease.unlink()
+        stop(cluster)
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_utils.slurm.local_cluster",
+        description="A one-node Slurm on localhost with emulated GPUs (needs root).",
+    )
+    parser.add_argument("command", choices=["up", "down", "status", "env", "config"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--gpus", type=int, default=4, help="emulated GPUs on the node")
+    args = parser.parse_args(argv)
+    state_dir = args.state_dir.resolve()
+    conf = state_dir / "etc" / "slurm.conf"
+    if args.command == "env":
+        # `eval "$(python -m fsdp_utils.slurm.local_cluster env)"`
+        print(f"export SLURM_CONF={conf}")
+        return 0
+    try:
+        cluster = default_cluster(state_dir, gpus=args.gpus)
+        if args.command == "config":
+            print(render_slurm_conf(cluster) + "\n# gres.conf\n" + render_gres_conf(cluster))
+        elif args.command == "up":
+            up(cluster)
+            node = cluster.node
+            print(
+                f"Slurm is up: node {node.name} with {node.cpus} CPUs, "
+                f"{node.real_memory_mb} MB, {cluster.gpus} emulated GPUs "
+                f"(partition {cluster.partition}).\n"
+                f"Use it from this shell with:  export SLURM_CONF={conf}"
+            )
+        elif args.command == "down":
+            down(cluster)
+            print("Slurm is down.")
+        else:
+            state = node_state(cluster) if is_up(cluster) else None
+            print(f"up: node {cluster.node.name} {state}" if state else "down")
+            return 0 if state else 1
+    except (LocalClusterError, subprocess.CalledProcessError, PermissionError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
