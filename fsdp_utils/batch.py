@@ -57,8 +57,8 @@ def nearest_valid_settings(total: int, per_device: int, world_size: int) -> list
         )
     if total % world_size == 0:
         per_rank = total // world_size
-        fits = [d for d in _divisors(per_rank) if d <= max(per_device, 1) * 2]
-        best = max(fits) if fits else 1
+        # Never suggest a larger per-device batch than asked: it may not fit in memory.
+        best = max(d for d in _divisors(per_rank) if d <= per_device)
         if best != per_device:
             suggestions.append(
                 f"--batch_size_per_device {best} "

@@ -4,6 +4,7 @@ paragraph (printed once, by rank 0) and exit code 2, never a bare traceback."""
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -54,7 +55,7 @@ def preflight(config: TrainConfig, world_size: int) -> str:
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     check_seq_length(load_model_config(model_dir), config.max_seq_length)
     files = resolve_dataset_files(
-        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
     )
     return f"preflight OK: {plan.describe()}; model {model_dir}; {len(files)} data file(s)"
 
@@ -69,21 +70,36 @@ def run(config: TrainConfig) -> dict[str, Any]:
         trainer = Trainer(config, env)
         trainer.setup()
         summary = trainer.train()
-        final = trainer.save_final_model()
+        final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
         summary["output_dir"] = str(trainer.layout.root)
+        trainer.write_status(summary["status"], summary["reason"])
         if env.is_main:
             _print_summary(summary)
         return summary
+    except BaseException as err:
+        if trainer is not None:  # tell the sbatch script not to requeue a failing run
+            trainer.write_status("failed", f"{type(err).__name__}: {err}"[:2000])
+        raise
     finally:
         if trainer is not None:
             trainer.close()
+        # DDP's reducer talks to the process group when it is destroyed: free it first, or
+        # gloo can hang or abort at exit.
+        del trainer
+        gc.collect()
         dist_utils.destroy()
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
     last, ev = summary.get("last") or {}, summary.get("eval")
-    lines = [f"done in {summary['seconds']:.1f}s"]
+    if summary["status"] == "completed":
+        lines = [f"done in {summary['seconds']:.1f}s"]
+    else:
+        lines = [
+            f"stopped ({summary['reason']}) after {summary['seconds']:.1f}s; the checkpoint is "
+            "saved: rerun the same command to continue"
+        ]
     if last:
         lines.append(
             f"  final train loss {last['loss']:.4f} | {last['tokens_per_s']:,.0f} tokens/s "
@@ -117,6 +133,6 @@ def main(argv: list[str] | None = None) -> int:
             print(preflight(config, args.world_size or world_size_from_env()), flush=True)
             return 0
         run(config)
-    except (ValueError, TrainingDivergedError) as err:
+    except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError
         return _fail(str(err))
     return 0

@@ -31,6 +31,11 @@ DEFAULT_TOTAL_BATCH_SIZE = 32
 DEFAULT_TEMPLATE = "[Result {result}] [Termination {termination}] {moves}"
 
 
+def default_dataset_include(dataset: str) -> str | None:
+    """The default chess dataset has hundreds of ~500 MB shards: never all of them by default."""
+    return DEFAULT_DATASET_INCLUDE if dataset == DEFAULT_DATASET else None
+
+
 def _opt(help: str, **extra: Any) -> Any:
     return {"help": help, **extra}
 
@@ -51,10 +56,12 @@ class TrainConfig:
         ),
     )
     dataset_include: str | None = field(
-        default=DEFAULT_DATASET_INCLUDE,
+        default=None,
         metadata=_opt(
-            "Glob of dataset files to use (hub datasets and local folders), e.g. "
-            "'chess_game_000[1-2].parquet'. Empty string: all files."
+            "Glob(s) of dataset files to use, comma-separated, e.g. "
+            "'chess_game_000[1-2].parquet'. Default: one shard of "
+            f"{DEFAULT_DATASET} ({DEFAULT_DATASET_INCLUDE}), all files of anything else; "
+            "an empty string: all files."
         ),
     )
     revision: str | None = field(
@@ -227,9 +234,23 @@ class TrainConfig:
             "script creates it when Slurm signals the job; default: output_dir/STOP)."
         ),
     )
+    stop_after_steps: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop after this many steps in this run, as if the time limit had come "
+            "(split a long run into shorter jobs; the next run resumes)."
+        ),
+    )
     no_final_save: bool = field(
         default=False, metadata=_opt("Do not write the Hugging Face model at the end.")
     )
+
+    @property
+    def resolved_dataset_include(self) -> str | None:
+        """The file glob to use; None means all files."""
+        if self.dataset_include is not None:
+            return self.dataset_include or None
+        return default_dataset_include(self.dataset)
 
     @property
     def resolved_warmup_steps(self) -> int:

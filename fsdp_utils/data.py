@@ -33,9 +33,9 @@ import torch
 from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
 from fsdp_utils.batch import BatchPlan
 from fsdp_utils.config import TrainConfig
+from fsdp_utils.loss import IGNORE_INDEX
 from fsdp_utils.render import is_chess_schema, render_game
 
-IGNORE_INDEX = -100
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 
 
@@ -95,7 +95,7 @@ def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
     """Render, tokenise and pack `config.dataset` for `config.model`'s tokenizer; return the
     cache folder (reused when it already exists)."""
     files = resolve_dataset_files(
-        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
     )
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     spec = preparation_spec(config, files, model_dir)
@@ -163,7 +163,8 @@ def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> An
 
         return raw.map(render, batched=True, remove_columns=columns, num_proc=num_proc)
     if config.text_field in columns:
-        return raw.select_columns([config.text_field]).rename_column(config.text_field, "text")
+        texts = raw.select_columns([config.text_field])
+        return texts if config.text_field == "text" else texts.rename_column(config.text_field, "text")
     raise ValueError(
         f"The dataset has columns {columns}: expected the laion/strategic_game_chess schema "
         f"(Moves, Termination, Result) or a `{config.text_field}` text column "
@@ -327,6 +328,11 @@ class StepSampler:
         epoch, position = divmod(step, self.steps_per_epoch)
         total = self.plan.total_batch_size
         return self._permutation(epoch)[position * total : (position + 1) * total]
+
+    def batch_fingerprint(self, step: int) -> str:
+        """Short hash of the blocks of a step: lets the metrics log show that two runs (or a
+        run and its resumption) saw the same data in the same order."""
+        return hashlib.sha1(self.global_batch(step).astype(np.int64).tobytes()).hexdigest()[:12]
 
     def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
         p = self.plan

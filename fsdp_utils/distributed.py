@@ -109,14 +109,30 @@ def build_mesh(env: DistEnv, sharding: Sharding) -> DeviceMesh:
     return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
 
 
+def is_distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def all_reduce_min(value: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return value
+
+
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         dist.barrier()
 
 

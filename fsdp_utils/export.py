@@ -8,6 +8,7 @@ index, exactly as `save_pretrained` does, so `from_pretrained` loads the result.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,50 @@ def save_hf_model(
         drop_tied_duplicates(state, model)
         write_hf_folder(state, hf_config, destination, tokenizer_source)
     return destination
+
+
+def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
+    """Consolidate a sharded DCP checkpoint (any world size) into a Hugging Face folder, in one
+    process on CPU. The checkpoint carries the model config and tokenizer (`hf/`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdp_utils.checkpoint import HF_SUBDIR, read_checkpoint
+    from fsdp_utils.model import build_meta_model, load_model_config, materialize
+
+    info = read_checkpoint(Path(checkpoint))
+    hf_dir = info.path / HF_SUBDIR
+    hf_config = load_model_config(hf_dir)
+    model = build_meta_model(hf_config, info.meta["identity"]["precision"])
+    materialize(model, torch.device("cpu"))
+    state = get_model_state_dict(model)
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(info.path))
+    drop_tied_duplicates(state, model)
+    return write_hf_folder(state, hf_config, Path(destination), hf_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_utils.export",
+        description="Write a sharded training checkpoint as a Hugging Face model folder "
+        "(safetensors + config + tokenizer), loadable with from_pretrained.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="e.g. runs/chess/checkpoints/step_00000100")
+    parser.add_argument("output", type=Path, help="folder to create (replaced if it exists)")
+    args = parser.parse_args(argv)
+    try:
+        path = export_checkpoint(args.checkpoint, args.output)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,8 @@
         final/             Hugging Face model + tokenizer (safetensors) at the end
         gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
         logs/              Slurm and launcher logs
+        status.json        how the last run ended: completed | interrupted | failed
+        STOP               created to ask a running job to save and stop
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def status(self) -> Path:
+        """Written at exit by rank 0: completed | interrupted | failed (read by finetune.sh)."""
+        return self.root / "status.json"
 
     @property
     def default_stop_file(self) -> Path:

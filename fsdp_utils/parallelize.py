@@ -110,8 +110,9 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+def fsdp_group_names(model: nn.Module) -> list[str]:
+    """Names of the modules that are FSDP2 shard groups ("" is the root)."""
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def autocast_context(config: TrainConfig, device: torch.device) -> Callable[[], Any]:

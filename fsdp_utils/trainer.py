@@ -13,21 +13,23 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.assets import resolve_model_dir
 from fsdp_utils.batch import BatchPlan, plan_batch
+from fsdp_utils.checkpoint import CheckpointError, Checkpointer, CheckpointInfo, run_identity
 from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import IGNORE_INDEX, PreparedData, StepSampler, eval_batches, prepare_dataset
+from fsdp_utils.data import PreparedData, StepSampler, eval_batches, prepare_dataset
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.layout import RunLayout
+from fsdp_utils.loss import IGNORE_INDEX, count_targets, token_loss_sum
 from fsdp_utils.metrics import (
     RunLogger,
     Stopwatch,
@@ -46,9 +48,10 @@ from fsdp_utils.model import (
     materialize,
 )
 from fsdp_utils.optim import build_optimizer, build_scheduler
+from fsdp_utils.timelimit import StopController
 from fsdp_utils.parallelize import (
     autocast_context,
-    fsdp_modules,
+    fsdp_group_names,
     gradient_sync_context,
     parallelize,
     wrap_ddp,
@@ -65,7 +68,6 @@ class TrainState:
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)  # (step, loss) pairs
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -113,13 +115,38 @@ class Trainer:
         self.data = self._prepare_data()
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
 
+        self.checkpointer = Checkpointer(
+            self.layout.checkpoints,
+            config,
+            run_identity(config, self.plan.total_batch_size),
+            env.is_main,
+            env.device,
+        )
+        resume_from = self.checkpointer.to_resume(warn=self.log.info)
+
         watch = Stopwatch()
-        self.model = self._build_model()
+        self.model = self._build_model(load_weights=resume_from is None)
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
         self.autocast = autocast_context(config, env.device)
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.scaler = self._grad_scaler()
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.stop = StopController(
+            Path(config.stop_file) if config.stop_file else self.layout.default_stop_file,
+            save_every_steps=config.save_every_steps,
+            save_every_minutes=config.save_every_minutes,
+            stop_after_steps=config.stop_after_steps,
+            margin_minutes=config.time_limit_margin_minutes,
+            is_main=env.is_main,
+            device=env.device,
+        )
+        if self.stop.end_time_known():
+            self.log.info(
+                f"time limit: the job ends at {self.stop.end_time_text()}; saving and stopping "
+                f"at least {self.stop.margin() / 60:.1f} min before"
+            )
         _, non_embedding = self.param_counts
         self.flops_per_token = flops_per_token(
             self.hf_config, non_embedding, config.max_seq_length
@@ -169,7 +196,44 @@ class Trainer:
         self.eval_blocks = prepared.split("eval")
         return prepared
 
-    def _build_model(self) -> nn.Module:
+    def _resume(self, info: CheckpointInfo) -> None:
+        watch = Stopwatch()
+        self.checkpointer.load(info, self.model, self.optimizer)
+        meta = info.meta
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        self.state.step = info.step
+        self.state.tokens_seen = int(meta.get("tokens_seen", 0))
+        self.log.event(
+            "resumed",
+            f"checkpoint: resumed from step {info.step} ({info.path}, saved on "
+            f"{meta.get('world_size')} process(es)) in {watch.lap():.1f}s",
+            step=info.step,
+            path=str(info.path),
+        )
+
+    def save_checkpoint(self) -> None:
+        """Collective. A failed save is reported; the previous checkpoint stays usable."""
+        extra = {
+            "tokens_seen": self.state.tokens_seen,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+        path, seconds = self.checkpointer.save(
+            self.state.step, self.model, self.optimizer, extra, (self.hf_config, self.model_dir)
+        )
+        self.last_saved_step = self.state.step
+        self.stop.saved(seconds)
+        self.log.event(
+            "checkpoint",
+            f"checkpoint: saved step {self.state.step} to {path} in {seconds:.1f}s",
+            step=self.state.step,
+            seconds=seconds,
+            path=str(path),
+        )
+
+    def _build_model(self, load_weights: bool = True) -> nn.Module:
         config, env = self.config, self.env
         model = build_meta_model(self.hf_config, config.precision)
         key_map = checkpoint_key_map(model, self.model_dir)
@@ -180,11 +244,13 @@ class Trainer:
         mesh = None if config.no_fsdp else dist_utils.build_mesh(env, config.sharding)
         model = parallelize(model, layers, mesh, config)
         materialize(model, env.device)
-        load_pretrained_weights(model, self.model_dir, key_map)
+        if load_weights:  # a resumed run gets its weights from the checkpoint instead
+            load_pretrained_weights(model, self.model_dir, key_map)
         if config.no_fsdp:
             model = wrap_ddp(model, env.device)
         total, non_embedding = self.param_counts
-        groups = len(fsdp_modules(model))
+        self.fsdp_groups = fsdp_group_names(model)
+        groups = len(self.fsdp_groups)
         self.log.info(
             f"model: {self.hf_config.model_type}, "
             f"{total / 1e6:,.2f}M parameters ({non_embedding / 1e6:,.2f}M non-embedding), "
@@ -221,6 +287,7 @@ class Trainer:
                 "model_dir": str(self.model_dir),
                 "decoder_layer_class": self.decoder_layer_class,
                 "num_decoder_layers": self.num_decoder_layers,
+                "fsdp_groups": self.fsdp_groups,
                 "parameters": self.param_counts[0],
                 "non_embedding_parameters": self.param_counts[1],
                 "flops_per_token": self.flops_per_token,
@@ -239,7 +306,13 @@ class Trainer:
 
     # --- training ------------------------------------------------------------------------
 
+    @property
+    def checkpointing(self) -> bool:
+        return self.config.save_every_steps > 0 or self.config.save_every_minutes > 0
+
     def train(self) -> dict[str, Any]:
+        """Steps until max_training_steps, or until a stop (time limit, signal, stop file):
+        then save and return with status "interrupted" so the next run resumes."""
         config = self.config
         self.log.event(
             "start",
@@ -248,22 +321,65 @@ class Trainer:
             f"{self.sampler.steps_per_epoch} steps per epoch",
             step=self.state.step,
         )
+        self.last_saved_step = self.state.step if self.state.step else -1
         watch = Stopwatch()
         started = time.perf_counter()
         last: dict[str, Any] = {}
         while self.state.step < config.max_training_steps:
+            self._seed_step()
             metrics = self.train_step()
             step_time = watch.lap()
             self.state.step += 1
             self.state.tokens_seen += metrics["tokens"]
-            self.state.history.append({"step": self.state.step, "loss": metrics["loss"]})
             if self.state.step % config.log_every == 0 or self.state.step == config.max_training_steps:
                 last = self._log_step(metrics, step_time)
             if config.eval_every and self.state.step % config.eval_every == 0:
                 self.evaluate()
-        final_eval = self.evaluate() if config.eval_every == 0 or self.state.step % config.eval_every else None
-        elapsed = time.perf_counter() - started
-        return {"last": last, "eval": final_eval, "seconds": elapsed}
+            decision = self.stop.poll(self.state.step, step_time)
+            if decision.stop:
+                self.log.event(
+                    "stopping",
+                    f"stopping at step {self.state.step}: {decision.stop}; saving a checkpoint "
+                    "(rerun the same command to resume)",
+                    step=self.state.step,
+                    reason=decision.stop,
+                )
+                if self.last_saved_step != self.state.step:
+                    self.save_checkpoint()
+                return {
+                    "status": "interrupted",
+                    "reason": decision.stop,
+                    "last": last,
+                    "eval": None,
+                    "seconds": time.perf_counter() - started,
+                }
+            if decision.save:
+                self._periodic_save()
+            watch.lap()  # eval and save time is not step time
+        final_eval = None
+        if not config.eval_every or self.state.step % config.eval_every:
+            final_eval = self.evaluate()
+        if self.checkpointing and self.last_saved_step != self.state.step:
+            self.save_checkpoint()
+        return {
+            "status": "completed",
+            "reason": "max_training_steps",
+            "last": last,
+            "eval": final_eval,
+            "seconds": time.perf_counter() - started,
+        }
+
+    def _periodic_save(self) -> None:
+        try:
+            self.save_checkpoint()
+        except CheckpointError as err:  # keep training: the next save may succeed
+            self.log.event("checkpoint_failed", f"checkpoint: {err}", step=self.state.step)
+
+    def _seed_step(self) -> None:
+        """Random state as a pure function of (seed, step, rank): dropout masks of a resumed
+        run are those of the uninterrupted one, without saving RNG states."""
+        seed = np.random.SeedSequence([self.config.seed, self.state.step, self.env.rank])
+        torch.manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `gradient_accumulation_steps` micro-batches."""
@@ -273,7 +389,7 @@ class Trainer:
         # any split of the same total batch gives the same update (torchtitan does the same).
         counts = torch.tensor(
             [
-                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches),
+                sum(count_targets(b["labels"]) for b in batches),
                 sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
             ],
             dtype=torch.float64,
@@ -303,7 +419,13 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(global_tokens)}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": int(global_tokens),
+            "batch_id": self.sampler.batch_fingerprint(self.state.step),
+        }
 
     def forward_backward_step(self, batch: dict[str, torch.Tensor], global_targets: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
@@ -311,12 +433,7 @@ class Trainer:
         labels = batch["labels"].to(self.env.device, non_blocking=True)
         with self.autocast():
             logits = self.model(input_ids=input_ids, use_cache=False).logits
-        loss_sum = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(),
-            labels[:, 1:].flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        loss_sum = token_loss_sum(logits, labels)
         # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
         # average into the sum over all ranks' tokens, divided by the global token count.
         loss = loss_sum * (self.env.world_size / max(global_targets, 1.0))
@@ -353,13 +470,11 @@ class Trainer:
         for indices in batches:
             batch = self.eval_blocks.batch(indices)
             input_ids = batch["input_ids"].to(self.env.device)
-            labels = batch["labels"].to(self.env.device)[:, 1:].flatten()
+            labels = batch["labels"].to(self.env.device)
             with self.autocast():
                 logits = self.model(input_ids=input_ids, use_cache=False).logits
-            totals[0] += F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            totals[1] += (labels != IGNORE_INDEX).sum()
+            totals[0] += token_loss_sum(logits, labels)
+            totals[1] += count_targets(labels)
         self.model.train()
         loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
         if tokens == 0:
@@ -392,6 +507,7 @@ class Trainer:
             "mfu_pct": mfu,
             "step_time_s": step_time,
             "tokens_seen": self.state.tokens_seen,
+            "batch_id": metrics["batch_id"],
             **memory_snapshot(self.env.device),
         }
         self.log.step(record)
@@ -414,6 +530,17 @@ class Trainer:
             "final_model", f"model: saved to {path} in {watch.lap():.1f}s", path=str(path)
         )
         return path
+
+    def write_status(self, status: str, reason: str) -> None:
+        """How this run ended, for the sbatch script (requeue or not) and for people."""
+        if not self.env.is_main:
+            return
+        record = {"status": status, "reason": reason, "step": self.state.step,
+                  "max_training_steps": self.config.max_training_steps,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+        tmp = self.layout.status.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(self.layout.status)
 
     def close(self) -> None:
         self.log.close()

@@ -1,0 +1,127 @@
+"""Real multi-process runs of chess_finetune.py on CPU (gloo): sharding, the fixed total batch,
+learning, saving, and the errors users meet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fsdp_utils.synthetic import save_tiny_model
+from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def tied_assets(tiny_assets, tmp_path_factory) -> dict[str, Path]:
+    """The same data with a 3-layer Qwen2 whose input and output embeddings are tied."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
+    folder = save_tiny_model(tmp_path_factory.mktemp("qwen2"), tokenizer, arch="qwen2", num_layers=3)
+    return {"model": folder, "data": tiny_assets["data"]}
+
+
+@pytest.mark.parametrize(("assets_name", "layers"), [("tiny_assets", 2), ("tied_assets", 3)])
+def test_one_shard_group_per_decoder_layer_plus_root(request, tmp_path, data_cache, assets_name, layers):
+    assets = request.getfixturevalue(assets_name)
+    out = tmp_path / "run"
+    check_ok(run_finetune(2, tiny_args(assets, out, data_cache, max_training_steps=1, no_final_save=True)))
+    resolved = json.loads((out / "config.json").read_text())["resolved"]
+    groups = resolved["fsdp_groups"]
+    assert groups[0] == "" and len(groups) == layers + 1  # the root takes embeddings + lm_head
+    assert all(".layers." in g for g in groups[1:]), groups
+
+
+def test_root_only_sharding(tmp_path, data_cache, tiny_assets):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_assets, out, data_cache, max_training_steps=1, no_layer_wrap_policy=True, no_final_save=True)
+    check_ok(run_finetune(2, args))
+    assert json.loads((out / "config.json").read_text())["resolved"]["fsdp_groups"] == [""]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def test_same_total_batch_same_losses_on_1_and_2_processes(tmp_path, data_cache, tiny_assets):
+    """Total batch 8 as 1x4x2, 2x2x2, 2x1x4 (FSDP), 2x2x2 (DDP) and with activation
+    checkpointing + deferred sync: fp32 losses agree step by step."""
+    runs = {
+        "1 proc, 4 per device": (1, {"batch_size_per_device": 4}),
+        "2 procs, 2 per device": (2, {"batch_size_per_device": 2}),
+        "2 procs, 1 per device": (2, {"batch_size_per_device": 1}),
+        "2 procs, DDP": (2, {"batch_size_per_device": 2, "no_fsdp": True}),
+        "2 procs, AC + defer sync": (
+            2,
+            {"batch_size_per_device": 2, "gradient_checkpointing": True, "defer_grad_sync": True},
+        ),
+    }
+    losses = {}
+    for name, (nproc, overrides) in runs.items():
+        out = tmp_path / name.replace(" ", "_").replace(",", "")
+        args = tiny_args(tiny_assets, out, data_cache, max_training_steps=5, no_final_save=True, **overrides)
+        check_ok(run_finetune(nproc, args))
+        losses[name] = _losses(out)
+    reference = losses["1 proc, 4 per device"]
+    assert len(reference) == 5 and reference[-1] < reference[0]  # it does learn
+    for name, values in losses.items():
+        assert values == pytest.approx(reference, rel=2e-5, abs=2e-5), name
+
+
+def test_loss_falls_and_the_saved_model_reloads_and_generates(tmp_path, data_cache, tiny_assets):
+    out = tmp_path / "run"
+    args = tiny_args(
+        tiny_assets, out, data_cache, precision="bf16-mixed", max_training_steps=30,
+        eval_every=15, log_every=5, gradient_checkpointing=True,
+    )  # fmt: skip
+    result = run_finetune(2, args)
+    check_ok(result)
+    train = read_metrics(out)
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    evals = read_metrics(out, "eval")
+    assert [e["step"] for e in evals] == [15, 30] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    for key in ("tokens_per_s", "tokens_per_s_per_device", "grad_norm", "lr", "host_rss_gib", "step_time_s"):
+        assert train[-1][key] is not None and train[-1][key] > 0, key
+    assert train[-1]["mfu_pct"] is None  # no GPU peak known on CPU
+    assert "tokens per optimizer step" in result.stdout and "run folder" in result.stdout
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    prompt = tokenizer("[Result 1-0] [Termination CHECKMATE] e2e4", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=10, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    # The saved weights are the trained ones, not the initial ones.
+    initial = AutoModelForCausalLM.from_pretrained(tiny_assets["model"])
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(model.state_dict()[name], initial.state_dict()[name])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "expected"),
+    [
+        ({"model": "/nonexistent/model"}, 1, "has no config.json"),
+        ({"model": "some-org/never-downloaded"}, 1, "python download_models.py --model some-org/never-downloaded"),
+        ({"dataset": "/nonexistent/data.parquet"}, 1, "does not exist"),
+        ({"dataset": "laion/not-cached"}, 1, "python download_models.py --dataset laion/not-cached"),
+        ({"max_seq_length": 5000}, 1, "above the model's context length of 1024"),
+        ({"total_batch_size": 7}, 2, "total_batch_size=7 must be a multiple"),
+        ({"learning_rate": 1e30, "max_training_steps": 6}, 1, "The loss is nan at step"),
+    ],
+)
+def test_bad_input_gives_one_clear_message(tmp_path, data_cache, tiny_assets, overrides, nproc, expected):
+    result = run_finetune(nproc, tiny_args(tiny_assets, tmp_path / "run", data_cache, **overrides))
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count(expected) == 1  # printed once, by rank 0
+    assert "Traceback" not in result.stderr
+    if "total_batch_size" in overrides:
+        assert "model:" not in result.stdout  # failed before any model was loaded

@@ -1,0 +1,77 @@
+"""Run chess_finetune.py for real: a plain process (1) or torchrun (>1), CPU/gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def finetune_command(nproc: int, args: list[str]) -> list[str]:
+    script = str(REPO_ROOT / "chess_finetune.py")
+    if nproc == 1:
+        return [sys.executable, script, *args]
+    return [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def run_finetune(
+    nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        finetune_command(nproc, args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO_ROOT,
+    )
+
+
+def tiny_args(assets: dict[str, Path], output_dir: Path, data_cache: Path, **overrides: Any) -> list[str]:
+    """Flags for a few quick fp32 steps on the tiny model; overrides use flag names."""
+    options: dict[str, Any] = {
+        "model": assets["model"],
+        "dataset": assets["data"],
+        "dataset_include": "",
+        "output_dir": output_dir,
+        "data_cache_dir": data_cache,
+        "max_seq_length": 64,
+        "total_batch_size": 8,
+        "batch_size_per_device": 2,
+        "max_training_steps": 4,
+        "precision": "fp32",
+        "learning_rate": 3e-3,
+        "eval_every": 0,
+        "eval_batches": 2,
+        "save_every_minutes": 0,
+    }
+    options.update(overrides)
+    args: list[str] = []
+    for key, value in options.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not False and value is not None:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def check_ok(result: subprocess.CompletedProcess[str]) -> None:
+    if result.returncode != 0:
+        # torchrun's own report comes last; the worker's error is usually earlier.
+        raise AssertionError(
+            f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n"
+            f"--- stderr (head) ---\n{result.stderr[:6000]}\n--- stderr (tail) ---\n"
+            f"{result.stderr[-2000:]}"
+        )
