@@ -213,7 +213,7 @@ class Checkpointer:
             dist_utils.barrier()
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        except Exception as err:  # noqa: BLE001 - any rank's failure must reach all ranks
+        except Exception as err:
             ok[0], error = 0, f"{type(err).__name__}: {err}"
         # Every rank must agree the shards are written before rank 0 seals the checkpoint.
         if int(dist_utils.all_reduce_min(ok).item()) == 1 and self.is_main:
@@ -251,9 +251,7 @@ class Checkpointer:
         hf_config.save_pretrained(tmp / HF_SUBDIR)
         copy_tokenizer_files(tokenizer_dir, tmp / HF_SUBDIR)
         files = {
-            str(p.relative_to(tmp)): p.stat().st_size
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         meta = {
             "step": step,
@@ -279,10 +277,10 @@ class Checkpointer:
     ) -> None:
         """Collective: load model and optimizer shards (resharding to this world size)."""
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         try:
             dcp.load(state, checkpoint_id=str(info.path))
-        except Exception as err:  # noqa: BLE001 - DCP wraps per-rank errors
+        except Exception as err:
             raise CheckpointError(
                 f"Checkpoint {info.path} could not be read ({type(err).__name__}: "
                 f"{str(err)[:500]}). Delete it to resume from the previous one."

@@ -106,9 +106,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"({last['tokens_per_s_per_device']:,.0f} per device)"
         )
     if ev:
-        lines.append(
-            f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}"
-        )
+        lines.append(f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}")
     lines.append(f"  run folder: {summary['output_dir']}")
     if summary.get("final_model"):
         lines.append(f"  model (from_pretrained): {summary['final_model']}")

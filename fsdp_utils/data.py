@@ -143,7 +143,9 @@ def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> An
 
     suffixes = {f.suffix for f in files}
     if len(suffixes) > 1:
-        raise ValueError(f"Mixed data file types {sorted(suffixes)}: use parquet or jsonl, not both.")
+        raise ValueError(
+            f"Mixed data file types {sorted(suffixes)}: use parquet or jsonl, not both."
+        )
     builder = "parquet" if ".parquet" in suffixes else "json"
     cache = str(default_data_cache_dir(config) / "raw")
     raw = datasets.load_dataset(
@@ -157,14 +159,18 @@ def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> An
             return {
                 "text": [
                     render_game(m, t, r, template)
-                    for m, t, r in zip(batch["Moves"], batch["Termination"], batch["Result"])
+                    for m, t, r in zip(
+                        batch["Moves"], batch["Termination"], batch["Result"], strict=False
+                    )
                 ]
             }
 
         return raw.map(render, batched=True, remove_columns=columns, num_proc=num_proc)
     if config.text_field in columns:
         texts = raw.select_columns([config.text_field])
-        return texts if config.text_field == "text" else texts.rename_column(config.text_field, "text")
+        return (
+            texts if config.text_field == "text" else texts.rename_column(config.text_field, "text")
+        )
     raise ValueError(
         f"The dataset has columns {columns}: expected the laion/strategic_game_chess schema "
         f"(Moves, Termination, Result) or a `{config.text_field}` text column "

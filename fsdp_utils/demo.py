@@ -36,12 +36,16 @@ def build_assets(folder: Path, games: int) -> dict[str, Path]:
         folder, num_games=games, num_shards=2, hidden_size=128, num_layers=4, vocab_size=128
     )
     stamp.write_text(json.dumps(wanted))
-    print(f"demo: assets ready in {time.perf_counter() - started:.0f}s: {paths['model']}, {paths['data']}")
+    print(
+        f"demo: assets ready in {time.perf_counter() - started:.0f}s: {paths['model']}, {paths['data']}"
+    )
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--games", type=int, default=3000, help="random games to generate")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--nproc", type=int, default=2, help="processes (CPU, gloo)")
@@ -78,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: training failed (exit {result.returncode})", file=sys.stderr)
         return result.returncode
 
-    records = [json.loads(line) for line in (args.output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (args.output_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     print(

@@ -30,7 +30,7 @@ TOKENIZER_FILES = (
 )
 
 
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(model: nn.Module) -> dict[str, Any]:
     """Collective: every rank must call it. Rank 0 gets CPU tensors, the others `{}`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -38,7 +38,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def drop_tied_duplicates(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+def drop_tied_duplicates(state: dict[str, Any], model: nn.Module) -> None:
     """Keep one name per tied group (the first, e.g. embed_tokens); transformers re-ties the
     others from `tie_word_embeddings` when loading."""
     for names in tied_parameter_names(model):
@@ -53,7 +53,7 @@ def copy_tokenizer_files(source: Path, destination: Path) -> None:
 
 
 def write_hf_folder(
-    state: dict[str, torch.Tensor],
+    state: dict[str, Any],
     hf_config: Any,
     destination: Path,
     tokenizer_source: Path | None,

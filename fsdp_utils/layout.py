@@ -1,14 +1,14 @@
 """Where a run keeps its files. One folder per run, stable across Slurm requeues.
 
-    <output_dir>/
-        config.json        resolved TrainConfig (+ world size, batch plan, versions)
-        metrics.jsonl      one JSON object per logged step / eval / event
-        checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
-        final/             Hugging Face model + tokenizer (safetensors) at the end
-        gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
-        logs/              Slurm and launcher logs
-        status.json        how the last run ended: completed | interrupted | failed
-        STOP               created to ask a running job to save and stop
+<output_dir>/
+    config.json        resolved TrainConfig (+ world size, batch plan, versions)
+    metrics.jsonl      one JSON object per logged step / eval / event
+    checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
+    final/             Hugging Face model + tokenizer (safetensors) at the end
+    gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
+    logs/              Slurm and launcher logs
+    status.json        how the last run ended: completed | interrupted | failed
+    STOP               created to ask a running job to save and stop
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,12 @@ from torch import nn
 from fsdp_utils.config import Precision
 
 # Attribute names under which transformers configs store the context length.
-_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+)
 
 
 def load_model_config(model_dir: Path) -> Any:
@@ -79,7 +84,7 @@ def _parameters_on_meta() -> Iterator[None]:
                 registered.to(torch.device("meta")), requires_grad=param.requires_grad
             )
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -189,7 +194,8 @@ def _retie(model: nn.Module, tied: list[list[str]]) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
     params = {
-        n.replace(_CHECKPOINT_PREFIX, ""): p for n, p in model.named_parameters(remove_duplicate=False)
+        n.replace(_CHECKPOINT_PREFIX, ""): p
+        for n, p in model.named_parameters(remove_duplicate=False)
     }
     for leader, *followers in tied:
         for follower in followers:
@@ -224,6 +230,7 @@ def _checkpoint_renamer(model: nn.Module, model_keys: set[str]) -> Any:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:  # transformers 4: keys match, up to the base-model prefix
+
         def rename_v4(key: str) -> str:
             if key not in model_keys and f"{prefix}.{key}" in model_keys:
                 return f"{prefix}.{key}"
@@ -231,7 +238,7 @@ def _checkpoint_renamer(model: nn.Module, model_keys: set[str]) -> Any:
 
         return rename_v4
 
-    transforms = get_model_conversion_mapping(model)
+    transforms: list[Any] = get_model_conversion_mapping(cast(Any, model))
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     meta_state = dict.fromkeys(model_keys, True)
@@ -280,7 +287,9 @@ def checkpoint_key_map(model: nn.Module, model_dir: Path) -> dict[str, str]:
         if key not in tied_followers and not _is_non_persistent_buffer(model, key)
     ]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise ValueError(
             f"The checkpoint lacks {len(missing)} weight(s) the model needs: {shown}. Is the "
             "folder's config.json the one these weights were saved with?"

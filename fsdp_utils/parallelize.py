@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
@@ -104,8 +105,6 @@ def parallelize(
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -130,8 +129,8 @@ def gradient_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractCo
     reduce-scattered on the last micro-batch. DDP: `no_sync()`.
     """
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+        FSDPModule.set_requires_gradient_sync(model, sync)
         return contextlib.nullcontext()
-    if not sync and hasattr(model, "no_sync"):
+    if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()

@@ -17,7 +17,12 @@ from typing import Any
 from fsdp_utils.config import DEFAULT_TEMPLATE
 from fsdp_utils.render import render_row
 
-SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+SPECIAL_TOKENS = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+}
 TINY_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox")
 
 

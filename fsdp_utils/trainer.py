@@ -15,7 +15,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.assets import resolve_model_dir
 from fsdp_utils.batch import BatchPlan, plan_batch
-from fsdp_utils.checkpoint import CheckpointError, Checkpointer, CheckpointInfo, run_identity
+from fsdp_utils.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, run_identity
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.data import PreparedData, StepSampler, eval_batches, prepare_dataset
 from fsdp_utils.distributed import DistEnv
@@ -48,7 +48,6 @@ from fsdp_utils.model import (
     materialize,
 )
 from fsdp_utils.optim import build_optimizer, build_scheduler
-from fsdp_utils.timelimit import StopController
 from fsdp_utils.parallelize import (
     autocast_context,
     fsdp_group_names,
@@ -56,6 +55,7 @@ from fsdp_utils.parallelize import (
     parallelize,
     wrap_ddp,
 )
+from fsdp_utils.timelimit import StopController
 
 
 class TrainingDivergedError(RuntimeError):
@@ -148,9 +148,7 @@ class Trainer:
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
         _, non_embedding = self.param_counts
-        self.flops_per_token = flops_per_token(
-            self.hf_config, non_embedding, config.max_seq_length
-        )
+        self.flops_per_token = flops_per_token(self.hf_config, non_embedding, config.max_seq_length)
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config()
 
@@ -177,10 +175,14 @@ class Trainer:
         extras = []
         if c.gradient_checkpointing:
             every = c.checkpoint_every_n_layers
-            extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+            extras.append(
+                "activation checkpointing" + (f" every {every} layers" if every > 1 else "")
+            )
         if c.cpu_offload:
             extras.append("CPU offload")
-        extras.append("grad sync on last micro-batch" if c.defer_grad_sync else "grad sync every micro-batch")
+        extras.append(
+            "grad sync on last micro-batch" if c.defer_grad_sync else "grad sync every micro-batch"
+        )
         return ", ".join([kind, *extras])
 
     def _prepare_data(self) -> PreparedData:
@@ -331,7 +333,10 @@ class Trainer:
             step_time = watch.lap()
             self.state.step += 1
             self.state.tokens_seen += metrics["tokens"]
-            if self.state.step % config.log_every == 0 or self.state.step == config.max_training_steps:
+            if (
+                self.state.step % config.log_every == 0
+                or self.state.step == config.max_training_steps
+            ):
                 last = self._log_step(metrics, step_time)
             if config.eval_every and self.state.step % config.eval_every == 0:
                 self.evaluate()
@@ -427,7 +432,9 @@ class Trainer:
             "batch_id": self.sampler.batch_fingerprint(self.state.step),
         }
 
-    def forward_backward_step(self, batch: dict[str, torch.Tensor], global_targets: float) -> torch.Tensor:
+    def forward_backward_step(
+        self, batch: dict[str, torch.Tensor], global_targets: float
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
         input_ids = batch["input_ids"].to(self.env.device, non_blocking=True)
         labels = batch["labels"].to(self.env.device, non_blocking=True)
@@ -521,7 +528,7 @@ class Trainer:
         from fsdp_utils.export import save_hf_model
 
         watch = Stopwatch()
-        model = self.model.module if self.config.no_fsdp else self.model
+        model = cast(nn.Module, self.model.module) if self.config.no_fsdp else self.model
         path = save_hf_model(
             model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main
         )

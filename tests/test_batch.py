@@ -53,6 +53,8 @@ def test_suggested_per_device_batch_divides():
 
 
 def test_contradicting_accumulation():
-    config = TrainConfig(total_batch_size=32, batch_size_per_device=2, gradient_accumulation_steps=2)
+    config = TrainConfig(
+        total_batch_size=32, batch_size_per_device=2, gradient_accumulation_steps=2
+    )
     with pytest.raises(ValueError, match="needs 32 / \\(2 x 4\\) = 4 accumulation steps"):
         plan_batch(config, 4)

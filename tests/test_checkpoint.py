@@ -3,6 +3,7 @@ limit or a signal on all ranks together, faults that must never cost the previou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_utils.checkpoint import (
     MARKER,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     list_checkpoints,
     read_checkpoint,
 )
@@ -100,7 +101,6 @@ def test_slurm_end_time():
 # --- real runs -----------------------------------------------------------------------------
 
 
-
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
@@ -134,7 +134,9 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
     assert [r["step"] for r in b] == list(range(1, 9))
     assert [r["batch_id"] for r in a] == [r["batch_id"] for r in b]  # same data, same order
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5, abs=1e-6)
-    events = [r["kind"] for r in map(json.loads, (split / "metrics.jsonl").read_text().splitlines())]
+    events = [
+        r["kind"] for r in map(json.loads, (split / "metrics.jsonl").read_text().splitlines())
+    ]
     assert events.count("resumed") == 2 and events.count("stopping") == 2
 
     # The export of the last checkpoint is the model written at the end of training.
@@ -166,18 +168,14 @@ def _kill_tree(pid: int) -> None:
         frontier = [child for parent in frontier for child in _worker_pids(parent)]
         tree += frontier
     for member in tree:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and any(
-            r["step"] >= step for r in read_metrics(out)
-        ):
+        if (out / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(out)):
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
@@ -186,9 +184,13 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["signal", "stop file"])
-def test_signal_or_stop_file_saves_and_exits_cleanly_on_all_ranks(how, tmp_path, tiny_assets, data_cache):
+def test_signal_or_stop_file_saves_and_exits_cleanly_on_all_ranks(
+    how, tmp_path, tiny_assets, data_cache
+):
     out = tmp_path / "run"
-    args = _ckpt_args(tiny_assets, out, data_cache, max_training_steps=100000, save_every_steps=0, log_every=1)
+    args = _ckpt_args(
+        tiny_assets, out, data_cache, max_training_steps=100000, save_every_steps=0, log_every=1
+    )
     proc = subprocess.Popen(
         finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -218,20 +220,26 @@ def test_time_limit_stops_with_a_margin(tmp_path, tiny_assets, data_cache):
     out = tmp_path / "run"
     # The job "ends" in 100 s; the default margin is at least 120 s: stop after the first step.
     env = {END_TIME_ENV: str(time.time() + 100)}
-    result = run_finetune(1, _ckpt_args(tiny_assets, out, data_cache, max_training_steps=50), env=env)
+    result = run_finetune(
+        1, _ckpt_args(tiny_assets, out, data_cache, max_training_steps=50), env=env
+    )
     check_ok(result)
     assert _status(out)["reason"] == "time limit" and _status(out)["step"] == 1
     assert "time limit: the job ends at" in result.stdout
 
 
 @pytest.mark.slow
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, tiny_assets, data_cache):
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(
+    tmp_path, tiny_assets, data_cache
+):
     # A larger model (about 10M parameters) so that a save takes long enough to be caught.
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
     model = save_tiny_model(tmp_path / "model", tokenizer, hidden_size=512, num_layers=4)
     assets = {"model": model, "data": tiny_assets["data"]}
     out = tmp_path / "run"
-    args = _ckpt_args(assets, out, data_cache, max_training_steps=30, save_every_steps=1, keep_last=2)
+    args = _ckpt_args(
+        assets, out, data_cache, max_training_steps=30, save_every_steps=1, keep_last=2
+    )
     checkpoints = out / "checkpoints"
     caught = None
     for _attempt in range(6):
@@ -276,7 +284,15 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, tiny_as
     # One checkpoint of the tiny model is ~1.7 MB (weights + two AdamW states + tokenizer).
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(out)], check=True)
     try:
-        args = _ckpt_args(tiny_assets, out, data_cache, max_training_steps=4, save_every_steps=2, keep_last=1, no_final_save=True)
+        args = _ckpt_args(
+            tiny_assets,
+            out,
+            data_cache,
+            max_training_steps=4,
+            save_every_steps=2,
+            keep_last=1,
+            no_final_save=True,
+        )
         result = run_finetune(1, args)
         assert "Saving the checkpoint of step 4 failed" in result.stdout + result.stderr
         assert "step_00000002 is kept" in result.stdout + result.stderr
@@ -296,7 +312,11 @@ def test_unwritable_output_folder_and_foreign_checkpoint(tmp_path, tiny_assets, 
     assert result.returncode == 2 and "is not writable" in result.stderr
 
     out = tmp_path / "run"
-    check_ok(run_finetune(1, _ckpt_args(tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True)))
+    check_ok(
+        run_finetune(
+            1, _ckpt_args(tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True)
+        )
+    )
     result = run_finetune(1, _ckpt_args(tiny_assets, out, data_cache, max_seq_length=32))
     assert result.returncode == 2
     assert "belongs to a different run: max_seq_length: checkpoint 64, now 32" in result.stderr

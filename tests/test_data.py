@@ -37,8 +37,10 @@ def test_packing_leaves_no_padding_but_in_the_last_block(tiny_assets, tmp_path):
     meta = json.loads((folder / "meta.json").read_text())["stats"]
     eos = meta["eos_token_id"]
     # Documents are separated by EOS: one per training document in the stream.
-    assert int((np.asarray(train.input_ids)[lengths == 64] == eos).sum()) <= meta["train"]["documents"]
-    stream = np.concatenate([row[:n] for row, n in zip(train.input_ids, lengths)])
+    assert (
+        int((np.asarray(train.input_ids)[lengths == 64] == eos).sum()) <= meta["train"]["documents"]
+    )
+    stream = np.concatenate([row[:n] for row, n in zip(train.input_ids, lengths, strict=False)])
     assert int((stream == eos).sum()) == meta["train"]["documents"]
     assert meta["train"]["padding_fraction"] < 64 / lengths.sum()
 
@@ -49,7 +51,7 @@ def test_no_packing_pads_every_document(tiny_assets, tmp_path):
     meta = json.loads((folder / "meta.json").read_text())["stats"]["train"]
     assert len(train) == meta["documents"]  # one row per document
     batch = train.batch(np.arange(4))
-    for row, labels, n in zip(batch["input_ids"], batch["labels"], train.lengths[:4]):
+    for row, labels, n in zip(batch["input_ids"], batch["labels"], train.lengths[:4], strict=False):
         assert (labels[n:] == IGNORE_INDEX).all() and (labels[:n] == row[:n]).all()
 
 
@@ -83,7 +85,9 @@ def test_unknown_schema_is_explained(tiny_assets, tmp_path):
 @pytest.mark.parametrize(("per_device", "world"), [(8, 1), (4, 2), (2, 2), (1, 4), (2, 8)])
 def test_a_step_sees_the_same_sequences_whatever_the_split(per_device, world):
     config = TrainConfig(total_batch_size=16, batch_size_per_device=per_device)
-    reference = StepSampler(100, plan_batch(TrainConfig(total_batch_size=16, batch_size_per_device=16), 1), seed=3)
+    reference = StepSampler(
+        100, plan_batch(TrainConfig(total_batch_size=16, batch_size_per_device=16), 1), seed=3
+    )
     sampler = StepSampler(100, plan_batch(config, world), seed=3)
     for step in (0, 5, 6, 13):  # 6 steps per epoch: crosses into epochs 1 and 2
         seen = np.concatenate([b for r in range(world) for b in sampler.micro_batches(step, r)])
@@ -112,4 +116,7 @@ def test_eval_batches_are_equal_in_number_on_every_rank():
 def test_tokenizer_roundtrip_of_rendered_game(tiny_assets):
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
     text = render_game(["e2e4", "e7e5", "g1f3"], "CHECKMATE", "1-0")
-    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True).split() == text.split()
+    assert (
+        tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True).split()
+        == text.split()
+    )

@@ -40,7 +40,10 @@ def tokenizer(tiny_assets):
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("archs")
-    return {arch: save_tiny_model(root / arch, tokenizer, arch=arch, num_layers=3) for arch in TINY_ARCHITECTURES}
+    return {
+        arch: save_tiny_model(root / arch, tokenizer, arch=arch, num_layers=3)
+        for arch in TINY_ARCHITECTURES
+    }
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
@@ -109,8 +112,10 @@ def test_sequence_length_above_the_model_limit():
 def test_missing_weights_are_named(tmp_path, saved_models):
     folder = saved_models["llama"]
     model = build_meta_model(load_model_config(folder), "fp32")
-    bigger = tiny_model_config("llama", vocab_size=len(AutoTokenizer.from_pretrained(folder)), num_layers=4)
-    with pytest.raises(ValueError, match="lacks .* weight"):
+    bigger = tiny_model_config(
+        "llama", vocab_size=len(AutoTokenizer.from_pretrained(folder)), num_layers=4
+    )
+    with pytest.raises(ValueError, match=r"lacks .* weight"):
         checkpoint_key_map(build_meta_model(bigger, "fp32"), folder)
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -25,15 +25,23 @@ def data_cache(tmp_path_factory) -> Path:
 def tied_assets(tiny_assets, tmp_path_factory) -> dict[str, Path]:
     """The same data with a 3-layer Qwen2 whose input and output embeddings are tied."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
-    folder = save_tiny_model(tmp_path_factory.mktemp("qwen2"), tokenizer, arch="qwen2", num_layers=3)
+    folder = save_tiny_model(
+        tmp_path_factory.mktemp("qwen2"), tokenizer, arch="qwen2", num_layers=3
+    )
     return {"model": folder, "data": tiny_assets["data"]}
 
 
 @pytest.mark.parametrize(("assets_name", "layers"), [("tiny_assets", 2), ("tied_assets", 3)])
-def test_one_shard_group_per_decoder_layer_plus_root(request, tmp_path, data_cache, assets_name, layers):
+def test_one_shard_group_per_decoder_layer_plus_root(
+    request, tmp_path, data_cache, assets_name, layers
+):
     assets = request.getfixturevalue(assets_name)
     out = tmp_path / "run"
-    check_ok(run_finetune(2, tiny_args(assets, out, data_cache, max_training_steps=1, no_final_save=True)))
+    check_ok(
+        run_finetune(
+            2, tiny_args(assets, out, data_cache, max_training_steps=1, no_final_save=True)
+        )
+    )
     resolved = json.loads((out / "config.json").read_text())["resolved"]
     groups = resolved["fsdp_groups"]
     assert groups[0] == "" and len(groups) == layers + 1  # the root takes embeddings + lm_head
@@ -42,7 +50,14 @@ def test_one_shard_group_per_decoder_layer_plus_root(request, tmp_path, data_cac
 
 def test_root_only_sharding(tmp_path, data_cache, tiny_assets):
     out = tmp_path / "run"
-    args = tiny_args(tiny_assets, out, data_cache, max_training_steps=1, no_layer_wrap_policy=True, no_final_save=True)
+    args = tiny_args(
+        tiny_assets,
+        out,
+        data_cache,
+        max_training_steps=1,
+        no_layer_wrap_policy=True,
+        no_final_save=True,
+    )
     check_ok(run_finetune(2, args))
     assert json.loads((out / "config.json").read_text())["resolved"]["fsdp_groups"] == [""]
 
@@ -67,7 +82,9 @@ def test_same_total_batch_same_losses_on_1_and_2_processes(tmp_path, data_cache,
     losses = {}
     for name, (nproc, overrides) in runs.items():
         out = tmp_path / name.replace(" ", "_").replace(",", "")
-        args = tiny_args(tiny_assets, out, data_cache, max_training_steps=5, no_final_save=True, **overrides)
+        args = tiny_args(
+            tiny_assets, out, data_cache, max_training_steps=5, no_final_save=True, **overrides
+        )
         check_ok(run_finetune(nproc, args))
         losses[name] = _losses(out)
     reference = losses["1 proc, 4 per device"]
@@ -89,7 +106,14 @@ def test_loss_falls_and_the_saved_model_reloads_and_generates(tmp_path, data_cac
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     evals = read_metrics(out, "eval")
     assert [e["step"] for e in evals] == [15, 30] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
-    for key in ("tokens_per_s", "tokens_per_s_per_device", "grad_norm", "lr", "host_rss_gib", "step_time_s"):
+    for key in (
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "grad_norm",
+        "lr",
+        "host_rss_gib",
+        "step_time_s",
+    ):
         assert train[-1][key] is not None and train[-1][key] > 0, key
     assert train[-1]["mfu_pct"] is None  # no GPU peak known on CPU
     assert "tokens per optimizer step" in result.stdout and "run folder" in result.stdout
@@ -109,15 +133,25 @@ def test_loss_falls_and_the_saved_model_reloads_and_generates(tmp_path, data_cac
     ("overrides", "nproc", "expected"),
     [
         ({"model": "/nonexistent/model"}, 1, "has no config.json"),
-        ({"model": "some-org/never-downloaded"}, 1, "python download_models.py --model some-org/never-downloaded"),
+        (
+            {"model": "some-org/never-downloaded"},
+            1,
+            "python download_models.py --model some-org/never-downloaded",
+        ),
         ({"dataset": "/nonexistent/data.parquet"}, 1, "does not exist"),
-        ({"dataset": "laion/not-cached"}, 1, "python download_models.py --dataset laion/not-cached"),
+        (
+            {"dataset": "laion/not-cached"},
+            1,
+            "python download_models.py --dataset laion/not-cached",
+        ),
         ({"max_seq_length": 5000}, 1, "above the model's context length of 1024"),
         ({"total_batch_size": 7}, 2, "total_batch_size=7 must be a multiple"),
         ({"learning_rate": 1e30, "max_training_steps": 6}, 1, "The loss is nan at step"),
     ],
 )
-def test_bad_input_gives_one_clear_message(tmp_path, data_cache, tiny_assets, overrides, nproc, expected):
+def test_bad_input_gives_one_clear_message(
+    tmp_path, data_cache, tiny_assets, overrides, nproc, expected
+):
     result = run_finetune(nproc, tiny_args(tiny_assets, tmp_path / "run", data_cache, **overrides))
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]

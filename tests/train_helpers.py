@@ -34,7 +34,9 @@ def run_finetune(
     )
 
 
-def tiny_args(assets: dict[str, Path], output_dir: Path, data_cache: Path, **overrides: Any) -> list[str]:
+def tiny_args(
+    assets: dict[str, Path], output_dir: Path, data_cache: Path, **overrides: Any
+) -> list[str]:
     """Flags for a few quick fp32 steps on the tiny model; overrides use flag names."""
     options: dict[str, Any] = {
         "model": assets["model"],

@@ -1,0 +1,190 @@
+"""The per-node sampler as a real process (with the nvidia-smi test stand-in on PATH), and the
+post-mortem report built from the files it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monitoring.parse import parse_sample_csv
+from monitoring.records import JobInfo
+from monitoring.rundir import find_samples
+from monitoring.sampler import CSV_HEADER
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_BIN = REPO / "tests" / "fake_bin"
+FIXTURES = REPO / "tests" / "fixtures"
+LOST = "Unable to determine the device handle for GPU0000:01:00.0: GPU has fallen off the bus."
+
+
+def env_with_fake(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_NVIDIA"))}
+    env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env['PATH']}"
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def sampler(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "monitoring.sampler", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def gpu_report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "monitoring/gpu_report.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_sampler_appends_rows_and_a_requeued_job_continues_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_samples"
+    env = env_with_fake(SLURM_JOB_ID="77", SLURMD_NODENAME="gpu-n1")
+    for _ in range(2):  # a requeued job writes into the same run folder again
+        result = sampler("--output", str(out), "--interval", "0.1", "--count", "3", env=env)
+        assert result.returncode == 0, result.stderr
+    text = (out / "gpu-n1.csv").read_text()
+    assert text.splitlines()[0] == CSV_HEADER
+    assert text.count(CSV_HEADER) == 1
+    samples, errors = parse_sample_csv(text, "gpu-n1")
+    assert errors == []
+    assert len(samples) == 2 * 3 * 8  # runs x samples x GPUs in the recording
+    assert {s.job_id for s in samples} == {"77"}
+    assert {s.host for s in samples} == {"gpu-n1"}
+    assert [s.utilization_gpu for s in samples[:8]] == [100.0] * 7 + [0.0]
+    assert samples[0].name is None  # [N/A] in the replay: kept as missing
+    assert not (out / "gpu-n1.log").exists()
+
+
+def test_sampler_keeps_only_the_jobs_gpus(tmp_path: Path) -> None:
+    env = env_with_fake(SLURM_JOB_ID="5", SLURM_JOB_GPUS="6,7", SLURMD_NODENAME="n")
+    assert sampler("--output", str(tmp_path), "--count", "1", env=env).returncode == 0
+    samples, _ = parse_sample_csv((tmp_path / "n.csv").read_text())
+    assert [s.index for s in samples] == [6, 7]
+
+
+def test_sampler_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    # The default 30 s interval: SIGTERM must end the wait, not the next sample (Slurm sends
+    # SIGKILL KillWait seconds after SIGTERM).
+    env = env_with_fake(SLURMD_NODENAME="n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monitoring.sampler", "--output", str(tmp_path), "--interval", "30"],
+        cwd=REPO,
+        env=env,
+    )
+    csv = tmp_path / "n.csv"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not csv.exists() or csv.read_text().count("\n") < 9):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == 0
+    assert len(csv.read_text().splitlines()) == 1 + 8  # the header and one whole sample
+
+
+def test_sampler_without_nvidia_smi_prints_one_line_and_exits_0(tmp_path: Path) -> None:
+    env = env_with_fake()
+    env["PATH"] = str(tmp_path)  # no nvidia-smi anywhere
+    result = sampler("--output", str(tmp_path / "out"), "--interval", "1", env=env)
+    assert result.returncode == 0
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "nvidia-smi not found" in result.stderr
+    assert not (tmp_path / "out").exists()
+    probe = sampler("--output", "-", "--count", "1", env=env)
+    assert json.loads(probe.stdout)["kind"] == "missing"
+
+
+def test_probe_mode_prints_json_lines_with_processes() -> None:
+    result = sampler(
+        "--output", "-", "--count", "2", "--interval", "0.1", "--processes", env=env_with_fake()
+    )
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["kind"] for r in records] == ["gpu", "gpu", "apps"]
+    assert len(records[0]["lines"]) == 8
+    assert records[1]["time"] - records[0]["time"] >= 0.09
+    assert len(records[2]["lines"]) == 8
+
+
+def test_post_mortem_report_from_sampler_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = env_with_fake(SLURM_JOB_ID="987654", SLURMD_NODENAME="gpu-n1")
+    samples_dir = run_dir / "gpu_samples"
+    first = sampler("--output", str(samples_dir), "--interval", "0.1", "--count", "4", env=env)
+    assert first.returncode == 0, first.stderr
+    # A second job that reused the run folder (GPU 0 only) must not leak into job 987654's report.
+    other = env_with_fake(SLURM_JOB_ID="901", SLURMD_NODENAME="gpu-n1", SLURM_JOB_GPUS="0")
+    assert sampler("--output", str(samples_dir), "--count", "1", env=other).returncode == 0
+
+    result = gpu_report("--run-dir", str(run_dir), "--json")
+    data = json.loads(result.stdout)
+    (m,) = data["measurements"]
+    assert len(m["gpus"]) == 8 and m["summary"]["samples_per_gpu"] == 5
+    # With no job id, every sample in the folder counts; 901 only sampled GPU 0.
+    assert [g["samples"] for g in m["gpus"]] == [5] + [4] * 7
+    texts = [n["text"] for n in data["notes"]]
+    assert any("not used" in t and "gpu-n1 GPU 7" in t for t in texts)
+
+    # With the job id, only that job's rows; Slurm does not know the job, --run-dir is the source.
+    result = gpu_report("987654", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "gpu-n1" in result.stdout and "Util over time" in result.stdout
+    assert "4 samples per GPU" in result.stdout
+
+
+def test_lost_gpu_is_logged_and_explained(tmp_path: Path) -> None:
+    # A recording built from the 8 x H200 fixture with a lost-GPU line (from the fixture of real
+    # error lines) in place of GPU 3: what nvidia-smi prints when one GPU falls off the bus.
+    rows = (FIXTURES / "nvidia_smi_query_gpu_8xH200.csv").read_text().splitlines()
+    recording = tmp_path / "lost.csv"
+    recording.write_text("\n".join([*rows[:4], LOST, *rows[5:]]) + "\n")
+    env = env_with_fake(
+        SLURMD_NODENAME="gpu07", FAKE_NVIDIA_SMI_GPUS=str(recording), FAKE_NVIDIA_SMI_EXIT="15"
+    )
+    out = tmp_path / "gpu_samples"
+    assert (
+        sampler("--output", str(out), "--count", "2", "--interval", "0.1", env=env).returncode == 0
+    )
+    assert (out / "gpu07.log").read_text().count(LOST) == 2
+    samples, _ = parse_sample_csv((out / "gpu07.csv").read_text())
+    assert sorted({s.index for s in samples}) == [0, 1, 2, 4, 5, 6, 7]
+
+    result = gpu_report("--run-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    flat = " ".join(result.stdout.split())
+    assert "fallen off the bus" in flat and "(seen 2 times)" in flat
+    assert "sbatch --exclude=gpu07" in flat
+
+
+def test_finds_the_run_folder_named_in_the_job_log(tmp_path: Path) -> None:
+    work = tmp_path / "repo"  # where the job was submitted (its WorkDir)
+    (work / "logs").mkdir(parents=True)
+    run = tmp_path / "scratch" / "my-run"  # OUTPUT_DIR outside the submit directory
+    env = env_with_fake(SLURM_JOB_ID="31337", SLURMD_NODENAME="n1")
+    assert sampler("--output", str(run / "gpu_samples"), "--count", "1", env=env).returncode == 0
+    # The line slurm/finetune.sh echoes into logs/%x-%j.out before training.
+    (work / "logs" / "chess-finetune-31337.out").write_text(
+        f"job 31337 (restart 0) on n1: python chess_finetune.py --output_dir {run} --model m\n"
+    )
+    # Long after the end only sacct's WorkDir is known, not StdOut.
+    job = JobInfo(job_id="31337", state="COMPLETED", source="sacct", work_dir=str(work))
+    found, looked = find_samples("31337", job, None)
+    assert found is not None and found.folder == run / "gpu_samples"
+    assert looked[0] == run / "gpu_samples"
+    assert {s.job_id for s in found.samples} == {"31337"}
+    other = JobInfo(job_id="31338", state="COMPLETED", source="sacct", work_dir=str(work))
+    assert find_samples("31338", other, None)[0] is None

@@ -1,0 +1,172 @@
+"""The planner on tiny models: real fake-tensor traces of the trainer's step, from config.json
+only (no weights), with what users get wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_utils.config import TrainConfig
+from fsdp_utils.plan import find_max_batch, main, plan_memory
+from fsdp_utils.plan.estimate import Cluster, estimate
+from fsdp_utils.plan.report import Margin
+from fsdp_utils.synthetic import TINY_ARCHITECTURES, tiny_model_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NO_MARGIN = Margin(runtime_bytes=0, allocator_fraction=0.0)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, Path]:
+    """A folder holding only config.json per tiny architecture."""
+    folders = {}
+    for arch in TINY_ARCHITECTURES:
+        folder = tmp_path_factory.mktemp(arch)
+        tiny_model_config(arch, vocab_size=512).save_pretrained(folder)
+        assert [p.name for p in folder.iterdir()] == ["config.json"]
+        folders[arch] = folder
+    return folders
+
+
+def _config(folder: Path, **overrides) -> TrainConfig:
+    values = {"model": str(folder), "total_batch_size": 8, "batch_size_per_device": 2}
+    return TrainConfig(**{**values, "max_seq_length": 64, **overrides})
+
+
+def _plan(folder: Path, nodes: int = 1, gpus: int = 2, gpu_bytes: int | None = None, **overrides):
+    return plan_memory(
+        _config(folder, **overrides),
+        nodes=nodes,
+        gpus_per_node=gpus,
+        gpu_memory_bytes=gpu_bytes,
+        margin=NO_MARGIN,
+    )
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_every_architecture_plans_with_16_bytes_per_parameter_of_state(configs, arch):
+    plan = _plan(configs[arch])
+    assert plan.model.decoder_layers == 2
+    # fp32 master weights + gradients + two AdamW moments, halved over 2 GPUs; FSDP pads the
+    # shards of odd-sized tensors and rotary buffers are not parameters: within 0.5%.
+    assert plan.state_bytes_per_parameter == pytest.approx(16.0, rel=5e-3)
+    assert plan.peak_bytes > plan.state_bytes
+    parts = plan.breakdown
+    assert parts.activations > 0 and parts.temporaries > 0
+    assert plan.peak_bytes == parts.total
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "bytes_per_parameter"),
+    [("bf16-mixed", "sgd", 8.0), ("bf16-true", "adamw", 8.0), ("bf16-true", "sgd", 4.0)],
+)
+def test_less_state_with_sgd_or_bf16_true(configs, precision, optimizer, bytes_per_parameter):
+    plan = _plan(configs["llama"], precision=precision, optimizer=optimizer)
+    assert plan.state_bytes_per_parameter == pytest.approx(bytes_per_parameter, rel=5e-3)
+
+
+def test_the_knobs_move_memory_the_way_they_should(configs):
+    folder = configs["llama"]
+    base = _plan(folder)
+    bigger_batch = _plan(folder, batch_size_per_device=4)
+    checkpointed = _plan(folder, gradient_checkpointing=True)
+    deferred = _plan(folder, batch_size_per_device=1, defer_grad_sync=True)
+    synced = _plan(folder, batch_size_per_device=1)
+    more_gpus = _plan(folder, gpus=4)
+    offloaded = _plan(folder, cpu_offload=True)
+
+    assert bigger_batch.activation_bytes > 1.8 * base.activation_bytes
+    assert checkpointed.activation_bytes < base.activation_bytes
+    # With deferred sync the full (unsharded) gradients stay between micro-batches.
+    assert deferred.gradient_bytes > 1.5 * synced.gradient_bytes
+    assert more_gpus.state_bytes < 0.51 * base.state_bytes
+    assert offloaded.optimizer_bytes == offloaded.gradient_bytes == 0
+    assert offloaded.peak_bytes < base.peak_bytes
+
+
+def test_find_max_batch_and_cheapest_fixes(configs):
+    """A GPU size between what batch 2 and batch 4 need: 2 is the largest that fits, and a
+    plan at batch 4 suggests going back to 2 (or other changes), each one planned."""
+    folder = configs["llama"]
+    need = {b: _plan(folder, batch_size_per_device=b).required_bytes for b in (2, 4)}
+    gpu = (need[2] + need[4]) // 2
+    config = _config(folder)
+    found = find_max_batch(config, nodes=1, gpus_per_node=2, gpu_memory_bytes=gpu, margin=NO_MARGIN)
+    assert found == 2
+
+    plan = _plan(folder, gpu_bytes=gpu, batch_size_per_device=4)
+    assert plan.fits is False
+    flags = {fix.flags: fix for fix in plan.fixes}
+    assert flags["--batch_size_per_device 2"].fits
+    assert flags["--batch_size_per_device 2"].required_bytes == need[2]
+    assert "--gradient_checkpointing" in flags and "--cpu_offload" in flags
+    assert all(fix.fits for fix in plan.fixes[: sum(f.fits for f in plan.fixes)])
+
+
+def test_plans_from_a_hub_cache_holding_only_config_json(configs, tmp_path):
+    """Planning before downloading the weights: huggingface_hub's cache layout, no manifest."""
+    repo = tmp_path / "hub" / "models--someorg--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((configs["llama"] / "config.json").read_text())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    config = _config(configs["llama"]).replace(
+        model="someorg/tiny", cache_dir=str(tmp_path / "hub")
+    )
+    plan = plan_memory(config, nodes=1, gpus_per_node=2, gpu_memory_bytes=None)
+    assert plan.model.parameters == _plan(configs["llama"]).model.parameters
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cluster", "message"),
+    [
+        (
+            {"model": "nobody/missing-model"},
+            (1, 2),
+            "download_models.py --model nobody/missing-model",
+        ),
+        ({"total_batch_size": 8, "batch_size_per_device": 3}, (1, 2), "does not divide"),
+        ({"total_batch_size": 4, "batch_size_per_device": 1}, (2, 4), "does not divide"),
+        ({"max_seq_length": 4096}, (1, 2), "context length of 1024"),
+        ({"no_fsdp": True}, (1, 2), "drop --no_fsdp"),
+        ({}, (0, 2), "at least 1"),
+    ],
+)
+def test_bad_input_gets_a_clear_message(configs, tmp_path, overrides, cluster, message):
+    config = _config(configs["llama"], cache_dir=str(tmp_path / "empty-cache"), **overrides)
+    with pytest.raises(ValueError, match=message):
+        estimate(config, Cluster(*cluster))
+
+
+def test_a_config_transformers_cannot_build(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with pytest.raises(ValueError, match="Cannot read the model config"):
+        estimate(_config(tmp_path), Cluster(1, 2))
+
+
+def test_command_line(configs, capsys):
+    common = ["--model", str(configs["llama"]), "--gpus-per-node", "2", "--max_seq_length", "64"]
+    fits = subprocess.run(
+        [sys.executable, "-m", "fsdp_utils.plan", *common, "--gpu-memory", "a100-80gb", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+    assert fits.returncode == 0, fits.stderr
+    result = json.loads(fits.stdout)
+    assert result["fits"] is True and result["gpu"]["name"] == "A100-80GB"
+    assert result["required_bytes"] == result["peak_bytes"] + result["margin_bytes"]
+
+    # The 2 GiB runtime margin alone does not fit in a 1 GiB GPU: exit 1, and a readable table.
+    assert main([*common, "--gpu-memory", "1GiB", "--no-fixes"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "predicted peak" in out
+
+    assert main([*common, "--gpu-memory", "80"]) == 2
+    assert "80GiB" in capsys.readouterr().err

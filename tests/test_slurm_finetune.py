@@ -1,0 +1,155 @@
+"""`sbatch slurm/finetune.sh` against the real one-node Slurm, with the tiny model on CPU.
+
+The job asks for 2 of the node's emulated GPUs, so the script sees SLURM_GPUS_ON_NODE=2 and
+CUDA_VISIBLE_DEVICES=0,1 exactly as on a GPU node and starts 2 processes, which train on CPU
+with gloo (torch finds no CUDA). tests/fake_bin is first on PATH so the per-node GPU sampler
+has an nvidia-smi to record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import local_slurm as slurm_fixture
+from tests.local_slurm import FINISHED_STATES, LocalSlurm
+
+local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_BIN = Path(__file__).parent / "fake_bin"
+# Two emulated GPUs, the node's two CPUs, a little memory: the job fits the 2-core test machine.
+RESOURCES = ("--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=5")
+TINY_RUN = (
+    "--dataset_include", "",
+    "--max_seq_length", "128",
+    "--eval_examples", "16",
+    "--eval_every", "0",
+    "--precision", "fp32",
+)  # fmt: skip
+
+
+def job_env(**overrides: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env['PATH']}"
+    env["SETUP"] = f"source {REPO / '.venv' / 'bin' / 'activate'}"
+    env.update(overrides)
+    return env
+
+
+def submit(
+    slurm: LocalSlurm,
+    log: Path,
+    env: dict[str, str],
+    *train_args: str,
+    sbatch: tuple[str, ...] = RESOURCES,
+) -> str:
+    return slurm.sbatch(
+        *sbatch, f"--output={log}", "slurm/finetune.sh", *train_args, cwd=REPO, env=env
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sbatch_finetune_completes(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """Env overrides (model, data, batch, output) and pass-through arguments reach the trainer;
+    the log shows the derived accumulation; the run folder holds everything."""
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = job_env(
+        MODEL=str(tiny_assets["model"]),
+        DATASET=str(tiny_assets["data"]),
+        OUTPUT_DIR=str(run_dir),
+        TOTAL_BATCH_SIZE="8",
+        BATCH_SIZE_PER_DEVICE="2",
+        GPU_SAMPLE_INTERVAL="1",
+    )
+    job = submit(local_slurm, log, env, *TINY_RUN, "--max_training_steps", "4")
+    info = local_slurm.wait(job, timeout=240)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "1 node(s) x 2 process(es) (one per GPU, SLURM_GPUS_ON_NODE=2)" in text
+    assert "total batch 8 sequences = 2 per device x 2 devices x 2 accumulation steps" in text
+    steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
+    assert steps and max(steps) == 4  # type: ignore[type-var]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert json.dumps(config).count(str(tiny_assets["model"])) >= 1
+    assert (run_dir / "final" / "config.json").is_file()
+    assert (run_dir / "logs" / log.name).resolve() == log.resolve()
+    # One sampler per node ran inside the job and was stopped cleanly at the end.
+    samples = (run_dir / "gpu_samples" / f"{local_slurm.node_name}.csv").read_text().splitlines()
+    assert len(samples) > 1 and samples[1].split(",")[2] == job
+    assert "CANCELLED" not in text  # the sampler step ended cleanly, not cancelled
+
+
+def test_non_dividing_batch_fails_in_preflight(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """7 sequences cannot be split over 2 processes: the job ends within seconds, before any
+    training process starts, and the log says what to change."""
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = job_env(OUTPUT_DIR=str(run_dir), TOTAL_BATCH_SIZE="7", GPU_SAMPLE_INTERVAL="0")
+    started = time.monotonic()
+    job = submit(
+        local_slurm, log, env,
+        "--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]), *TINY_RUN,
+    )  # fmt: skip
+    info = local_slurm.wait(job, timeout=120)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
+    assert "The total batch size does not divide: total_batch_size=7" in text
+    assert "--total_batch_size 8 (= 1 x 2 x 4 accumulation)" in text
+    assert "preflight failed: nothing was started" in text
+    assert not (run_dir / "metrics.jsonl").exists()
+    run_time = info["RunTime"].split(":")
+    assert int(run_time[-2]) * 60 + int(run_time[-1]) < 20, info["RunTime"]
+    assert time.monotonic() - started < 60
+
+
+def test_time_limit_saves_requeues_and_resumes(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """A 1-minute job: the trainer stops 45 s before the end (it reads the end time; USR1 from
+    Slurm at 40 s before is the second line of defence), every rank saves, the script requeues
+    the job, and the same job id resumes from the checkpoint in the same run folder. The test
+    gives the requeued job a longer limit so that it finishes in one more leg, not many."""
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = job_env(
+        MODEL=str(tiny_assets["model"]),
+        DATASET=str(tiny_assets["data"]),
+        OUTPUT_DIR=str(run_dir),
+        TOTAL_BATCH_SIZE="8",
+        GPU_SAMPLE_INTERVAL="0",
+    )
+    sbatch = (*RESOURCES[:-1], "--time=1", "--signal=B:USR1@40")
+    job = submit(
+        local_slurm, log, env, *TINY_RUN,
+        "--max_training_steps", "60", "--time_limit_margin_minutes", "0.75",
+        "--save_every_minutes", "0",
+        sbatch=sbatch,
+    )  # fmt: skip
+    requeued = local_slurm.wait_until(
+        job, lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINISHED_STATES,
+        timeout=150,
+    )  # fmt: skip
+    assert requeued.get("Restarts") == "1", (requeued, log.read_text())
+    local_slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
+    info = local_slurm.wait(job, timeout=240)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    assert "requeueing to resume" in text and f"job {job} (restart 1)" in text
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("completed", 60)
+    steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
+    assert steps.count(1) == 1, "the second leg started again from step 1"
+    assert max(steps) == 60 and len(set(steps)) == len(steps)
+    assert any((run_dir / "checkpoints").iterdir())

@@ -1,0 +1,171 @@
+"""What slurm/finetune.sh computes inside a job: processes per node, rendezvous, run folder,
+the requeue decision. Pure functions, plus the command line through real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_utils.offline import OFFLINE_VARIABLES
+from fsdp_utils.slurm.launch import (
+    RDZV_PORT_BASE,
+    RDZV_PORT_SPAN,
+    GpuCount,
+    check_rendezvous_host,
+    count_gpus,
+    decide_after_run,
+    plan_launch,
+    rendezvous_port,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+FINETUNE_SH = REPO / "slurm" / "finetune.sh"
+
+
+def never_called() -> str | None:
+    raise AssertionError("nvidia-smi must not run when the environment tells")
+
+
+def test_gpu_count_precedence() -> None:
+    both = {"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert count_gpus(both, never_called) == GpuCount(4, "SLURM_GPUS_ON_NODE=4")
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": "2,3,5"}, never_called).count == 3
+    # Slurm writes NoDevFiles when it cannot map the GPUs: fall through to nvidia-smi.
+    listing = (FIXTURES / "nvidia_smi_list_a100_mig.txt").read_text()
+    gpus = count_gpus({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, lambda: listing)
+    assert gpus == GpuCount(1, "nvidia-smi -L")  # one physical GPU, its MIG lines not counted
+    assert count_gpus({}, lambda: None) == GpuCount(0, "no GPU")
+
+
+def test_rendezvous_port_is_stable_and_in_range() -> None:
+    ports = {rendezvous_port(str(job)) for job in range(1_234_560, 1_234_600)}
+    assert len(ports) == 40  # neighbouring jobs never share a port
+    assert all(RDZV_PORT_BASE <= p < RDZV_PORT_BASE + RDZV_PORT_SPAN for p in ports)
+    assert rendezvous_port("1234567") == rendezvous_port("1234567")
+
+
+def test_loopback_head_fails_fast_only_for_multi_node() -> None:
+    loopback = {"gpu07": ["127.0.1.1"], "gpu07-ib": ["10.3.0.7"], "lonely": []}
+
+    def resolve(host: str) -> list[str]:
+        return loopback[host]
+
+    check_rendezvous_host("gpu07", 1, resolve)  # one node: the rendezvous stays local
+    with pytest.raises(ValueError, match=r"resolves to loopback \(127\.0\.1\.1\).*RDZV_HOST"):
+        check_rendezvous_host("gpu07", 2, resolve)
+    with pytest.raises(ValueError, match="does not resolve"):
+        check_rendezvous_host("lonely", 2, resolve)
+    check_rendezvous_host("gpu07-ib", 2, resolve)
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "chess-finetune",
+        "SLURM_NNODES": "2",
+        "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_CPUS_PER_TASK": "32",
+    }
+    env.update(extra)
+    return env
+
+
+def test_multi_node_plan() -> None:
+    plan = plan_launch(
+        slurm_env(), ["gpu07", "gpu08"], GpuCount(4, "SLURM_GPUS_ON_NODE=4"), [],
+        resolve=lambda host: ["10.0.0.7"],
+    )  # fmt: skip
+    assert (plan.nnodes, plan.nproc_per_node, plan.world_size) == (2, 4, 8)
+    assert plan.rdzv_endpoint == f"gpu07:{rendezvous_port('4242')}" and plan.rdzv_id == "4242"
+    assert plan.run_dir == Path("runs/chess-finetune-4242")
+    assert plan.stop_file == Path("runs/chess-finetune-4242/STOP")
+    assert plan.omp_num_threads == 8  # 32 CPUs shared by 4 processes
+    with pytest.raises(ValueError, match="SLURM_NNODES=2 but the node list has 1"):
+        plan_launch(slurm_env(), ["gpu07"], GpuCount(4, ""), [])
+
+
+def test_single_node_cpu_plan_and_overrides(tmp_path: Path) -> None:
+    env = slurm_env(SLURM_NNODES="1", SLURM_CPUS_PER_TASK="2", NPROC_PER_NODE="2")
+    plan = plan_launch(env, ["vm"], GpuCount(0, "no GPU"), [])
+    assert plan.rdzv_host == "127.0.0.1"  # no DNS needed for a one-node job
+    assert (plan.nproc_per_node, plan.omp_num_threads) == (2, 1)
+    with pytest.raises(ValueError, match="NPROC_PER_NODE must be a positive integer"):
+        plan_launch({**env, "NPROC_PER_NODE": "two"}, ["vm"], GpuCount(0, ""), [])
+    # Run folder: OUTPUT_DIR, else --output_dir (flag or config file), else per job.
+    config = tmp_path / "run.yaml"
+    config.write_text("output_dir: runs/from-config\nmax_training_steps: 5\n")
+    choose = lambda env, args: plan_launch(env, ["vm"], GpuCount(1, ""), args).run_dir  # noqa: E731
+    assert choose(env, ["--config", str(config)]) == Path("runs/from-config")
+    assert choose(env, ["--config", str(config), "--output_dir=flag"]) == Path("flag")
+    assert choose({**env, "OUTPUT_DIR": "/scratch/x"}, ["--output_dir", "flag"]) == Path(
+        "/scratch/x"
+    )
+    array = {**env, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "3"}
+    assert choose(array, []) == Path("runs/chess-finetune-4240_3")
+    stop = plan_launch(env, ["vm"], GpuCount(1, ""), ["--stop_file", "/tmp/halt"]).stop_file
+    assert stop == Path("/tmp/halt")
+
+
+def test_shell_assignments_survive_bash_eval() -> None:
+    """Values with spaces and quotes come through `eval` unchanged; only OMP_NUM_THREADS is
+    exported to the trainer's environment."""
+    env = slurm_env(SLURM_NNODES="1", OUTPUT_DIR="runs/it's a run")
+    plan = plan_launch(env, ["vm"], GpuCount(2, ""), [])
+    script = plan.shell_assignments() + 'echo "$RUN_DIR|$WORLD_SIZE"; env | grep -c WORLD_SIZE'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout
+    assert out.splitlines() == ["runs/it's a run|2", "0"]
+
+
+@pytest.mark.parametrize(
+    ("status", "exit_code", "restarts", "requeue", "reason"),
+    [
+        ({"status": "interrupted", "step": 7}, 0, 0, True, "interrupted at step 7"),
+        ({"status": "completed", "step": 20}, 0, 1, False, "completed at step 20"),
+        ({"status": "interrupted", "step": 7}, 1, 0, False, "exited 1"),
+        ({"status": "interrupted", "step": 7}, 0, 20, False, "already requeued 20 times"),
+        (None, 137, 0, False, "no status.json"),
+    ],
+)
+def test_requeue_decision(
+    status: dict[str, object] | None, exit_code: int, restarts: int, requeue: bool, reason: str
+) -> None:
+    decision = decide_after_run(status, exit_code, restarts, max_requeues=20)
+    assert decision.requeue is requeue
+    assert reason in decision.reason
+
+
+def run_launch(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_utils.slurm.launch", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": os.environ["PATH"], **env},
+    )
+
+
+def test_command_line(tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_text(json.dumps({"status": "interrupted", "step": 3}))
+    after = run_launch("after-run", str(tmp_path), "0", env={"SLURM_RESTART_COUNT": "1"})
+    assert after.stdout == "requeue\n" and "interrupted at step 3" in after.stderr
+    after = run_launch("after-run", str(tmp_path), "0", env={"REQUEUE": "0"})
+    assert after.stdout == "done\n" and "REQUEUE=0" in after.stderr
+    multi = slurm_env(SLURM_JOB_NODELIST="localhost,gpu08", RDZV_HOST="localhost")
+    plan = run_launch("plan", "--", "--model", "m", env=multi)
+    assert plan.returncode == 2 and "error: The rendezvous host 'localhost'" in plan.stderr
+    assert plan.stdout == ""
+
+
+def test_finetune_sh_exports_offline_mode_before_python() -> None:
+    text = FINETUNE_SH.read_text()
+    offline_line = next(line for line in text.splitlines() if "HF_HUB_OFFLINE=1" in line)
+    for name, value in OFFLINE_VARIABLES.items():
+        assert f"{name}={value}" in offline_line
+    assert text.index("HF_HUB_OFFLINE=1") < text.index('"$PYTHON"')
+    assert subprocess.run(["bash", "-n", str(FINETUNE_SH)]).returncode == 0

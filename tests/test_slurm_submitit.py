@@ -1,0 +1,219 @@
+"""`slurm/submit.py`: options, the generated batch script (golden), the sweep table, and real
+runs through submitit's local executor and through the one-node Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from fsdp_utils.slurm.submitit_launcher import (
+    SubmitOptions,
+    choose_run_dir,
+    parse_time_minutes,
+    sbatch_preview,
+)
+from fsdp_utils.slurm.sweep import SweepSpec, format_sweep_table, summarise_run
+from tests import local_slurm as slurm_fixture
+from tests.local_slurm import LocalSlurm
+from tests.test_slurm_conf import check_golden
+
+local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RUN = (
+    "--dataset_include", "",
+    "--max_seq_length", "128",
+    "--max_training_steps", "3",
+    "--total_batch_size", "8",
+    "--eval_examples", "16",
+    "--eval_every", "0",
+    "--precision", "fp32",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), ("0:30", 1), ("04:00:00", 240), ("1-12", 2160), ("2-00:30:00", 2910)],
+)
+def test_slurm_time_formats(text: str, minutes: int) -> None:
+    assert parse_time_minutes(text) == minutes
+
+
+def test_bad_options_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="not a Slurm time"):
+        parse_time_minutes("4h")
+    with pytest.raises(ValueError, match="--local runs on this machine only"):
+        SubmitOptions(local=True, nodes=2)
+    with pytest.raises(ValueError, match=r"OPTION a chess_finetune\.py option"):
+        SweepSpec.parse("batch_size=1,2")
+    assert SweepSpec.parse("--batch_size_per_device=1, 2,4").values == ("1", "2", "4")
+
+
+def test_generated_batch_script_golden() -> None:
+    """The exact script submitit hands to sbatch: one task per GPU, offline mode exported before
+    Python, USR2 before the limit, requeue allowed, CPUs repeated for srun."""
+    options = SubmitOptions(
+        nodes=2,
+        gpus_per_node=4,
+        cpus_per_gpu=8,
+        mem_gb=256,
+        time="04:00:00",
+        partition="gpu",
+        account="proj42",
+        setup=("module load anaconda3/2024.6", "conda activate fsdp-utils"),
+        log_dir=Path("/scratch/alice/logs/submitit"),
+        python="/home/alice/.conda/envs/fsdp-utils/bin/python",
+    )
+    check_golden("submitit_sbatch.sh", sbatch_preview(options))
+
+
+def test_run_dir_is_fixed_at_submission(tmp_path: Path) -> None:
+    now = datetime(2025, 3, 1, 14, 5, 9)
+    assert choose_run_dir(SubmitOptions(), [], now) == Path("runs/chess-finetune-20250301-140509")
+    assert choose_run_dir(SubmitOptions(), ["--output_dir", "x"], now) == Path("x")
+
+
+def write_metrics(run_dir: Path, step_times: list[float], peak_gib: float) -> None:
+    run_dir.mkdir(parents=True)
+    records = [{"kind": "start", "step": 0, "message": "training"}]
+    for step, seconds in enumerate(step_times, start=1):
+        records.append(
+            {
+                "kind": "train",
+                "step": step,
+                "step_time_s": seconds,
+                "tokens_per_s": 4096 / seconds,
+                "tokens_per_s_per_device": 1024 / seconds,
+                "cuda_peak_reserved_gib": peak_gib,
+            }
+        )
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_sweep_table(tmp_path: Path) -> None:
+    """Median speed without the warm-up step; OOM recognised; the answer in the last line."""
+    write_metrics(tmp_path / "1", [9.0, 1.0, 1.0, 1.2], 30.5)
+    write_metrics(tmp_path / "2", [9.0, 0.8, 0.8, 0.9], 52.25)
+    rows = [
+        summarise_run("1", tmp_path / "1"),
+        summarise_run("2", tmp_path / "2"),
+        summarise_run("4", tmp_path / "4", "torch.OutOfMemoryError: CUDA out of memory."),
+    ]
+    assert rows[0].step_time_s == 1.0 and rows[1].peak_memory_gib == 52.25
+    table = format_sweep_table("batch_size_per_device", rows).splitlines()
+    assert table[0].split() == [
+        "batch_size_per_device", "outcome", "steps", "s/step", "tokens/s", "tokens/s/device",
+        "peak", "GPU", "reserved", "GiB",
+    ]  # fmt: skip
+    assert table[2].split() == ["1", "completed", "4", "1.000", "4,096", "1,024", "30.50"]
+    assert table[4].split()[:4] == ["4", "out", "of", "memory"]
+    assert table[-1] == ("largest batch_size_per_device that ran: 2; fastest: 2 (5,120 tokens/s)")
+
+
+def run_submit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "slurm/submit.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env or dict(os.environ),
+        timeout=400,
+    )
+
+
+@pytest.mark.slow
+def test_submitit_sweep_on_slurm(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """A job array on the local Slurm (2 emulated GPUs per job), then the table. 3 sequences
+    per device cannot make a total of 8 on 2 devices: a table row, not a submitted job."""
+    base = tmp_path / "sweep"
+    result = run_submit(
+        "--gpus-per-node", "2", "--cpus-per-gpu", "1", "--mem-gb", "4", "--time", "10",
+        "--log-dir", str(tmp_path / "logs"), "--sweep", "batch_size_per_device=1,2,3",
+        "--", "--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+        *TINY_RUN, "--output_dir", str(base),
+        env=local_slurm.env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("batch_size_per_device"))) :]
+    assert table[2].split()[:3] == ["1", "completed", "3"]
+    assert table[3].split()[:3] == ["2", "completed", "3"]
+    assert (
+        table[4].startswith("3") and "preflight: The total batch size does not divide" in table[4]
+    )
+    assert table[5].startswith("largest batch_size_per_device that ran: 2")
+    array_job = result.stdout.split("jobs ")[1].split("_")[0]
+    info = local_slurm.job_info(f"{array_job}_1")
+    assert (info["JobState"], info["NumTasks"]) == ("COMPLETED", "2")
+    assert (base / "batch_size_per_device=2" / "final" / "config.json").is_file()
+
+
+def submitit_task_pids(log_dir: Path) -> list[int]:
+    """The submitit task processes (one per rank) serving jobs logged in `log_dir`."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in args and str(log_dir).encode() in args:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_submitit_preemption_checkpoints_every_rank(
+    tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """The submitit path on this machine (local executor, one task per process), interrupted:
+    the time-limit / preemption signal (USR2, which Slurm and submitit's local executor send to
+    every task) makes submitit call checkpoint() on rank 0 only; the stop file makes both ranks
+    save their shards, and the requeued job resumes from them and completes."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    command = [
+        sys.executable, "slurm/submit.py", "--local", "--gpus-per-node", "2", "--time", "10",
+        "--log-dir", str(logs),
+        "--", "--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+        *TINY_RUN[:4], "--max_training_steps", "40", *TINY_RUN[6:],
+        "--save_every_minutes", "0", "--output_dir", str(run_dir),
+    ]  # fmt: skip
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True) as submit:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            assert time.monotonic() < deadline and submit.poll() is None, "training never started"
+            time.sleep(0.2)
+        tasks = submitit_task_pids(logs)
+        assert len(tasks) == 2
+        for pid in tasks:
+            os.kill(pid, signal.SIGUSR2)
+        output, _ = submit.communicate(timeout=240)
+    assert submit.returncode == 0, output
+    assert "preflight OK: total batch 8 sequences = 1 per device x 2 devices" in output
+    assert sorted(p.name.split("_")[1] for p in logs.glob("*_log.out")) == ["0", "1"]
+    rank0 = next(logs.glob("*_0_log.out")).read_text()
+    assert "asking all ranks to save" in rank0 and "Requeued job" in rank0
+    # The checkpoint saved on the signal (before step 40) holds a shard from each rank.
+    saved = {
+        json.loads((folder / "checkpoint.json").read_text())["step"]: folder
+        for folder in (run_dir / "checkpoints").iterdir()
+        if (folder / "checkpoint.json").exists()
+    }
+    interrupted = saved[min(saved)]
+    assert min(saved) < 40
+    assert {p.name for p in interrupted.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("completed", 40)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_steps = [m["step"] for m in records if m["kind"] == "train"]
+    assert train_steps.count(1) == 1 and len(set(train_steps)) == len(train_steps)
