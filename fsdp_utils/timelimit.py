@@ -114,8 +114,9 @@ class StopController:
         self.step_seconds = 0.0
         self.end_time: float | None = None
         self._end_time_checked = -float("inf")
-        if is_main and stop_file.exists():  # left by the previous (requeued) run
-            stop_file.unlink()
+        # A STOP file present at start is honoured, not taken for a stale one: the signal may
+        # have come while this run was starting. The launcher removes a previous leg's STOP
+        # (slurm/finetune.sh), and a run that stops because of it consumes it (consume_stop_file).
 
     def end_time_known(self) -> bool:
         return self.is_main and self._end_time() is not None
@@ -164,6 +165,10 @@ class StopController:
         )
         code, save_flag = (int(v) for v in dist_utils.all_reduce_max(local).tolist())
         return Decision(stop=REASONS.get(code), save=bool(save_flag))
+
+    def consume_stop_file(self) -> None:
+        if self.is_main:
+            self.stop_file.unlink(missing_ok=True)
 
     def saved(self, seconds: float) -> None:
         self.last_save = time.monotonic()

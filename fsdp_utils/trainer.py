@@ -351,6 +351,7 @@ class Trainer:
                 )
                 if self.last_saved_step != self.state.step:
                     self.save_checkpoint()
+                self.stop.consume_stop_file()  # handled: the next run must not stop at once
                 return {
                     "status": "interrupted",
                     "reason": decision.stop,

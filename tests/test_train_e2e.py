@@ -159,3 +159,29 @@ def test_bad_input_gives_one_clear_message(
     assert "Traceback" not in result.stderr
     if "total_batch_size" in overrides:
         assert "model:" not in result.stdout  # failed before any model was loaded
+
+
+def test_sharding_strategies_and_offload_change_memory_not_the_math(tmp_path, data_cache, tiny_assets):
+    """fp32: full, shard_grad_op, hybrid (2-D mesh), no_shard and CPU offload give the same
+    losses; the low-precision modes stay close."""
+    variants = {
+        "full": {},
+        "shard_grad_op": {"sharding": "shard_grad_op"},
+        "hybrid": {"sharding": "hybrid"},
+        "no_shard": {"sharding": "no_shard"},
+        "cpu_offload": {"cpu_offload": True},
+        "bf16-mixed": {"precision": "bf16-mixed"},
+        "fp16-mixed": {"precision": "fp16-mixed"},
+        "bf16-true + sgd": {"precision": "bf16-true", "optimizer": "sgd"},
+    }
+    losses = {}
+    for name, overrides in variants.items():
+        out = tmp_path / name.replace(" ", "").replace("+", "_")
+        args = tiny_args(tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True, **overrides)
+        check_ok(run_finetune(2, args))
+        losses[name] = _losses(out)
+    for name in ("shard_grad_op", "hybrid", "no_shard", "cpu_offload"):
+        assert losses[name] == pytest.approx(losses["full"], rel=1e-5), name
+    for name in ("bf16-mixed", "fp16-mixed"):
+        assert losses[name] == pytest.approx(losses["full"], rel=5e-3), name
+    assert losses["bf16-true + sgd"][0] == pytest.approx(losses["full"][0], rel=5e-3)

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
-from fsdp_utils.config import DEFAULT_DATASET, DEFAULT_DATASET_INCLUDE, DEFAULT_MODEL, TrainConfig
+from fsdp_utils.config import (
+    DEFAULT_DATASET,
+    DEFAULT_DATASET_INCLUDE,
+    DEFAULT_MODEL,
+    TrainConfig,
+    default_dataset_include,
+)
 from fsdp_utils.hub.cache import format_bytes, hub_cache_dir
+from fsdp_utils.hub.manifest import manifest_path
 from fsdp_utils.hub.specs import (
     AssetSpec,
-    default_include,
     default_specs,
     load_assets_file,
     looks_local,
@@ -85,23 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _specs_from_args(args: argparse.Namespace) -> tuple[list[AssetSpec] | None, TrainConfig | None]:
-    """Assets named on the command line or in --config; None if nothing was named."""
+@dataclass(frozen=True)
+class Request:
+    """What the command line asks for. `specs` is None when no asset was named."""
+
+    specs: list[AssetSpec] | None
+    cache_dir: str | None  # as given (--cache-dir, else the assets file), None: environment
+    train_config: TrainConfig | None  # when --config is a training config
+
+
+def parse_request(args: argparse.Namespace) -> Request:
     specs: list[AssetSpec] = []
-    train_config = None
+    train_config, cache_dir = None, args.cache_dir
     if args.config:
         loaded = load_assets_file(args.config)
         specs += loaded.specs
         train_config = loaded.train_config
-        if args.cache_dir is None:
-            args.cache_dir = loaded.cache_dir
+        cache_dir = cache_dir or loaded.cache_dir
     if args.model:
         specs.append(AssetSpec(args.model, "model", args.revision))
     elif args.revision:
         raise ValueError("--revision is the model's revision: give --model too.")
     if args.dataset:
         include = args.dataset_include
-        include = default_include(args.dataset) if include is None else (include or None)
+        include = default_dataset_include(args.dataset) if include is None else (include or None)
         specs.append(AssetSpec(args.dataset, "dataset", args.dataset_revision, include))
     elif args.dataset_include is not None or args.dataset_revision:
         raise ValueError("--dataset-include and --dataset-revision need --dataset.")
@@ -112,7 +131,7 @@ def _specs_from_args(args: argparse.Namespace) -> tuple[list[AssetSpec] | None, 
                 "reads it directly."
             )
     named = bool(args.config or args.model or args.dataset)
-    return (specs if named else None), train_config
+    return Request(specs if named else None, cache_dir, train_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,28 +144,59 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            "\ninterrupted: files downloaded completely are kept, nothing half-done was "
-            "recorded in the manifest. Re-run the same command to resume.",
-            file=sys.stderr,
-        )
+        print(INTERRUPTED, file=sys.stderr)
         return 130
+
+
+INTERRUPTED = (
+    "\ninterrupted: files downloaded completely are kept, nothing half-done was recorded in the "
+    "manifest. Re-run the same command to resume."
+)
+
+
+@contextmanager
+def _stop_at_once_on_ctrl_c() -> Iterator[None]:
+    """Ctrl-C exits now, not after the files in flight (minutes for a 10 GB shard).
+
+    A KeyboardInterrupt would reach us only once huggingface_hub's thread pool has let its
+    running downloads finish. Exiting from the signal handler skips that; the temporary files
+    it leaves are removed by the next run, and the manifest is only ever replaced atomically.
+    """
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        sys.stdout.flush()
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}.")
-    specs, train_config = _specs_from_args(args)
-    cache_dir = hub_cache_dir(args.cache_dir)
-    if train_config is not None and hub_cache_dir(train_config.cache_dir) != cache_dir:
-        print(
-            f"warning: {args.config} makes the trainer look in {hub_cache_dir(train_config.cache_dir)}"
-            f", not in {cache_dir}: set cache_dir there (or HF_HOME) so it finds these assets."
-        )
+    request = parse_request(args)
+    cache_dir = hub_cache_dir(request.cache_dir)
+    if request.train_config is not None:
+        trainer_cache = hub_cache_dir(request.train_config.cache_dir)
+        if trainer_cache != cache_dir:
+            print(
+                f"warning: {args.config} makes the trainer look in {trainer_cache}, not in "
+                f"{cache_dir}: set cache_dir there (or HF_HOME) so that it finds these assets."
+            )
     if args.verify or args.check_offline:
         if args.prepare or args.dry_run:
             raise ValueError("--verify/--check-offline do not download: drop --prepare/--dry-run.")
-        return _offline_modes(args, specs, cache_dir)
+        return _offline_modes(args, request.specs, cache_dir)
+
+    specs = request.specs if request.specs is not None else default_specs()
+    if not specs:
+        raise ValueError(f"{args.config} names no hub assets (only local paths): nothing to do.")
+    # Checked before downloading, so that a bad --prepare does not cost a download first.
+    prepare_config = _prepare_config(specs, request) if args.prepare else None
 
     from huggingface_hub import constants
 
@@ -158,22 +208,24 @@ def _run(args: argparse.Namespace) -> int:
             "downloaded. They belong on compute nodes; on the login node run:\n  "
             f"HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 {args.command_line}"
         )
-    specs = specs if specs is not None else default_specs()
-    if not specs:
-        raise ValueError(f"{args.config} names no hub assets (only local paths): nothing to do.")
     started = time.monotonic()
-    entries = download_assets(
-        specs, cache_dir, workers=args.workers, dry_run=args.dry_run, log=print
-    )
+    with _stop_at_once_on_ctrl_c():
+        entries = download_assets(
+            specs, cache_dir, workers=args.workers, dry_run=args.dry_run, log=print
+        )
     if args.dry_run:
         return 0
     total = sum(f.size for e in entries for f in e.files)
     print(
         f"cached {len(entries)} asset(s), {format_bytes(total)}, in "
-        f"{time.monotonic() - started:.1f} s; manifest: {cache_dir / 'offline-manifest.json'}"
+        f"{time.monotonic() - started:.1f} s; manifest: {manifest_path(cache_dir)}"
     )
-    if args.prepare:
-        _prepare(specs, train_config, args.cache_dir)
+    if prepare_config is not None:
+        from fsdp_utils.data import prepare_dataset
+
+        started = time.monotonic()
+        path = prepare_dataset(prepare_config)
+        print(f"prepared in {time.monotonic() - started:.1f} s: {path}")
     print("next: python download_models.py --check-offline   (then sbatch slurm/finetune.sh)")
     return 0
 
@@ -196,34 +248,26 @@ def _offline_modes(args: argparse.Namespace, specs: list[AssetSpec] | None, cach
     return status
 
 
-def _prepare(
-    specs: list[AssetSpec], train_config: TrainConfig | None, cache_dir: str | None
-) -> None:
-    """Tokenise and pack on the login node, with the same config the trainer will use.
-
-    `cache_dir` is passed as the user gave it (None: from the environment), because the
-    prepared data's folder derives from it exactly as it will on the compute node.
-    """
-    from fsdp_utils.data import prepare_dataset
-
-    if train_config is None:
-        models = [s for s in specs if s.repo_type == "model"]
-        datasets = [s for s in specs if s.repo_type == "dataset"]
-        if len(models) > 1 or len(datasets) != 1:
-            raise ValueError(
-                "--prepare needs exactly one dataset and at most one model; for anything else "
-                "pass the training config: python download_models.py --config train.yaml --prepare"
-            )
-        model = models[0] if models else AssetSpec(DEFAULT_MODEL, "model")
-        dataset = datasets[0]
-        train_config = TrainConfig(
-            model=model.repo_id,
-            revision=model.revision,
-            dataset=dataset.repo_id,
-            dataset_include=dataset.include or "",
-            dataset_revision=dataset.revision,
-            cache_dir=cache_dir,
+def _prepare_config(specs: list[AssetSpec], request: Request) -> TrainConfig:
+    """The config `--prepare` tokenises with: the training config given with --config, else
+    the trainer's defaults for the named model and dataset. The cache folder stays as the user
+    gave it (None: from the environment): the prepared data's folder derives from it exactly
+    as it will on the compute node."""
+    if request.train_config is not None:
+        return request.train_config
+    models = [s for s in specs if s.repo_type == "model"]
+    datasets = [s for s in specs if s.repo_type == "dataset"]
+    if len(models) > 1 or len(datasets) != 1:
+        raise ValueError(
+            "--prepare needs exactly one dataset and at most one model; otherwise pass the "
+            "training config: python download_models.py --config train.yaml --prepare"
         )
-    started = time.monotonic()
-    path = prepare_dataset(train_config)
-    print(f"prepared (tokenised and packed) in {time.monotonic() - started:.1f} s: {path}")
+    model = models[0] if models else AssetSpec(DEFAULT_MODEL, "model")
+    return TrainConfig(
+        model=model.repo_id,
+        revision=model.revision,
+        dataset=datasets[0].repo_id,
+        dataset_include=datasets[0].include or "",
+        dataset_revision=datasets[0].revision,
+        cache_dir=request.cache_dir,
+    )

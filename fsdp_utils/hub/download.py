@@ -17,6 +17,7 @@ downloads into a private temporary file, which we delete if a killed run left it
 from __future__ import annotations
 
 import glob
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -149,8 +150,12 @@ def _download_plan(
 
     to_fetch = [f for f in plan.selected if f not in digests]
     if to_fetch:
-        log(f"  downloading {len(to_fetch)} file(s), {format_bytes(sum(f.size for f in to_fetch))}")
+        size = sum(f.size for f in to_fetch)
+        log(f"  downloading {len(to_fetch)} file(s), {format_bytes(size)}")
+        started = time.monotonic()
         _snapshot_download(api, spec, commit, cache_dir, [f.path for f in to_fetch], workers)
+        seconds = time.monotonic() - started
+        log(f"  downloaded in {seconds:.1f} s ({format_bytes(size / max(seconds, 1e-3))}/s)")
         fetched = _digests(snapshot, to_fetch, workers)
         for f, digest in fetched.items():
             if not _matches_hub(f, digest):
@@ -185,7 +190,11 @@ def _sorted_items(digests: dict[RemoteFile, FileDigest]) -> list[tuple[RemoteFil
 def _digests(
     snapshot: Path, files: Sequence[RemoteFile], workers: int
 ) -> dict[RemoteFile, FileDigest]:
-    by_path = digest_files((snapshot / f.path for f in files), workers)
+    """sha256 of every file, plus the git blob id of those the Hub keeps in git (not LFS)."""
+    by_path: dict[Path, FileDigest] = {}
+    for in_git in (False, True):
+        group = [snapshot / f.path for f in files if (f.lfs_sha256 is None) == in_git]
+        by_path |= digest_files(group, workers, git_blob_ids=in_git)
     return {f: by_path[snapshot / f.path] for f in files}
 
 

@@ -28,6 +28,7 @@ from fsdp_utils.config import (
     DEFAULT_MODEL,
     TrainConfig,
     config_from_dict,
+    default_dataset_include,
     load_config_file,
 )
 from fsdp_utils.hub.cache import BUILTIN_CACHE_DIR, hub_cache_dir
@@ -95,7 +96,7 @@ def download_command(
     if dataset:
         parts += ["--dataset", dataset]
         # No globs means every data file; say so when the command line's default is a subset.
-        if include or default_include(dataset) is not None:
+        if include or default_dataset_include(dataset) is not None:
             parts += ["--dataset-include", include or ""]
         if dataset_revision:
             parts += ["--dataset-revision", dataset_revision]
@@ -113,11 +114,6 @@ def default_specs() -> list[AssetSpec]:
     ]
 
 
-def default_include(dataset: str) -> str | None:
-    """The default chess dataset has hundreds of ~500 MB shards: never all of them by default."""
-    return DEFAULT_DATASET_INCLUDE if dataset == DEFAULT_DATASET else None
-
-
 def specs_from_train_config(config: TrainConfig) -> list[AssetSpec]:
     """The hub assets a training run will look up (local paths need no download)."""
     specs = []
@@ -126,7 +122,7 @@ def specs_from_train_config(config: TrainConfig) -> list[AssetSpec]:
     names = [d.strip() for d in config.dataset.split(",") if d.strip()]
     for name in names:
         if not looks_local(name):
-            include = config.dataset_include or None
+            include = config.resolved_dataset_include
             specs.append(AssetSpec(name, "dataset", config.dataset_revision, include))
     return specs
 
@@ -177,5 +173,5 @@ def _spec_from_item(item: Any, where: str) -> AssetSpec:
     assert repo_id is not None
     include = values["include"]
     if kind == "dataset" and "include" not in item:
-        include = default_include(repo_id)
+        include = default_dataset_include(repo_id)
     return AssetSpec(repo_id, kind, values["revision"], include)

@@ -7,13 +7,14 @@ emulated for scheduling only: jobs that ask for them get `SLURM_GPUS_ON_NODE` an
 
 Everything lives in one git-ignored state folder (config, spool, logs, pid files):
 
-    <state>/etc/slurm.conf, <state>/etc/gres.conf   written by the pure functions below
+    <state>/etc/slurm.conf, <state>/etc/gres.conf   from the pure functions in `local_conf`
     <state>/gpus/nvidia0 ...                         the emulated GPU devices
     <state>/spool/, <state>/log/, <state>/leases/    daemon state, logs, who uses the cluster
 
-`up()`/`down()` are idempotent and serialised by a file lock. Each user of the cluster (a pytest
-session, or `up.sh` for a person) holds a lease; `release()` stops the daemons only when the
-last lease is gone, so concurrent test sessions share one cluster safely.
+Bringing it up and down is idempotent and serialised by a file lock. Each user of the cluster (a
+pytest session, or `up.sh` for a person) holds a lease, and the daemons stop only when the last
+lease is released, so concurrent test sessions share one cluster safely; leases of sessions that
+died are ignored.
 
 Only the standard library is used, so `slurm/local/up.sh` also works with the system python3.
 """
@@ -58,6 +59,7 @@ class LocalClusterError(RuntimeError):
 
 
 def which(command: str) -> str:
+    """Full path of a Slurm or munge command, or an error saying how to install them."""
     path = shutil.which(command, path=SBIN_PATH)
     if path is None:
         raise LocalClusterError(f"`{command}` is not installed. {INSTALL_HINT}")
@@ -99,14 +101,23 @@ def write_config(cluster: LocalCluster) -> None:
             os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
 
 
+def _running(pid: int) -> bool:
+    """True while `pid` runs. A daemon's orphaned zombie counts as gone: in containers pid 1
+    does not always reap them."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat_line.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def _pid_alive(pid_file: Path) -> int | None:
-    """The pid in `pid_file` if that process is alive."""
+    """The pid in `pid_file` if that process runs."""
     try:
         pid = int(pid_file.read_text().split()[0])
-        os.kill(pid, 0)
     except (OSError, ValueError, IndexError):
         return None
-    return pid
+    return pid if _running(pid) else None
 
 
 def munge_works() -> bool:
@@ -252,12 +263,13 @@ def stop(cluster: LocalCluster) -> None:
 
 
 def _terminate(pid_file: Path, timeout: float = 15) -> None:
+    """SIGTERM the daemon and wait for the process itself: daemons delete their pid file
+    before they finish shutting down."""
     pid = _pid_alive(pid_file)
     if pid is None:
         return
     os.kill(pid, signal.SIGTERM)
-    with contextlib.suppress(LocalClusterError):
-        _wait_for(lambda: _pid_alive(pid_file) is None, timeout=timeout, what=f"{pid_file}")
+    _wait_for(lambda: not _running(pid), timeout=timeout, what=f"pid {pid} ({pid_file.stem})")
 
 
 def _no_job_steps(cluster: LocalCluster) -> bool:
@@ -292,10 +304,9 @@ def _live_leases(cluster: LocalCluster) -> list[Path]:
             live.append(lease)
             continue
         pid = lease.name.split("-", 1)[0]
-        try:
-            os.kill(int(pid), 0)
+        if pid.isdigit() and _running(int(pid)):
             live.append(lease)
-        except (OSError, ValueError):
+        else:
             lease.unlink(missing_ok=True)
     return live
 
@@ -304,7 +315,11 @@ def acquire(cluster: LocalCluster, owner: str | None = None) -> Path:
     """Bring the cluster up if needed and register `owner` as a user. Returns the lease."""
     with _locked(cluster):
         if not is_up(cluster):
-            start(cluster)
+            try:
+                start(cluster)
+            except BaseException:
+                stop(cluster)  # leave nothing half-started behind
+                raise
         cluster.lease_dir.mkdir(parents=True, exist_ok=True)
         lease = cluster.lease_dir / (owner or f"{os.getpid()}-{time.time_ns()}")
         lease.touch()
@@ -326,12 +341,21 @@ def up(cluster: LocalCluster) -> None:
     acquire(cluster, owner=MANUAL_LEASE)
 
 
-def down(cluster: LocalCluster) -> None:
-    """For a person: stop the cluster whoever else uses it."""
+def down(cluster: LocalCluster, force: bool = False) -> list[str]:
+    """For a person: drop the `up` lease and stop the cluster, unless a running test session
+    still uses it (`force` stops it anyway). Returns the leases that kept it running."""
     with _locked(cluster):
+        (cluster.lease_dir / MANUAL_LEASE).unlink(missing_ok=True)
+        if cluster.lease_dir.exists():
+            others = [lease.name for lease in _live_leases(cluster)]
+        else:
+            others = []
+        if others and not force:
+            return others
         for lease in cluster.lease_dir.glob("*"):
             lease.unlink()
         stop(cluster)
+        return []
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -345,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "env", "config"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--gpus", type=int, default=4, help="emulated GPUs on the node")
+    parser.add_argument(
+        "--force", action="store_true", help="down: stop even while test sessions use it"
+    )
     args = parser.parse_args(argv)
     state_dir = args.state_dir.resolve()
     conf = state_dir / "etc" / "slurm.conf"
@@ -366,8 +393,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"Use it from this shell with:  export SLURM_CONF={conf}"
             )
         elif args.command == "down":
-            down(cluster)
-            print("Slurm is down.")
+            users = down(cluster, force=args.force)
+            if users:
+                print(
+                    f"Slurm left running: still used by test session(s) {', '.join(users)}; "
+                    "it stops when they end (or: down.sh --force)."
+                )
+            else:
+                print("Slurm is down.")
         else:
             state = node_state(cluster) if is_up(cluster) else None
             print(f"up: node {cluster.node.name} {state}" if state else "down")

@@ -145,12 +145,11 @@ GresTypes=gpu
 # No accounting database (slurmdbd): sacct has nothing to read; `scontrol show job` keeps
 # finished jobs for MinJobAge seconds instead. Per-step CPU/memory usage (sstat) still works.
 AccountingStorageType=accounting_storage/none
-# Track GPUs as a TRES so `scontrol show job` lists gres/gpu=N in TRES (the GPU report reads it).
-AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
 MinJobAge=600
 MpiDefault=none
+MailProg=/bin/true
 SwitchType=switch/none
 # A node that was down (e.g. after a restart) returns to service by itself.
 ReturnToService=2
@@ -158,6 +157,8 @@ ReturnToService=2
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=5
 KillWait=5
+# Refuse at submission a job this node can never run, instead of leaving it pending forever.
+EnforcePartLimits=ALL
 InactiveLimit=0
 StateSaveLocation={cluster.ctld_spool}
 SlurmdSpoolDir={cluster.slurmd_spool}

@@ -1,0 +1,14 @@
+"""Cache models and datasets on the login node for compute nodes without internet.
+
+    python download_models.py                  # the trainer's default model and dataset subset
+    python download_models.py --help           # --model/--dataset/--config, --verify, --check-offline
+
+Everything lives in `fsdp_utils.hub`; see docs/readme/download.md.
+"""
+
+import sys
+
+from fsdp_utils.hub.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

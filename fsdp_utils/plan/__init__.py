@@ -1,0 +1,33 @@
+"""The memory planner: will a fine-tune fit in GPU memory, before it waits in the queue?
+
+    python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --nodes 1 --gpus-per-node 4 \
+        --gpu-memory 80GiB [--find-max-batch] [any chess_finetune.py training flags]
+
+`plan_memory` traces one training step of the exact configuration on fake tensors (config.json
+only, no weights, no GPU) and measures it with PyTorch's FSDP memory tracker; see estimate.py.
+"""
+
+from fsdp_utils.plan.cli import main
+from fsdp_utils.plan.estimate import Cluster, ModelFacts
+from fsdp_utils.plan.hardware import GPU_PRESETS, Gpu, parse_gpu_memory
+from fsdp_utils.plan.planner import find_max_batch, max_batch_plan, plan_memory
+from fsdp_utils.plan.report import Fix, Margin, MemoryPlan, format_plan
+from fsdp_utils.plan.tracking import Breakdown, StepMemory
+
+__all__ = [
+    "GPU_PRESETS",
+    "Breakdown",
+    "Cluster",
+    "Fix",
+    "Gpu",
+    "Margin",
+    "MemoryPlan",
+    "ModelFacts",
+    "StepMemory",
+    "find_max_batch",
+    "format_plan",
+    "main",
+    "max_batch_plan",
+    "parse_gpu_memory",
+    "plan_memory",
+]

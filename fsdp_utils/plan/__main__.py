@@ -1,0 +1,3 @@
+from fsdp_utils.plan.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""Trace one training step of the exact configuration on fake tensors and measure its memory.
+
+Nothing is allocated: the model is built on `meta` and materialised under `FakeTensorMode`,
+whose tensors have shapes, dtypes and storages but no data, in a process group of the planned
+world size whose collectives do nothing (`fake` backend). The step that runs is the trainer's
+own `Trainer.train_step` (same parallelize, mixed-precision policy, optimizer, loss scaling,
+micro-batch loop and gradient sync), fed with the trainer's own batch code, and measured by
+`tracking.track_train_step`, as the real run is in `measure.py`.
+
+Why on the CPU: FSDP2 asks the CUDA runtime for streams and the current device as soon as its
+mesh is on "cuda", which a login node (and this CPU-only build) does not have. Nothing in the
+byte counts depends on the device: a tensor's storage is numel x element size wherever it lives,
+and FSDP2's buffers (all-gather outputs, reduce-scatter inputs, when they are freed) are chosen by
+the same Python code on either. What does differ is outside the tensors (allocator rounding and
+fragmentation, CUDA context, NCCL buffers) and is covered by `report.Margin`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_utils.assets import MissingAssetError, resolve_model_dir
+from fsdp_utils.batch import BatchPlan, plan_batch
+from fsdp_utils.config import TrainConfig
+from fsdp_utils.data import StepSampler, TokenBlocks
+from fsdp_utils.distributed import DistEnv, build_mesh
+from fsdp_utils.model import (
+    build_meta_model,
+    check_seq_length,
+    count_parameters,
+    find_decoder_layers,
+    load_model_config,
+    materialize,
+)
+from fsdp_utils.optim import build_optimizer, build_scheduler
+from fsdp_utils.parallelize import autocast_context, parallelize
+from fsdp_utils.plan.tracking import StepMemory, track_train_step, use_foreach_optimizer
+from fsdp_utils.trainer import Trainer, TrainState
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(
+                f"--nodes and --gpus-per-node must be at least 1, got {self.nodes} and "
+                f"{self.gpus_per_node}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        gpus = "GPU" if self.world_size == 1 else "GPUs"
+        nodes = "node" if self.nodes == 1 else "nodes"
+        return f"{self.world_size} {gpus} ({self.nodes} {nodes} x {self.gpus_per_node})"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_type: str
+    parameters: int
+    non_embedding_parameters: int
+    decoder_layers: int
+    decoder_layer_class: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory: StepMemory
+    model: ModelFacts
+    batch: BatchPlan
+    seconds: float
+
+
+def traced_micro_batches(batch: BatchPlan, defer_grad_sync: bool) -> int:
+    """How many micro-batches of the step to trace: the others repeat one of these exactly.
+
+    The first has no gradients alive yet; from the second on, every micro-batch meets the
+    previous one's gradients (sharded, or unsharded with --defer_grad_sync), and they are all
+    alike; with --defer_grad_sync the last one differs again (it reduce-scatters).
+    """
+    return min(batch.gradient_accumulation_steps, 3 if defer_grad_sync else 2)
+
+
+class _UnitScalars(TorchDispatchMode):
+    """Reading a fake tensor's value (`.item()`, `.tolist()`, `float()`) gives 1.
+
+    The step reads a few scalars that fake tensors do not have (token counts, the loss, the
+    gradient norm, AdamW's step count for its bias correction); no allocation depends on them.
+    1 is a value all of them can take in a healthy step (0 would divide by zero in AdamW).
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _never_fake(x: Any) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def _transformers_eager_paths() -> Iterator[None]:
+    """Let transformers treat fake tensors as the eager tensors they stand for.
+
+    transformers takes a fake tensor for a sign of compilation (`is_tracing`) and then builds
+    an explicit causal mask that an eager run skips (it passes `is_causal` to SDPA instead): a
+    (batch, 1, seq, seq) mask that every layer saves for backward. The run being planned is
+    eager, so its checks take the eager path; the values they read come from `_UnitScalars`
+    (True: no padding and no packed-sequence boundaries, as in the trainer's full blocks).
+    """
+    from transformers.utils import import_utils
+
+    original = import_utils.is_fake_tensor
+    import_utils.is_fake_tensor = _never_fake
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor = original
+
+
+class TracedTrainer(Trainer):
+    """The trainer on a fake model and placeholder data, so that its `train_step` runs as is.
+
+    `Trainer.__init__` is not called on purpose: it creates the run folder and the logger and
+    needs the weights and the data, none of which the planner has or wants. What `train_step`
+    uses is set up here with the trainer's own building blocks.
+    """
+
+    def __init__(self, config: TrainConfig, env: DistEnv, hf_config: Any, model: Any) -> None:
+        self.config = config
+        self.env = env
+        self.hf_config = hf_config
+        self.plan = plan_batch(config, env.world_size)
+        self.state = TrainState()
+        self.model = model
+        self.autocast = autocast_context(config, env.device)
+        self.optimizer = build_optimizer(model, config)
+        use_foreach_optimizer(self.optimizer)  # as on the GPUs the plan is for
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.scaler = self._grad_scaler()
+        self.use_micro_batches(1)
+
+    def _grad_scaler(self) -> Any:
+        """No gradient scaler for fp16-mixed: it holds two scalars and unscales in place (no
+        memory to plan), and its inf check would read a fake value and could skip the step."""
+        return None
+
+    def use_micro_batches(self, count: int) -> None:
+        """The next `train_step` runs `count` micro-batches of full-length sequences."""
+        p = self.plan
+        step = dataclasses.replace(
+            p,
+            gradient_accumulation_steps=count,
+            total_batch_size=p.batch_size_per_device * p.world_size * count,
+        )
+        blocks = step.total_batch_size
+        # Packed data: every block is full, so every position is a target (as in training).
+        self.train_blocks = TokenBlocks(
+            np.zeros((blocks, p.seq_length), np.int32), np.full(blocks, p.seq_length, np.int32)
+        )
+        self.sampler = StepSampler(blocks, step, self.config.seed)
+
+
+@contextlib.contextmanager
+def fake_world(cluster: Cluster) -> Iterator[DistEnv]:
+    """A default process group of `cluster.world_size` ranks, this process being rank 0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise ValueError(
+            "The memory planner needs a process without a process group: run it before "
+            "torchrun / init_process_group (e.g. `python -m fsdp_utils.plan ...`)."
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        yield DistEnv(
+            rank=0,
+            local_rank=0,
+            world_size=cluster.world_size,
+            local_world_size=cluster.gpus_per_node,
+            device=torch.device("cpu"),
+            backend="fake",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def model_config_dir(config: TrainConfig) -> Path:
+    """The folder with the model's config.json: all the planner reads.
+
+    The offline cache normally holds the whole model (download_models.py); failing that, a
+    config.json that huggingface_hub cached on its own is enough to plan before downloading.
+    """
+    try:
+        return resolve_model_dir(config.model, config.revision, config.cache_dir)
+    except MissingAssetError:
+        from huggingface_hub import try_to_load_from_cache
+
+        from fsdp_utils.hub.cache import hub_cache_dir
+        from fsdp_utils.hub.specs import looks_local
+
+        if looks_local(config.model):
+            raise
+        cached = try_to_load_from_cache(
+            config.model,
+            "config.json",
+            cache_dir=hub_cache_dir(config.cache_dir),
+            revision=config.revision,
+        )
+        if isinstance(cached, str):
+            return Path(cached).parent
+        raise
+
+
+def check_plannable(config: TrainConfig) -> None:
+    if config.no_fsdp:
+        raise ValueError(
+            "The planner traces FSDP2 runs; --no_fsdp (DDP) keeps the full parameters, "
+            "gradients and optimizer state on every GPU (16 bytes per parameter with AdamW and "
+            "fp32 master weights, before activations). Plan the FSDP run instead: drop "
+            "--no_fsdp, or use --sharding no_shard for FSDP's replicated mode."
+        )
+
+
+def _untraceable(err: Exception) -> ValueError:
+    return ValueError(
+        f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}). Its "
+        "forward pass reads tensor values (data-dependent control flow), which the planner "
+        "cannot follow without the weights. Plan a run with a few real steps instead and read "
+        "the peak memory in metrics.jsonl."
+    )
+
+
+def estimate(config: TrainConfig, cluster: Cluster) -> Estimate:
+    """Trace one step of `config` on `cluster` and measure its per-GPU memory (rank 0)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedFakeTensorException,
+    )
+
+    started = time.perf_counter()
+    check_plannable(config)
+    batch = plan_batch(config, cluster.world_size)  # a clear error before any model work
+    hf_config = load_model_config(model_config_dir(config))
+    check_seq_length(hf_config, config.max_seq_length)
+
+    model = build_meta_model(hf_config, config.precision)
+    layers = find_decoder_layers(model)
+    total, non_embedding = count_parameters(model)
+    facts = ModelFacts(
+        model_type=hf_config.model_type,
+        parameters=total,
+        non_embedding_parameters=non_embedding,
+        decoder_layers=len(layers),
+        decoder_layer_class=type(layers[0]).__name__,
+    )
+    with fake_world(cluster) as env:
+        mesh = build_mesh(env, config.sharding)  # outside FakeTensorMode, or it fails
+        model = parallelize(model, layers, mesh, config)
+        try:
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True),
+                _UnitScalars(),
+                _transformers_eager_paths(),
+            ):
+                materialize(model, env.device)
+                model.train()
+                trainer = TracedTrainer(config, env, hf_config, model)
+                trainer.train_step()  # warm-up: creates the optimizer state, untracked
+                trainer.use_micro_batches(traced_micro_batches(batch, config.defer_grad_sync))
+                memory = track_train_step(trainer)
+        except (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+            UnsupportedFakeTensorException,
+        ) as err:
+            raise _untraceable(err) from err
+    return Estimate(memory, facts, batch, time.perf_counter() - started)

@@ -1,0 +1,267 @@
+"""The memory plan: per-GPU figures, the margin, the verdict, and how they are printed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_utils.batch import BatchPlan
+from fsdp_utils.config import TrainConfig
+from fsdp_utils.plan.estimate import Cluster, ModelFacts
+from fsdp_utils.plan.hardware import GIB, Gpu
+from fsdp_utils.plan.tracking import Breakdown
+
+
+@dataclass(frozen=True)
+class Margin:
+    """What a GPU needs beyond the tensor bytes the tracker counts (its peak is what
+    `torch.cuda.max_memory_allocated` reports on a real run).
+
+    runtime_bytes: memory outside PyTorch's allocator: the CUDA context with the cuBLAS/cuDNN
+        kernels and workspaces (typically 0.5-1 GiB) and NCCL's communication buffers (a few
+        hundred MiB for a node's worth of peers).
+    allocator_fraction: PyTorch's caching allocator reserves more than the tensors it holds:
+        blocks are rounded up, split blocks fragment, and memory freed on one CUDA stream is
+        reused by another (FSDP2's all-gather and reduce-scatter streams) only later.
+
+    Both are assumptions (no GPU was at hand to measure them), kept on the safe side; compare
+    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl.
+    """
+
+    runtime_bytes: int = 2 * GIB
+    allocator_fraction: float = 0.10
+
+    def __post_init__(self) -> None:
+        if self.runtime_bytes < 0 or not 0.0 <= self.allocator_fraction < 1.0:
+            raise ValueError(
+                "The margin must be non-negative, with an allocator fraction below 1 "
+                f"(got {self.runtime_bytes} bytes and {self.allocator_fraction})."
+            )
+
+    def bytes_for(self, peak_bytes: int) -> int:
+        return self.runtime_bytes + round(peak_bytes * self.allocator_fraction)
+
+    def describe(self) -> str:
+        return (
+            f"{self.runtime_bytes / GIB:.2f} GiB CUDA context + NCCL, "
+            f"+{self.allocator_fraction:.0%} for the allocator"
+        )
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One change to the command line, and what the run then needs per GPU."""
+
+    flags: str
+    cost: str
+    required_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU memory of one training configuration (bytes), and whether it fits."""
+
+    config: TrainConfig
+    cluster: Cluster
+    batch: BatchPlan
+    model: ModelFacts
+    breakdown: Breakdown  # at the predicted peak; its parts sum to peak_bytes
+    state_bytes: int  # parameters + gradients + optimizer state when the optimizer step starts
+    peak_in_optimizer_step: bool
+    margin: Margin
+    gpu: Gpu | None
+    trace_seconds: float
+    fixes: tuple[Fix, ...] = ()
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.breakdown.parameters
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.breakdown.gradients
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.breakdown.optimizer_state
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.breakdown.activations
+
+    @property
+    def temporary_bytes(self) -> int:
+        return self.breakdown.temporaries
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.breakdown.total
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.margin.bytes_for(self.peak_bytes)
+
+    @property
+    def required_bytes(self) -> int:
+        return self.peak_bytes + self.margin_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """None when no GPU size is known."""
+        return None if self.gpu is None else self.required_bytes <= self.gpu.memory_bytes
+
+    @property
+    def shard_degree(self) -> int:
+        """Over how many GPUs parameters, gradients and optimizer state are split."""
+        sharding = self.config.sharding
+        if sharding == "no_shard":
+            return 1
+        if sharding == "hybrid":
+            return self.cluster.gpus_per_node
+        return self.cluster.world_size
+
+    @property
+    def state_bytes_per_parameter(self) -> float:
+        """The textbook figure: 16 for fp32 master weights + AdamW, 8 for SGD, ..."""
+        return self.state_bytes * self.shard_degree / self.model.parameters
+
+    @property
+    def verdict(self) -> str:
+        if self.gpu is None:
+            return "no verdict: give --gpu-memory (e.g. 80GiB or a100-80gb)"
+        have, need = self.gpu.memory_bytes, self.required_bytes
+        if need <= have:
+            return (
+                f"FITS: needs {need / GIB:.1f} of {have / GIB:.1f} GiB "
+                f"({need / have:.0%}), {(have - need) / GIB:.1f} GiB to spare"
+            )
+        return (
+            f"DOES NOT FIT: needs {need / GIB:.1f} GiB, the GPU has {have / GIB:.1f} GiB "
+            f"({(need - have) / GIB:.1f} GiB short)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model,
+            "parameters": self.model.parameters,
+            "nodes": self.cluster.nodes,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "batch_size_per_device": self.batch.batch_size_per_device,
+            "gradient_accumulation_steps": self.batch.gradient_accumulation_steps,
+            "total_batch_size": self.batch.total_batch_size,
+            "max_seq_length": self.batch.seq_length,
+            "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "temporary_bytes": self.temporary_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_in_optimizer_step": self.peak_in_optimizer_step,
+            "state_bytes": self.state_bytes,
+            "state_bytes_per_parameter": self.state_bytes_per_parameter,
+            "margin_bytes": self.margin_bytes,
+            "required_bytes": self.required_bytes,
+            "gpu": dataclasses.asdict(self.gpu) if self.gpu else None,
+            "fits": self.fits,
+            "verdict": self.verdict,
+            "fixes": [dataclasses.asdict(fix) for fix in self.fixes],
+            "trace_seconds": self.trace_seconds,
+            "config": self.config.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:8.2f} GiB"
+
+
+def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
+    if config.no_layer_wrap_policy:
+        wrap = f"FSDP2 ({config.sharding}) at the root only"
+    else:
+        wrap = f"FSDP2 ({config.sharding}) per decoder layer"
+    extras: list[str] = [config.precision, config.optimizer]
+    if config.gradient_checkpointing:
+        every = config.checkpoint_every_n_layers
+        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+    if config.cpu_offload:
+        extras.append("CPU offload")
+    if config.defer_grad_sync:
+        extras.append("grad sync on the last micro-batch")
+    return f"{cluster.describe()}; {wrap}; {', '.join(extras)}"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a text table, the verdict, and the fixes if it does not fit."""
+    m, b = plan.model, plan.batch
+    where = "the optimizer step" if plan.peak_in_optimizer_step else "forward/backward"
+    dtype = "bf16" if plan.config.precision == "bf16-true" else "fp32"
+    shards = plan.shard_degree
+    share = f"1/{shards} of " if shards > 1 else ""
+    held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
+    lines = [
+        f"Memory plan: {plan.config.model} ({m.model_type}, {m.parameters / 1e9:.2f}B parameters, "
+        f"{m.decoder_layers} x {m.decoder_layer_class})",
+        f"  {describe_setup(plan.config, plan.cluster)}",
+        f"  batch: {b.batch_size_per_device} per device x {b.world_size} devices x "
+        f"{b.gradient_accumulation_steps} accumulation = {b.total_batch_size} sequences of "
+        f"{b.seq_length} tokens",
+        "",
+        f"per GPU, at the predicted peak (in {where}):",
+        f"  parameters       {_gib(plan.parameter_bytes)}   {held}",
+        f"  gradients        {_gib(plan.gradient_bytes)}",
+        f"  optimizer state  {_gib(plan.optimizer_bytes)}",
+        f"  activations      {_gib(plan.activation_bytes)}   saved for backward, and the inputs",
+        f"  temporaries      {_gib(plan.temporary_bytes)}   gathered layers, communication "
+        "buffers, scratch",
+        f"  predicted peak   {_gib(plan.peak_bytes)}   tensors (torch.cuda.max_memory_allocated)",
+        f"  margin           {_gib(plan.margin_bytes)}   {plan.margin.describe()}",
+        f"  needed           {_gib(plan.required_bytes)}",
+    ]
+    if plan.gpu is not None:
+        lines.append(f"  GPU memory       {_gib(plan.gpu.memory_bytes)}   {plan.gpu.name}")
+    if plan.config.cpu_offload:
+        lines.append(
+            f"  host RAM         {_gib(plan.state_bytes)}   per GPU process for the offloaded "
+            "parameters, gradients and optimizer state"
+        )
+    lines += [
+        "",
+        f"verdict: {plan.verdict}",
+        f"(state between steps: {plan.state_bytes / GIB:.2f} GiB = "
+        f"{plan.state_bytes_per_parameter:.1f} bytes/parameter over {shards} GPU(s); "
+        f"traced in {plan.trace_seconds:.0f} s)",
+    ]
+    if plan.fixes:
+        lines += ["", *format_fixes(plan.fixes)]
+    elif plan.fits is False:
+        lines += ["", "No single change was tried (--no-fixes)."]
+    return "\n".join(lines)
+
+
+def format_fixes(fixes: tuple[Fix, ...]) -> list[str]:
+    fitting = [f for f in fixes if f.fits]
+    others = [f for f in fixes if not f.fits]
+    width = max(len(f.flags) for f in fixes)
+    lines: list[str] = []
+    if fitting:
+        lines.append("Changes that make it fit, cheapest first:")
+        lines += [
+            f"  {f.flags:<{width}}  needs {f.required_bytes / GIB:6.1f} GiB  ({f.cost})"
+            for f in fitting
+        ]
+    else:
+        lines.append("No single change makes it fit; combine several of these:")
+    if others:
+        if fitting:
+            lines.append("Not enough on their own:")
+        lines += [
+            f"  {f.flags:<{width}}  needs {f.required_bytes / GIB:6.1f} GiB  ({f.cost})"
+            for f in others
+        ]
+    return lines

@@ -1,0 +1,383 @@
+"""`python monitoring/gpu_report.py <jobid>`: how well does (or did) a job use its GPUs?
+
+Running job: one `srun --jobid=<id> --overlap` step samples nvidia-smi on every node for a few
+seconds (plus `bsc_load` where it exists), and the run's sampler files so far, if found.
+Finished job: the sampler files in the run folder (see monitoring.rundir for how they are found)
+and Slurm accounting's GPU TRES where the cluster records them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from monitoring.collect import (
+    Accounting,
+    JobEndedError,
+    MissingCommandError,
+    ProbeOptions,
+    ReportError,
+    load_accounting,
+    load_job,
+    probe_job,
+    run_bsc_load,
+    validate_job_id,
+)
+from monitoring.parse import (
+    parse_bsc_load,
+    parse_nvidia_smi_table,
+    parse_query_gpu,
+    parse_sample_csv,
+)
+from monitoring.records import BscLoadNode, GpuProcess, JobInfo, NodeError
+from monitoring.report import (
+    Measurement,
+    Report,
+    make_console,
+    measure,
+    render,
+    samples_from_bsc_load,
+    to_json,
+)
+from monitoring.rundir import describe, find_samples
+from monitoring.summary import Thresholds, make_notes, restrict_to_job, summarize_job
+
+SAMPLER_HINT = (
+    "The per-node sampler writes them when the job runs slurm/finetune.sh. In your own job "
+    "script, start it before the main step: srun --overlap --ntasks-per-node=1 "
+    "-N $SLURM_NNODES python -m monitoring.sampler --output <run_dir>/gpu_samples "
+    "--interval 30 &"
+)
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    job_id: str | None = None
+    run_dir: Path | None = None
+    from_file: Path | None = None
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+    bsc_load: bool = True
+    timeline_bins: int = 24
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+def current_user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a container without a passwd entry
+        return str(os.getuid())
+
+
+def check_owner(job: JobInfo, user: str, uid: int) -> None:
+    """Slurm lets only the owner (or root/an admin) attach a step to a running job."""
+    if job.user and job.user != user and uid != 0:
+        raise ReportError(
+            f"Job {job.job_id} belongs to {job.user}, not to you ({user}): Slurm lets only a "
+            "job's owner (or an admin) attach to its nodes to measure the GPUs. Ask "
+            f"{job.user} to run: python monitoring/gpu_report.py {job.job_id}"
+        )
+
+
+# ----------------------------------------------------------------------------- collecting
+
+
+def _from_file(path: Path, options: ReportOptions) -> Report:
+    """A saved nvidia-smi table/CSV, bsc_load table or sampler CSV (format recognised)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as error:
+        raise ReportError(f"cannot read {path}: {error.strerror}") from None
+    host = path.stem
+    errors: list[NodeError] = []
+    processes: tuple[GpuProcess, ...] = ()
+    bsc_nodes: list[BscLoadNode] = []
+    if "NODE" in text and ("│" in text or "\t" in text):
+        bsc_nodes = parse_bsc_load(text)
+        samples = samples_from_bsc_load(bsc_nodes, None)
+        kind = "bsc_load table"
+    elif "NVIDIA-SMI" in text or "Processes:" in text:
+        probe = parse_nvidia_smi_table(text, host)
+        samples, processes, errors = list(probe.samples), probe.processes, list(probe.errors)
+        kind = "nvidia-smi table"
+    elif text.startswith("time,host,job_id,"):
+        samples, errors = parse_sample_csv(text, host)
+        kind = "sampler CSV"
+    else:
+        samples, errors = parse_query_gpu(text, host)
+        kind = "nvidia-smi --query-gpu CSV"
+    if not samples:
+        raise ReportError(
+            f"{path} holds no GPU rows that gpu_report can read. It reads saved outputs of "
+            "`nvidia-smi`, `nvidia-smi --query-gpu=... --format=csv`, `bsc_load <jobid>` and "
+            "the sampler's <node>.csv files."
+        )
+    timed = any(s.time is not None for s in samples)
+    bins = options.timeline_bins if timed else 0
+    m = measure("Saved output", f"{kind} in {path}", samples, None, processes, bins)
+    notes = make_notes(m.gpus, m.summary, None, errors, options.thresholds)
+    return Report(None, None, (m,), tuple(notes), bsc_load=tuple(bsc_nodes))
+
+
+def _history(
+    job_id: str | None, job: JobInfo | None, options: ReportOptions, title: str
+) -> tuple[Measurement | None, list[NodeError], str]:
+    """The run's sampler files: (measurement or None, logged errors, where we looked)."""
+    found, looked = find_samples(job_id, job, options.run_dir)
+    if found is None:
+        return None, [], describe(looked)
+    if not found.samples:
+        others = ", ".join(j or "(outside Slurm)" for j in found.job_ids)
+        raise ReportError(
+            f"The GPU samples in {found.folder} are from job(s) {others}, not from job "
+            f"{job_id}. Pass the run folder of job {job_id} with --run-dir, or leave --run-dir "
+            "out to let gpu_report find it."
+        )
+    samples = restrict_to_job(found.samples, job)
+    source = f"sampler files in {found.folder}"
+    m = measure(title, source, samples, job, timeline_bins=options.timeline_bins)
+    return m, list(found.errors), describe(looked)
+
+
+def _live(
+    job: JobInfo, options: ReportOptions
+) -> tuple[Measurement | None, list[NodeError], list[BscLoadNode]]:
+    probe = probe_job(job, options.probe)
+    errors = list(probe.errors)
+    bsc_nodes, bsc_problem = run_bsc_load(job.job_id) if options.bsc_load else ([], None)
+    if bsc_problem:
+        errors.append(NodeError("bsc_load", bsc_problem))
+    samples = restrict_to_job(probe.samples, job)
+    p = options.probe
+    if samples:
+        source = (
+            f"{p.samples} nvidia-smi samples {p.interval:g} s apart on each node (srun --overlap)"
+        )
+        return measure("Live", source, samples, job, probe.processes), errors, bsc_nodes
+    if bsc_nodes:
+        m = measure("Live", "bsc_load", samples_from_bsc_load(bsc_nodes, time.time()), job)
+        return m, errors, bsc_nodes
+    return None, errors, bsc_nodes
+
+
+def _from_run_dir(options: ReportOptions) -> Report:
+    """`--run-dir` without a job id: every sample in the folder, no Slurm needed."""
+    m, errors, looked = _history(None, None, options, "Samples")
+    if m is None:
+        raise ReportError(f"No GPU sampler files (<node>.csv) in {looked}. " + SAMPLER_HINT)
+    notes = make_notes(m.gpus, m.summary, None, errors, options.thresholds)
+    return Report(None, None, (m,), tuple(notes))
+
+
+def _lookup(job_id: str, options: ReportOptions) -> JobInfo | None:
+    try:
+        job, unknown = load_job(job_id)
+    except ReportError:
+        # No Slurm here (or it is unreachable): an explicit run folder is enough.
+        if options.run_dir is None:
+            raise
+        return None
+    if job is None and options.run_dir is None:
+        raise ReportError(
+            f"Job {job_id} is unknown: {unknown}. Check the id with `squeue --me` (queued and "
+            "running jobs) or `sacct -X -S now-7days` (finished ones); for an older job pass "
+            "its run folder: --run-dir <output_dir>"
+        )
+    if job is not None and job.is_pending:
+        raise ReportError(
+            f"Job {job_id} is pending ({job.reason or 'waiting'}): it has no GPUs yet. Watch it "
+            f"start with `squeue -j {job_id}`, then run gpu_report again (or add --watch)."
+        )
+    return job
+
+
+def _nothing_to_report(job_id: str, job: JobInfo | None, looked: str, note: str | None) -> str:
+    if job is not None and job.is_running:
+        return (
+            f"Could not measure the GPUs of running job {job_id}: the srun probe returned no "
+            "nvidia-smi data and bsc_load is not available here. nvidia-smi must be on PATH on "
+            "the compute nodes (the probe inherits your environment: load the CUDA or driver "
+            "module first)."
+        )
+    state = job.state if job else "unknown state"
+    return (
+        f"Job {job_id} has ended ({state}) and no GPU samples of it were found (looked in: "
+        f"{looked}). {SAMPLER_HINT} If the run folder is elsewhere, pass --run-dir "
+        f"<output_dir>. {note or ''}"
+    ).strip()
+
+
+def build_report(options: ReportOptions) -> Report:
+    """Collect everything for one report. ReportError for anything the user must fix."""
+    if options.from_file is not None:
+        return _from_file(options.from_file, options)
+    if options.job_id is None:
+        return _from_run_dir(options)
+    job_id = validate_job_id(options.job_id)
+    job = _lookup(job_id, options)
+
+    measurements: list[Measurement] = []
+    errors: list[NodeError] = []
+    bsc_nodes: list[BscLoadNode] = []
+    if job is not None and job.is_running:
+        check_owner(job, current_user(), os.getuid())
+        try:
+            live, errors, bsc_nodes = _live(job, options)
+            measurements += [live] if live is not None else []
+        except JobEndedError:
+            job = _lookup(job_id, options)
+
+    running = job is not None and job.is_running
+    title = "Run so far" if running else "Whole run"
+    history, logged, looked = _history(job_id, job, options, title)
+    errors += logged
+    measurements += [history] if history is not None else []
+
+    acct = Accounting((), None, None)
+    if not running:
+        try:
+            acct = load_accounting(job_id)
+        except MissingCommandError:
+            acct = Accounting((), "No accounting data: sacct is not available here.", None)
+
+    if not measurements and not acct.gpu and not errors:
+        raise ReportError(_nothing_to_report(job_id, job, looked, acct.note))
+
+    # Advice from the longest view available: the run's samples, else the live snapshot.
+    basis = history or (measurements[0] if measurements else None)
+    if basis is None:
+        notes = make_notes((), summarize_job([], [], job), job, errors, options.thresholds)
+    else:
+        notes = make_notes(basis.gpus, basis.summary, job, errors, options.thresholds)
+    return Report(
+        job_id=job_id,
+        job=job,
+        measurements=tuple(measurements),
+        notes=tuple(notes),
+        bsc_load=tuple(bsc_nodes),
+        accounting=acct.gpu,
+        accounting_note=acct.note,
+        slurm_version=acct.version,
+    )
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _print(
+    report: Report, as_json: bool, plain: bool, thresholds: Thresholds, one_line: bool = False
+) -> None:
+    if as_json:
+        print(to_json(report, indent=None if one_line else 2), flush=True)
+    else:
+        make_console(plain).print(render(report, ascii_only=plain, thresholds=thresholds))
+
+
+def _watch(options: ReportOptions, refresh: float, as_json: bool, plain: bool) -> int:
+    """Re-measure every `refresh` seconds until the job ends (or Ctrl-C)."""
+    if as_json or plain:
+        for report in _reports_until_the_end(options, refresh):
+            _print(report, as_json, plain, options.thresholds, one_line=True)
+        return 0
+    from rich.live import Live
+
+    with Live(console=make_console(plain=False), auto_refresh=False) as live:
+        for report in _reports_until_the_end(options, refresh):
+            live.update(render(report, False, options.thresholds), refresh=True)
+    return 0
+
+
+def _reports_until_the_end(options: ReportOptions, refresh: float) -> Iterator[Report]:
+    """A report every `refresh` seconds while the job runs, then its post-mortem if there is one.
+
+    A job that ends without anything to report after it (no sampler files) just ends the watch.
+    """
+    report = build_report(options)
+    yield report
+    while report.job is not None and report.job.is_running:
+        time.sleep(refresh)
+        try:
+            report = build_report(options)
+        except ReportError as error:
+            print(f"gpu_report: the job has ended. {error}", file=sys.stderr)
+            return
+        yield report
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python monitoring/gpu_report.py",
+        description="How well does (or did) a Slurm job use its GPUs? Per node and GPU, a job "
+        "summary and advice. Running jobs are measured live (srun --overlap + nvidia-smi, and "
+        "bsc_load where it exists); finished jobs are summarised from the sampler files that "
+        "slurm/finetune.sh writes into the run folder (gpu_samples/).",
+    )
+    parser.add_argument("job_id", nargs="?", help="Slurm job id (e.g. 123456 or 123456_7)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the run folder (--output_dir of the run) holding gpu_samples/; "
+        "default: found from the job's log and working directory",
+    )
+    parser.add_argument(
+        "--from-file",
+        type=Path,
+        help="report on a saved output instead: nvidia-smi (table or --query-gpu CSV), "
+        "bsc_load, or a sampler <node>.csv",
+    )
+    parser.add_argument("--samples", type=int, default=5, help="live: samples per GPU (default 5)")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="live: seconds between samples (default 1)"
+    )
+    parser.add_argument("--watch", action="store_true", help="refresh in place until the job ends")
+    parser.add_argument(
+        "--refresh", type=float, default=10.0, help="--watch: seconds between reports (10)"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON")
+    parser.add_argument(
+        "--plain", action="store_true", help="plain ASCII text (default when not a terminal)"
+    )
+    parser.add_argument("--no-bsc-load", action="store_true", help="do not run bsc_load")
+    parser.add_argument(
+        "--timeline-bins", type=int, default=24, help="post-mortem timeline width (24)"
+    )
+    args = parser.parse_args(argv)
+    if args.job_id is None and args.run_dir is None and args.from_file is None:
+        parser.error("give a job id (or --run-dir / --from-file)")
+    if args.refresh <= 0 or args.timeline_bins < 0:
+        parser.error("--refresh must be > 0 and --timeline-bins >= 0")
+    try:
+        probe = ProbeOptions(samples=args.samples, interval=args.interval)
+    except ReportError as error:
+        parser.error(str(error))
+    options = ReportOptions(
+        job_id=args.job_id,
+        run_dir=args.run_dir,
+        from_file=args.from_file,
+        probe=probe,
+        bsc_load=not args.no_bsc_load,
+        timeline_bins=args.timeline_bins,
+    )
+    return options, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options, args = parse_args(argv)
+    plain = args.plain or not sys.stdout.isatty()
+    try:
+        if args.watch:
+            return _watch(options, args.refresh, args.json, plain)
+        report = build_report(options)
+        _print(report, args.json, plain, options.thresholds)
+    except ReportError as error:
+        print(f"gpu_report: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    # Nothing measured (only errors to explain): say so in the exit status too.
+    return 0 if report.measurements or report.accounting else 1

@@ -1,0 +1,158 @@
+#!/bin/bash
+# FSDP2 fine-tune under Slurm: one torchrun per node, one training process per GPU.
+#
+#   mkdir -p logs && sbatch slurm/finetune.sh [chess_finetune.py arguments ...]
+#   TOTAL_BATCH_SIZE=64 BATCH_SIZE_PER_DEVICE=2 sbatch --nodes=2 slurm/finetune.sh
+#   SETUP="module load anaconda3/2024.6; conda activate fsdp-utils" sbatch slurm/finetune.sh
+#
+# Submit from the repository root. Every #SBATCH line below can be overridden on the sbatch
+# command line; arguments after the script name go to chess_finetune.py (they win over the
+# environment overrides). The total batch stays fixed whatever the number of nodes and GPUs:
+# gradient accumulation is derived from it, and a total that does not divide fails in seconds.
+#
+#SBATCH --job-name=chess-finetune
+#SBATCH --nodes=1                     # more nodes: same total batch, less accumulation
+#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32            # per node: data loading and tokenisation workers
+#SBATCH --mem=256G                    # host RAM per node (sharded checkpoints pass through it)
+#SBATCH --time=04:00:00
+#SBATCH --output=logs/%x-%j.out       # logs/ must exist (mkdir -p logs): Slurm does not create it
+#SBATCH --open-mode=append            # a requeued job appends to the same log
+#SBATCH --signal=B:USR1@300           # 5 min before the time limit, signal this script (B:) ...
+#SBATCH --requeue                     # ... which saves a checkpoint and requeues the job
+#
+# Environment overrides (unset: chess_finetune.py's defaults or its --config file):
+#   SETUP                  shell code that activates your environment, run first, e.g.
+#                          "source .venv/bin/activate" or "module load cuda; conda activate env"
+#                          (default: the environment sbatch was called from, which it exports)
+#   MODEL, DATASET         hub id cached by download_models.py, or a local folder
+#   OUTPUT_DIR             run folder (default: runs/<job name>-<job id>; the same after requeue)
+#   TOTAL_BATCH_SIZE       sequences per optimizer step, fixed whatever the GPU count
+#   BATCH_SIZE_PER_DEVICE  sequences per forward/backward pass on each GPU
+#   CONFIG                 a YAML/JSON file of chess_finetune.py options
+#   NPROC_PER_NODE         processes per node (default: one per GPU; 1 on a node without GPUs)
+#   GPU_SAMPLE_INTERVAL    seconds between GPU samples in RUN_DIR/gpu_samples (0: off; 30)
+#   REQUEUE, MAX_REQUEUES  0 disables requeueing after a time-limit save; at most 20 requeues
+#   RDZV_HOST, RDZV_PORT   rendezvous address for multi-node jobs (default: the first node,
+#                          port 20000 + job id % 10000)
+#   PYTHON, TRAIN_SCRIPT   interpreter (python) and entry point (chess_finetune.py)
+#
+# Cluster network settings are site specific: set what your admins recommend in SETUP, e.g.
+#   NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0  interface for bootstrap and socket traffic
+#                                                  (a wrong one hangs the first collective)
+#   NCCL_IB_HCA=mlx5                               InfiniBand adapters NCCL may use
+#   NCCL_DEBUG=INFO                                log the transport NCCL picked (IB or sockets)
+#   TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800          how long a hung collective may block before
+#                                                  the watchdog aborts the job (default 480 s)
+# torchrun waits up to 600 s for all nodes to join the rendezvous (--rdzv-conf join_timeout).
+
+# --- time limit: save, then requeue -------------------------------------------------------------
+# Trapped first: an untrapped USR1 would kill this script. torchrun does not pass SIGUSR1 on to
+# its workers, so the trainer watches STOP_FILE at every step boundary instead (and reads the
+# job's end time itself); all ranks then save a checkpoint and exit 0.
+STOP_FILE=""
+stop_requested=0
+# shellcheck disable=SC2317  # called by the trap
+on_time_limit() {
+    stop_requested=1
+    echo "$(date '+%F %T') Slurm signalled the coming time limit: asking the trainer to save" \
+        "and stop (${STOP_FILE:-not started yet})"
+    [ -z "$STOP_FILE" ] || touch "$STOP_FILE"
+}
+trap on_time_limit USR1
+
+# --- environment -----------------------------------------------------------------------------
+# Before `set -u`: activation scripts (conda's in particular) read unset variables.
+eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
+set -uo pipefail
+PYTHON=${PYTHON:-python}
+TRAIN_SCRIPT=${TRAIN_SCRIPT:-chess_finetune.py}
+if [ ! -f "$TRAIN_SCRIPT" ]; then
+    echo "error: $TRAIN_SCRIPT not found in $PWD: submit from the repository root" \
+        "(cd <checkout> && sbatch slurm/finetune.sh)." >&2
+    exit 2
+fi
+
+# Compute nodes have no internet: the Hugging Face libraries must know before Python imports
+# them, or they wait for network timeouts. Models and data come from download_models.py's cache.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+
+train_args=()
+[ -n "${CONFIG:-}" ] && train_args+=(--config "$CONFIG")
+[ -n "${MODEL:-}" ] && train_args+=(--model "$MODEL")
+[ -n "${DATASET:-}" ] && train_args+=(--dataset "$DATASET")
+[ -n "${TOTAL_BATCH_SIZE:-}" ] && train_args+=(--total_batch_size "$TOTAL_BATCH_SIZE")
+[ -n "${BATCH_SIZE_PER_DEVICE:-}" ] && train_args+=(--batch_size_per_device "$BATCH_SIZE_PER_DEVICE")
+train_args+=("$@")
+
+# --- plan: processes per node, rendezvous, run folder -------------------------------------------
+# Sets NNODES NPROC_PER_NODE WORLD_SIZE RDZV_ENDPOINT RDZV_ID RUN_DIR STOP_FILE, exports
+# OMP_NUM_THREADS (the node's CPUs shared among its processes).
+launch_plan=$("$PYTHON" -m fsdp_utils.slurm.launch plan -- "${train_args[@]}") || exit 2
+eval "$launch_plan"
+train_args=(--output_dir "$RUN_DIR" "${train_args[@]}")
+mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gpu_samples"
+slurm_log=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p')
+[ -f "$slurm_log" ] && ln -sf "$(realpath "$slurm_log")" "$RUN_DIR/logs/"
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST:" \
+    "$PYTHON $TRAIN_SCRIPT$(printf ' %q' "${train_args[@]}")"
+
+# --- preflight: seconds, before anything expensive ----------------------------------------------
+# Config, batch arithmetic for WORLD_SIZE processes, offline assets, sequence length.
+if ! "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" "${train_args[@]}"; then
+    echo "preflight failed: nothing was started. Fix the error above and resubmit." >&2
+    exit 2
+fi
+
+# A STOP file from an earlier leg is stale unless Slurm already signalled this one.
+if [ "$stop_requested" = 1 ]; then touch "$STOP_FILE"; else rm -f "$STOP_FILE"; fi
+rm -f "$RUN_DIR/status.json"
+
+# --- GPU sampler: one per node, in the background -----------------------------------------------
+sampler_pid=""
+if [ "${GPU_SAMPLE_INTERVAL:-30}" != 0 ]; then
+    # --overlap: shares the CPUs and GPUs of the training step instead of waiting for them.
+    srun --overlap --job-name=gpu-sampler --nodes="$NNODES" --ntasks-per-node=1 \
+        --kill-on-bad-exit=0 \
+        "$PYTHON" -m monitoring.sampler --output "$RUN_DIR/gpu_samples" \
+        --interval "${GPU_SAMPLE_INTERVAL:-30}" &
+    sampler_pid=$!
+fi
+stop_sampler() {
+    [ -n "$sampler_pid" ] || return 0
+    # SIGINT through scancel ends the samplers cleanly; SIGTERM to srun would cancel the step
+    # and print errors into this log.
+    local step
+    step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk '$2 == "gpu-sampler" {print $1}')
+    if [ -n "$step" ]; then scancel --signal=INT "$step"; else kill -TERM "$sampler_pid"; fi
+    wait "$sampler_pid" 2>/dev/null
+}
+
+# --- train: one torchrun per node ---------------------------------------------------------------
+# `python -m torch.distributed.run` is torchrun with the interpreter SETUP chose. srun runs in
+# the background so that `wait` returns when USR1 arrives and the trap runs at once.
+# --cpus-per-task is repeated because srun in Slurm 22.05 does not inherit it from sbatch.
+srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    --kill-on-bad-exit=1 \
+    "$PYTHON" -m torch.distributed.run \
+    --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
+    "$TRAIN_SCRIPT" "${train_args[@]}" &
+train_pid=$!
+while kill -0 "$train_pid" 2>/dev/null; do
+    sleep 2 &
+    wait $!  # not a foreground sleep: `wait` returns as soon as a trapped signal arrives
+done
+wait "$train_pid"
+exit_code=$?
+
+stop_sampler
+
+# --- after: requeue a run that saved before the time limit ------------------------------------
+decision=$("$PYTHON" -m fsdp_utils.slurm.launch after-run "$RUN_DIR" "$exit_code")
+if [ "$decision" = requeue ]; then
+    # The requeued job keeps its id, so it resumes from RUN_DIR/checkpoints (--resume auto).
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$exit_code"
