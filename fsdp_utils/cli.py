@@ -30,6 +30,22 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="With --preflight: the number of processes the run will have.",
     )
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="With --preflight: the number of nodes (1)."
+    )
+    parser.add_argument(
+        "--gpu_memory",
+        default="auto",
+        metavar="SIZE",
+        help="With --preflight: memory of one GPU for the memory plan (80GiB, a100-80gb, ...); "
+        "auto: this node's GPUs (none: no plan); off: no plan.",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="Plan the GPU memory of this run and exit: the same as `python -m fsdp_utils.plan` "
+        "(add --nodes, --gpus-per-node, --gpu-memory, --find-max-batch).",
+    )
     return parser
 
 
@@ -43,21 +59,6 @@ def _fail(message: str) -> int:
     if _rank() == 0:
         print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
     return EXIT_USAGE
-
-
-def preflight(config: TrainConfig, world_size: int) -> str:
-    """Everything that can be checked without GPUs, weights or a process group."""
-    from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
-    from fsdp_utils.batch import plan_batch
-    from fsdp_utils.model import check_seq_length, load_model_config
-
-    plan = plan_batch(config, world_size)
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
-    check_seq_length(load_model_config(model_dir), config.max_seq_length)
-    files = resolve_dataset_files(
-        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
-    )
-    return f"preflight OK: {plan.describe()}; model {model_dir}; {len(files)} data file(s)"
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
@@ -116,6 +117,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.trainer import TrainingDivergedError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--plan" in argv:  # the planner's parser has every training flag and its own
+        from fsdp_utils.plan import main as plan_main
+
+        return plan_main([a for a in argv if a != "--plan"])
     parser = make_parser()
     try:
         config, args = parse_config(argv, parser)
@@ -127,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.preflight:
             from fsdp_utils.distributed import world_size_from_env
+            from fsdp_utils.preflight import preflight
 
-            print(preflight(config, args.world_size or world_size_from_env()), flush=True)
+            world_size = args.world_size or world_size_from_env()
+            print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
             return 0
         run(config)
     except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError

@@ -6,9 +6,12 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +137,15 @@ def all_reduce_min(value: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def single_process_dcp_allowed() -> Iterator[None]:
+    """torch.distributed.checkpoint warns when used without a process group ("assuming the
+    intent is to load in a single process"): in export and tests that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def destroy() -> None:

@@ -8,7 +8,6 @@ index, exactly as `save_pretrained` does, so `from_pretrained` loads the result.
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +101,7 @@ def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from fsdp_utils.checkpoint import HF_SUBDIR, read_checkpoint
+    from fsdp_utils.distributed import single_process_dcp_allowed
     from fsdp_utils.model import build_meta_model, load_model_config, materialize
 
     info = read_checkpoint(Path(checkpoint))
@@ -110,8 +110,7 @@ def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
     model = build_meta_model(hf_config, info.meta["identity"]["precision"])
     materialize(model, torch.device("cpu"))
     state = get_model_state_dict(model)
-    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_dcp_allowed():
         dcp.load({"model": state}, checkpoint_id=str(info.path))
     drop_tied_duplicates(state, model)
     return write_hf_folder(state, hf_config, Path(destination), hf_dir)

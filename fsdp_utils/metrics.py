@@ -152,19 +152,36 @@ class RunLogger:
         self._write({"kind": "train", **metrics})
         if not self.enabled:
             return
-        line = format_step(metrics, self.max_steps)
         if self._live is not None:
-            self._live.update(self._render(metrics, line))
+            self._live.update(self._render(metrics))
         else:
-            print(line, file=self.stream, flush=True)
+            print(format_step(metrics, self.max_steps), file=self.stream, flush=True)
 
-    def _render(self, m: dict[str, Any], line: str) -> Any:
+    def _render(self, m: dict[str, Any]) -> Any:
+        """A progress bar over a one-row table that is refreshed in place."""
+        from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
 
-        table = Table.grid(padding=(0, 2))
-        table.add_row(ProgressBar(total=self.max_steps, completed=m["step"], width=40), line)
-        return table
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        columns = {
+            "step": f"{m['step']}/{self.max_steps}",
+            "loss": f"{m['loss']:.4f}",
+            "lr": f"{m['lr']:.2e}",
+            "grad norm": _fmt(m.get("grad_norm"), ".3f"),
+            "tokens/s": f"{m['tokens_per_s']:,.0f}",
+            "per device": f"{m['tokens_per_s_per_device']:,.0f}",
+            "MFU": _fmt(m.get("mfu_pct"), ".1f", "%"),
+        }
+        if "cuda_peak_allocated_gib" in m:
+            columns["CUDA peak GiB"] = _fmt(m.get("cuda_peak_allocated_gib"), ".2f")
+        columns["RSS GiB"] = _fmt(m.get("host_rss_gib"), ".2f")
+        columns["s/step"] = f"{m['step_time_s']:.3f}"
+        for name in columns:
+            table.add_column(name, justify="right")
+        table.add_row(*columns.values())
+        bar = ProgressBar(total=self.max_steps, completed=m["step"], width=60)
+        return Group(bar, table)
 
     def eval(self, metrics: dict[str, Any]) -> None:
         self._write({"kind": "eval", **metrics})

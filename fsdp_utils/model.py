@@ -318,9 +318,12 @@ def load_pretrained_weights(model: nn.Module, model_dir: Path, key_map: dict[str
         set_model_state_dict,
     )
 
+    from fsdp_utils.distributed import single_process_dcp_allowed
+
     state = get_model_state_dict(model)
     to_load = {ckpt_key: state[model_key] for model_key, ckpt_key in key_map.items()}
-    dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(model_dir)))
+    with single_process_dcp_allowed():  # plain single-process use (export, tests) is fine
+        dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(model_dir)))
     loaded = {model_key: to_load[ckpt_key] for model_key, ckpt_key in key_map.items()}
     # strict=False: tied followers and non-persistent buffers are not in `loaded`.
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))

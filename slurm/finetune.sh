@@ -33,6 +33,8 @@
 #   CONFIG                 a YAML/JSON file of chess_finetune.py options
 #   NPROC_PER_NODE         processes per node (default: one per GPU; 1 on a node without GPUs)
 #   GPU_SAMPLE_INTERVAL    seconds between GPU samples in RUN_DIR/gpu_samples (0: off; 30)
+#   GPU_MEMORY             memory of one GPU for the preflight's memory plan (default: read
+#                          from nvidia-smi on the node; e.g. 80GiB to force it; off: no plan)
 #   REQUEUE, MAX_REQUEUES  0 disables requeueing after a time-limit save; at most 20 requeues
 #   RDZV_HOST, RDZV_PORT   rendezvous address for multi-node jobs (default: the first node,
 #                          port 20000 + job id % 10000)
@@ -99,8 +101,10 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
     "$PYTHON $TRAIN_SCRIPT$(printf ' %q' "${train_args[@]}")"
 
 # --- preflight: seconds, before anything expensive ----------------------------------------------
-# Config, batch arithmetic for WORLD_SIZE processes, offline assets, sequence length.
-if ! "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" "${train_args[@]}"; then
+# Config, batch arithmetic for WORLD_SIZE processes, offline assets, sequence length, and the
+# memory planner's verdict for this node's GPUs (GPU_MEMORY=80GiB to force a size, off to skip).
+if ! "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" --nodes "$NNODES" \
+    --gpu_memory "${GPU_MEMORY:-auto}" "${train_args[@]}"; then
     echo "preflight failed: nothing was started. Fix the error above and resubmit." >&2
     exit 2
 fi

@@ -79,6 +79,8 @@ def test_sbatch_finetune_completes(
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
     assert "1 node(s) x 2 process(es) (one per GPU, SLURM_GPUS_ON_NODE=2)" in text
     assert "total batch 8 sequences = 2 per device x 2 devices x 2 accumulation steps" in text
+    # The preflight read the GPUs' memory from (the stand-in) nvidia-smi and planned the run.
+    assert "memory plan: FITS: needs 2.0 of 140.4 GiB" in text
     steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
     assert steps and max(steps) == 4  # type: ignore[type-var]
     config = json.loads((run_dir / "config.json").read_text())
@@ -113,6 +115,27 @@ def test_non_dividing_batch_fails_in_preflight(
     run_time = info["RunTime"].split(":")
     assert int(run_time[-2]) * 60 + int(run_time[-1]) < 20, info["RunTime"]
     assert time.monotonic() - started < 60
+
+
+def test_run_that_does_not_fit_fails_in_preflight(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """CodeLlama-7B (its config.json only) on 2 GPUs of 20 GiB: the preflight's memory plan says
+    it does not fit, before any training process starts."""
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = job_env(OUTPUT_DIR=str(run_dir), GPU_MEMORY="20GiB", GPU_SAMPLE_INTERVAL="0")
+    model = REPO / "tests" / "fixtures" / "configs" / "codellama-7b"
+    job = submit(
+        local_slurm, log, env, "--model", str(model), "--dataset", str(tiny_assets["data"]),
+        "--dataset_include", "",
+    )  # fmt: skip
+    info = local_slurm.wait(job, timeout=180)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
+    assert "The run does not fit in GPU memory" in text
+    assert "DOES NOT FIT: needs" in text and "the GPU has 20.0 GiB" in text
+    assert "python chess_finetune.py --plan --nodes 1 --gpus-per-node 2" in text
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_time_limit_saves_requeues_and_resumes(

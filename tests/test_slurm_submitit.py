@@ -153,7 +153,8 @@ def test_submitit_sweep_on_slurm(
     )
     assert table[5].startswith("largest batch_size_per_device that ran: 2")
     array_job = result.stdout.split("jobs ")[1].split("_")[0]
-    info = local_slurm.job_info(f"{array_job}_1")
+    # The tasks' results are written before Slurm has finished the job's epilog.
+    info = local_slurm.wait(f"{array_job}_1", timeout=60)
     assert (info["JobState"], info["NumTasks"]) == ("COMPLETED", "2")
     assert (base / "batch_size_per_device=2" / "final" / "config.json").is_file()
 

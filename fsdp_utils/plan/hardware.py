@@ -27,7 +27,7 @@ _UNITS = {
 
 @dataclass(frozen=True)
 class Gpu:
-    name: str
+    name: str  # "" when only the size is known
     memory_bytes: int
 
 
@@ -74,7 +74,7 @@ def parse_gpu_memory(text: str) -> Gpu:
     size = parse_size(text, "--gpu-memory")
     if size < GIB:
         raise ValueError(f"--gpu-memory {text!r} is under 1 GiB: did you mean {match.group(1)}GiB?")
-    return Gpu(text.strip(), size)
+    return Gpu("", size)
 
 
 def detect_gpu() -> Gpu | None:

@@ -11,6 +11,7 @@ from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.hardware import Gpu
 from fsdp_utils.plan.report import Fix, Margin, MemoryPlan
 from fsdp_utils.plan.search import batch_candidates, largest_fitting, resolved_total_batch
+from fsdp_utils.plan.tracking import TOTAL
 
 Progress = Callable[[str], None]
 
@@ -22,20 +23,26 @@ def _quiet(_: str) -> None:
 def _gpu(gpu_memory_bytes: int | None, gpu_name: str | None) -> Gpu | None:
     if gpu_memory_bytes is None:
         return None
-    return Gpu(gpu_name or f"{gpu_memory_bytes / 1024**3:.1f} GiB", gpu_memory_bytes)
+    return Gpu(gpu_name or "", gpu_memory_bytes)
 
 
 def evaluate(config: TrainConfig, cluster: Cluster, gpu: Gpu | None, margin: Margin) -> MemoryPlan:
     """Trace `config` on `cluster` and compare with the GPU; no fixes."""
     result = estimate(config, cluster)
+    breakdown = result.memory.breakdown(offloaded=config.cpu_offload)
     return MemoryPlan(
         config=config,
         cluster=cluster,
         batch=result.batch,
         model=result.model,
-        breakdown=result.memory.breakdown(offloaded=config.cpu_offload),
+        breakdown=breakdown,
         state_bytes=result.memory.state_bytes,
-        peak_in_optimizer_step=result.memory.peak_in_optimizer_step and not config.cpu_offload,
+        # With CPU offload the optimizer step runs on the CPU: the GPU's peak is before it.
+        forward_backward_peak_bytes=(
+            breakdown.total
+            if config.cpu_offload
+            else result.memory.peak_before_optimizer.get(TOTAL, 0)
+        ),
         margin=margin,
         gpu=gpu,
         trace_seconds=result.seconds,
@@ -157,6 +164,9 @@ def _fixes(plan: MemoryPlan, progress: Progress) -> list[Fix]:
         except ValueError as err:  # e.g. the batch does not divide over more GPUs
             progress(f"  not possible: {str(err).splitlines()[0]}")
             return False
+        if trial.cpu_offload:
+            host = result.state_bytes * where.gpus_per_node / 1024**3
+            cost = cost.replace("host RAM", f"host RAM ({host:.0f} GiB per node)")
         fixes.append(Fix(flags, cost, result.required_bytes, bool(result.fits)))
         return bool(result.fits)
 

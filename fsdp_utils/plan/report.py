@@ -70,7 +70,7 @@ class MemoryPlan:
     model: ModelFacts
     breakdown: Breakdown  # at the predicted peak; its parts sum to peak_bytes
     state_bytes: int  # parameters + gradients + optimizer state when the optimizer step starts
-    peak_in_optimizer_step: bool
+    forward_backward_peak_bytes: int  # the highest point before the optimizer step
     margin: Margin
     gpu: Gpu | None
     trace_seconds: float
@@ -99,6 +99,11 @@ class MemoryPlan:
     @property
     def peak_bytes(self) -> int:
         return self.breakdown.total
+
+    @property
+    def peak_in_optimizer_step(self) -> bool:
+        """With activation checkpointing the optimizer step's scratch often sets the peak."""
+        return self.peak_bytes > self.forward_backward_peak_bytes
 
     @property
     def margin_bytes(self) -> int:
@@ -159,6 +164,7 @@ class MemoryPlan:
             "activation_bytes": self.activation_bytes,
             "temporary_bytes": self.temporary_bytes,
             "peak_bytes": self.peak_bytes,
+            "forward_backward_peak_bytes": self.forward_backward_peak_bytes,
             "peak_in_optimizer_step": self.peak_in_optimizer_step,
             "state_bytes": self.state_bytes,
             "state_bytes_per_parameter": self.state_bytes_per_parameter,
@@ -220,11 +226,16 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  temporaries      {_gib(plan.temporary_bytes)}   gathered layers, communication "
         "buffers, scratch",
         f"  predicted peak   {_gib(plan.peak_bytes)}   tensors (torch.cuda.max_memory_allocated)",
+        *(
+            [f"    (forward/backward peak {plan.forward_backward_peak_bytes / GIB:.2f} GiB)"]
+            if plan.peak_in_optimizer_step
+            else []
+        ),
         f"  margin           {_gib(plan.margin_bytes)}   {plan.margin.describe()}",
         f"  needed           {_gib(plan.required_bytes)}",
     ]
     if plan.gpu is not None:
-        lines.append(f"  GPU memory       {_gib(plan.gpu.memory_bytes)}   {plan.gpu.name}")
+        lines.append(f"  GPU memory       {_gib(plan.gpu.memory_bytes)}   {plan.gpu.name}".rstrip())
     if plan.config.cpu_offload:
         lines.append(
             f"  host RAM         {_gib(plan.state_bytes)}   per GPU process for the offloaded "

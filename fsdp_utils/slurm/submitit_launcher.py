@@ -113,6 +113,7 @@ class SubmitOptions:
     max_requeues: int = 20
     python: str = sys.executable
     train_script: str = DEFAULT_TRAIN_SCRIPT
+    gpu_memory: str = "auto"  # for the memory plan of the preflight
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1 or self.cpus_per_gpu < 1:
@@ -336,6 +337,10 @@ def preflight(options: SubmitOptions, train_args: Sequence[str]) -> None:
         "--preflight",
         "--world_size",
         str(options.world_size),
+        "--nodes",
+        str(options.nodes),
+        "--gpu_memory",
+        options.gpu_memory,
         *train_args,
     ]
     result = subprocess.run(
@@ -451,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the time limit at which the run saves and requeues")  # fmt: skip
     add("--max-requeues", type=int, default=defaults.max_requeues)
     add("--train-script", default=defaults.train_script)
+    add("--gpu-memory", default=defaults.gpu_memory, metavar="SIZE|GPU",
+        help="memory of one GPU of the partition (80GiB, a100-80gb, h100-64gb, ...): the "
+        "preflight plans the run's memory before submitting; off: no plan")  # fmt: skip
     add("--sweep", metavar="OPTION=V1,V2,...",
         help="one job per value (a job array), then a table, e.g. batch_size_per_device=1,2,4,8")  # fmt: skip
     add("--wait", action="store_true", help="wait for the job (always with --local or --sweep)")
@@ -477,6 +485,7 @@ def options_from_args(args: argparse.Namespace) -> SubmitOptions:
         signal_delay_s=args.signal_delay_s,
         max_requeues=args.max_requeues,
         train_script=args.train_script,
+        gpu_memory=args.gpu_memory,
     )
 
 
