@@ -16,7 +16,7 @@ help:
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
 	@echo "make lint        ruff check + ruff format --check + mypy"
-	@echo "make bench       throughput benchmarks (tokens/s), results in bench/results/"
+	@echo "make bench       throughput (tokens/s) and the memory-plan table, results in bench/results/"
 
 $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -56,6 +56,7 @@ format: setup
 
 bench: setup
 	$(PY) bench/throughput.py
+	$(PY) bench/plan_table.py
 
 clean:
 	rm -rf $(STAMPS) runs demo_assets bench/results

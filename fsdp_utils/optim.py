@@ -13,16 +13,25 @@ from fsdp_utils.config import TrainConfig
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW keeps two states per parameter (8 bytes/param in fp32); SGD without momentum none.
 
-    With FSDP2 the parameters are DTensor shards, so the state is sharded too. The foreach
-    implementations are the default; fused AdamW would need every parameter on CUDA.
+    With FSDP2 the parameters are DTensor shards, so the state is sharded too. `foreach` is
+    explicit: torch.optim picks it for CUDA parameters but a per-tensor loop for CPU ones (CPU
+    runs, --cpu_offload), and the memory planner must trace what the GPUs will run.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
-            params, lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+            params,
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            betas=(0.9, 0.95),
+            foreach=True,
         )
     return torch.optim.SGD(
-        params, lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
+        params,
+        lr=config.learning_rate,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        foreach=True,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config import Precision, TrainConfig
+from fsdp_utils.distributed import DistEnv, build_mesh
+from fsdp_utils.model import build_meta_model, count_parameters, find_decoder_layers
 
 
 def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
@@ -102,6 +105,33 @@ def parallelize(
             fully_shard(layer, reshard_after_forward=reshard and not last, **fsdp_kwargs)
     fully_shard(model, reshard_after_forward=reshard, **fsdp_kwargs)
     return model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the log, the run config and the planner report about the architecture."""
+
+    model_type: str
+    parameters: int  # tied weights counted once
+    non_embedding_parameters: int
+    decoder_layers: int
+    decoder_layer_class: str
+
+
+def build_parallel_model(
+    hf_config: Any, config: TrainConfig, env: DistEnv
+) -> tuple[nn.Module, ModelInfo]:
+    """Build on meta, find the decoder layers, parallelize (activation checkpointing, then FSDP2
+    per layer and root). Still on meta: `materialize` next, then load weights. The trainer and
+    the memory planner (which materialises on fake tensors) share this."""
+    model = build_meta_model(hf_config, config.precision)
+    layers = find_decoder_layers(model)
+    total, non_embedding = count_parameters(model)
+    info = ModelInfo(
+        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
+    )
+    mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
+    return parallelize(model, layers, mesh, config), info
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -41,8 +41,6 @@ from fsdp_utils.model import (
     build_meta_model,
     check_seq_length,
     checkpoint_key_map,
-    count_parameters,
-    find_decoder_layers,
     load_model_config,
     load_pretrained_weights,
     materialize,
@@ -50,9 +48,9 @@ from fsdp_utils.model import (
 from fsdp_utils.optim import build_optimizer, build_scheduler
 from fsdp_utils.parallelize import (
     autocast_context,
+    build_parallel_model,
     fsdp_group_names,
     gradient_sync_context,
-    parallelize,
     wrap_ddp,
 )
 from fsdp_utils.timelimit import StopController
@@ -147,8 +145,9 @@ class Trainer:
                 f"time limit: the job ends at {self.stop.end_time_text()}; saving and stopping "
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
-        _, non_embedding = self.param_counts
-        self.flops_per_token = flops_per_token(self.hf_config, non_embedding, config.max_seq_length)
+        self.flops_per_token = flops_per_token(
+            self.hf_config, self.model_info.non_embedding_parameters, config.max_seq_length
+        )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config()
 
@@ -237,27 +236,24 @@ class Trainer:
 
     def _build_model(self, load_weights: bool = True) -> nn.Module:
         config, env = self.config, self.env
-        model = build_meta_model(self.hf_config, config.precision)
-        key_map = checkpoint_key_map(model, self.model_dir)
-        layers = find_decoder_layers(model)
-        self.decoder_layer_class = type(layers[0]).__name__
-        self.num_decoder_layers = len(layers)
-        self.param_counts = count_parameters(model)
-        mesh = None if config.no_fsdp else dist_utils.build_mesh(env, config.sharding)
-        model = parallelize(model, layers, mesh, config)
+        # Checkpoint names are matched on the unwrapped model: FSDP2 swaps the classes that
+        # transformers looks its key conversions up by. A meta build costs no memory.
+        key_map = checkpoint_key_map(
+            build_meta_model(self.hf_config, config.precision), self.model_dir
+        )
+        model, self.model_info = build_parallel_model(self.hf_config, config, env)
         materialize(model, env.device)
         if load_weights:  # a resumed run gets its weights from the checkpoint instead
             load_pretrained_weights(model, self.model_dir, key_map)
         if config.no_fsdp:
             model = wrap_ddp(model, env.device)
-        total, non_embedding = self.param_counts
+        info = self.model_info
         self.fsdp_groups = fsdp_group_names(model)
-        groups = len(self.fsdp_groups)
         self.log.info(
-            f"model: {self.hf_config.model_type}, "
-            f"{total / 1e6:,.2f}M parameters ({non_embedding / 1e6:,.2f}M non-embedding), "
-            f"{self.num_decoder_layers} x {self.decoder_layer_class}; "
-            f"{groups} FSDP shard group(s)"
+            f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
+            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
+            f"{info.decoder_layers} x {info.decoder_layer_class}; "
+            f"{len(self.fsdp_groups)} FSDP shard group(s)"
         )
         model.train()
         return model
@@ -287,11 +283,11 @@ class Trainer:
                 "tokens_per_step": self.plan.tokens_per_step,
                 "warmup_steps": self.config.resolved_warmup_steps,
                 "model_dir": str(self.model_dir),
-                "decoder_layer_class": self.decoder_layer_class,
-                "num_decoder_layers": self.num_decoder_layers,
+                "decoder_layer_class": self.model_info.decoder_layer_class,
+                "num_decoder_layers": self.model_info.decoder_layers,
                 "fsdp_groups": self.fsdp_groups,
-                "parameters": self.param_counts[0],
-                "non_embedding_parameters": self.param_counts[1],
+                "parameters": self.model_info.parameters,
+                "non_embedding_parameters": self.model_info.non_embedding_parameters,
                 "flops_per_token": self.flops_per_token,
                 "prepared_data": str(self.data.folder),
                 "data_stats": self.data.meta.get("stats"),

@@ -7,7 +7,7 @@ import pytest
 
 from fsdp_utils.batch import plan_batch
 from fsdp_utils.config import TrainConfig
-from fsdp_utils.plan import Breakdown, Cluster, Fix, Margin, MemoryPlan, ModelFacts, StepMemory
+from fsdp_utils.plan import Breakdown, Cluster, Fix, Margin, MemoryPlan, ModelInfo, StepMemory
 from fsdp_utils.plan.hardware import GIB, GPU_PRESETS, MIB, parse_gpu_memory, parse_size
 from fsdp_utils.plan.report import format_plan
 from fsdp_utils.plan.search import batch_candidates, largest_fitting
@@ -135,7 +135,7 @@ def _plan(gpu_gib: float | None, fixes: tuple[Fix, ...] = ()) -> MemoryPlan:
         config=config,
         cluster=Cluster(1, 4),
         batch=plan_batch(config, 4),
-        model=ModelFacts("llama", 3 * 2**30, 2 * 2**30, 32, "LlamaDecoderLayer"),
+        model=ModelInfo("llama", 3 * 2**30, 2 * 2**30, 32, "LlamaDecoderLayer"),
         breakdown=breakdown,
         state_bytes=12 * GIB,
         forward_backward_peak_bytes=24 * GIB,

@@ -20,7 +20,14 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _assets(tiny_assets) -> list[str]:
-    return ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]), "--dataset_include", ""]
+    return [
+        "--model",
+        str(tiny_assets["model"]),
+        "--dataset",
+        str(tiny_assets["data"]),
+        "--dataset_include",
+        "",
+    ]
 
 
 def test_preflight_ok_and_memory_plan(tiny_assets):

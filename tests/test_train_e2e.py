@@ -161,7 +161,9 @@ def test_bad_input_gives_one_clear_message(
         assert "model:" not in result.stdout  # failed before any model was loaded
 
 
-def test_sharding_strategies_and_offload_change_memory_not_the_math(tmp_path, data_cache, tiny_assets):
+def test_sharding_strategies_and_offload_change_memory_not_the_math(
+    tmp_path, data_cache, tiny_assets
+):
     """fp32: full, shard_grad_op, hybrid (2-D mesh), no_shard and CPU offload give the same
     losses; the low-precision modes stay close."""
     variants = {
@@ -177,7 +179,9 @@ def test_sharding_strategies_and_offload_change_memory_not_the_math(tmp_path, da
     losses = {}
     for name, overrides in variants.items():
         out = tmp_path / name.replace(" ", "").replace("+", "_")
-        args = tiny_args(tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True, **overrides)
+        args = tiny_args(
+            tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True, **overrides
+        )
         check_ok(run_finetune(2, args))
         losses[name] = _losses(out)
     for name in ("shard_grad_op", "hybrid", "no_shard", "cpu_offload"):

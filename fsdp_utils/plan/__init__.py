@@ -7,8 +7,9 @@
 only, no weights, no GPU) and measures it with PyTorch's FSDP memory tracker; see estimate.py.
 """
 
+from fsdp_utils.parallelize import ModelInfo
 from fsdp_utils.plan.cli import main
-from fsdp_utils.plan.estimate import Cluster, ModelFacts
+from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GPU_PRESETS, Gpu, parse_gpu_memory
 from fsdp_utils.plan.planner import find_max_batch, max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Fix, Margin, MemoryPlan, format_plan
@@ -22,7 +23,7 @@ __all__ = [
     "Gpu",
     "Margin",
     "MemoryPlan",
-    "ModelFacts",
+    "ModelInfo",
     "StepMemory",
     "find_max_batch",
     "format_plan",

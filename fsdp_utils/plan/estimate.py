@@ -34,18 +34,11 @@ from fsdp_utils.assets import MissingAssetError, resolve_model_dir
 from fsdp_utils.batch import BatchPlan, plan_batch
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.data import StepSampler, TokenBlocks
-from fsdp_utils.distributed import DistEnv, build_mesh
-from fsdp_utils.model import (
-    build_meta_model,
-    check_seq_length,
-    count_parameters,
-    find_decoder_layers,
-    load_model_config,
-    materialize,
-)
+from fsdp_utils.distributed import DistEnv
+from fsdp_utils.model import check_seq_length, load_model_config, materialize
 from fsdp_utils.optim import build_optimizer, build_scheduler
-from fsdp_utils.parallelize import autocast_context, parallelize
-from fsdp_utils.plan.tracking import StepMemory, track_train_step, use_foreach_optimizer
+from fsdp_utils.parallelize import ModelInfo, autocast_context, build_parallel_model
+from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.trainer import Trainer, TrainState
 
 
@@ -72,18 +65,9 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    model_type: str
-    parameters: int
-    non_embedding_parameters: int
-    decoder_layers: int
-    decoder_layer_class: str
-
-
-@dataclass(frozen=True)
 class Estimate:
     memory: StepMemory
-    model: ModelFacts
+    model: ModelInfo
     batch: BatchPlan
     seconds: float
 
@@ -154,7 +138,6 @@ class TracedTrainer(Trainer):
         self.model = model
         self.autocast = autocast_context(config, env.device)
         self.optimizer = build_optimizer(model, config)
-        use_foreach_optimizer(self.optimizer)  # as on the GPUs the plan is for
         self.scheduler = build_scheduler(self.optimizer, config)
         self.scaler = self._grad_scaler()
         self.use_micro_batches(1)
@@ -265,19 +248,9 @@ def estimate(config: TrainConfig, cluster: Cluster) -> Estimate:
     hf_config = load_model_config(model_config_dir(config))
     check_seq_length(hf_config, config.max_seq_length)
 
-    model = build_meta_model(hf_config, config.precision)
-    layers = find_decoder_layers(model)
-    total, non_embedding = count_parameters(model)
-    facts = ModelFacts(
-        model_type=hf_config.model_type,
-        parameters=total,
-        non_embedding_parameters=non_embedding,
-        decoder_layers=len(layers),
-        decoder_layer_class=type(layers[0]).__name__,
-    )
     with fake_world(cluster) as env:
-        mesh = build_mesh(env, config.sharding)  # outside FakeTensorMode, or it fails
-        model = parallelize(model, layers, mesh, config)
+        # The device mesh is built in here, outside FakeTensorMode, or it fails.
+        model, facts = build_parallel_model(hf_config, config, env)
         try:
             with (
                 FakeTensorMode(allow_non_fake_inputs=True),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from fsdp_utils.config import build_parser, parse_config
-from fsdp_utils.plan.tracking import track_train_step, use_foreach_optimizer
+from fsdp_utils.plan.tracking import track_train_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(config, env)
         trainer.setup()
-        use_foreach_optimizer(trainer.optimizer)  # as the planner does: see its docstring
         trainer.train_step()  # warm-up: creates the optimizer state, untracked
         trainer.state.step += 1
         memory = track_train_step(trainer)

@@ -9,7 +9,8 @@ from typing import Any
 
 from fsdp_utils.batch import BatchPlan
 from fsdp_utils.config import TrainConfig
-from fsdp_utils.plan.estimate import Cluster, ModelFacts
+from fsdp_utils.parallelize import ModelInfo
+from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.tracking import Breakdown
 
@@ -67,7 +68,7 @@ class MemoryPlan:
     config: TrainConfig
     cluster: Cluster
     batch: BatchPlan
-    model: ModelFacts
+    model: ModelInfo
     breakdown: Breakdown  # at the predicted peak; its parts sum to peak_bytes
     state_bytes: int  # parameters + gradients + optimizer state when the optimizer step starts
     forward_backward_peak_bytes: int  # the highest point before the optimizer step

@@ -133,14 +133,6 @@ class StepMemory:
         )
 
 
-def use_foreach_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Make the optimizer use its foreach implementation, which torch.optim picks by default
-    for CUDA parameters. On CPU parameters it defaults to a loop over the tensors one by one,
-    which needs less scratch memory than the same step on a GPU."""
-    for group in optimizer.param_groups:
-        group["foreach"] = True
-
-
 def _device_snapshot(
     snapshots: dict[torch.device, dict[Any, int]], device: torch.device
 ) -> Snapshot:
