@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp_utils import distributed as dist_utils
@@ -213,8 +214,10 @@ class Checkpointer:
             dist_utils.barrier()
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        except Exception as err:
-            ok[0], error = 0, f"{type(err).__name__}: {err}"
+        # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
+        # Any failure must reach all ranks (below), not leave some of them in a collective.
+        except (Exception, CheckpointException) as err:
+            ok[0], error = 0, _root_cause(err)
         # Every rank must agree the shards are written before rank 0 seals the checkpoint.
         if int(dist_utils.all_reduce_min(ok).item()) == 1 and self.is_main:
             try:
@@ -280,10 +283,10 @@ class Checkpointer:
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         try:
             dcp.load(state, checkpoint_id=str(info.path))
-        except Exception as err:
+        except (Exception, CheckpointException) as err:
             raise CheckpointError(
-                f"Checkpoint {info.path} could not be read ({type(err).__name__}: "
-                f"{str(err)[:500]}). Delete it to resume from the previous one."
+                f"Checkpoint {info.path} could not be read ({_root_cause(err)[:500]}). Delete it "
+                "to resume from the previous one."
             ) from err
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -293,3 +296,13 @@ class Checkpointer:
         complete = list_checkpoints(self.root)
         for old in complete[: max(len(complete) - max(keep, 1), 0)]:
             shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _root_cause(err: BaseException) -> str:
+    """`OSError: [Errno 28] No space left on device` rather than DCP's wrapper around it."""
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, BaseException):
+                return f"{type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {err}"

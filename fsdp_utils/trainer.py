@@ -543,8 +543,12 @@ class Trainer:
                   "max_training_steps": self.config.max_training_steps,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
         tmp = self.layout.status.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(self.layout.status)
+        try:
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(self.layout.status)
+        except OSError as err:  # e.g. the disk is full: say so, but keep the real error
+            self.log.info(f"warning: could not write {self.layout.status}: {err}")
+            tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.log.close()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
-# Tests must never reach the Hub; set before any Hugging Face import.
+# Tests must never reach the Hub, nor read or fill the user's cache: set before any Hugging
+# Face import (subprocesses and Slurm jobs inherit it).
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="fsdp-utils-tests-hf-")
+os.environ.pop("HF_HUB_CACHE", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 FAKE_BIN = Path(__file__).parent / "fake_bin"
 # Two emulated GPUs, the node's two CPUs, a little memory: the job fits the 2-core test machine.
-RESOURCES = ("--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=5")
+RESOURCES = ("--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=10")
 TINY_RUN = (
     "--dataset_include", "",
     "--max_seq_length", "128",

@@ -4,6 +4,8 @@ learning, saving, and the errors users meet."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -97,13 +99,15 @@ def test_loss_falls_and_the_saved_model_reloads_and_generates(tmp_path, data_cac
     out = tmp_path / "run"
     args = tiny_args(
         tiny_assets, out, data_cache, precision="bf16-mixed", max_training_steps=30,
-        eval_every=15, log_every=5, gradient_checkpointing=True,
+        eval_every=15, log_every=1, gradient_checkpointing=True,
     )  # fmt: skip
     result = run_finetune(2, args)
     check_ok(result)
     train = read_metrics(out)
-    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
-    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert [r["step"] for r in train] == list(range(1, 31))
+    # From ln(512) = 6.24 (uniform over the vocabulary) towards the unigram entropy (~5.7).
+    assert train[0]["loss"] == pytest.approx(math.log(512), abs=0.05)
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
     evals = read_metrics(out, "eval")
     assert [e["step"] for e in evals] == [15, 30] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
     for key in (
@@ -156,7 +160,14 @@ def test_bad_input_gives_one_clear_message(
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]
     assert result.stderr.count(expected) == 1  # printed once, by rank 0
-    assert "Traceback" not in result.stderr
+    # torchrun itself reports a failed worker with a traceback of its own; the workers do not.
+    ours = re.sub(
+        r"Traceback \(most recent call last\):\n  File \"[^\"]*torchrun\".*",
+        "",
+        result.stderr,
+        flags=re.S,
+    )
+    assert "Traceback" not in ours
     if "total_batch_size" in overrides:
         assert "model:" not in result.stdout  # failed before any model was loaded
 
