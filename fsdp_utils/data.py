@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,8 +189,11 @@ def _num_proc(config: TrainConfig, num_docs: int) -> int:
 def _build(
     config: TrainConfig, files: list[Path], model_dir: Path, out: Path, log: Any
 ) -> dict[str, Any]:
+    import datasets
     from transformers import AutoTokenizer
 
+    if not sys.stderr.isatty():  # progress bars are noise in a Slurm log; we log a summary
+        datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"The tokenizer in {model_dir} has no EOS token to separate documents.")
