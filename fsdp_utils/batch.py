@@ -27,11 +27,6 @@ class BatchPlan:
         """Tokens (sequence positions) per optimizer step, over all devices."""
         return self.total_batch_size * self.seq_length
 
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        """Tokens per forward/backward pass on one device."""
-        return self.batch_size_per_device * self.seq_length
-
     def describe(self) -> str:
         return (
             f"total batch {self.total_batch_size} sequences = {self.batch_size_per_device} per "

@@ -331,9 +331,6 @@ class StepSampler:
             self._cached_epoch = epoch
         return self._perm
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def global_batch(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.steps_per_epoch)
         total = self.plan.total_batch_size

@@ -30,7 +30,3 @@ def enable_offline_mode(*, force: bool = False) -> list[str]:
         else:
             os.environ.setdefault(name, value)
     return [m for m in _HF_MODULES if m in sys.modules]
-
-
-def is_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")

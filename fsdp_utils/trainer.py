@@ -62,17 +62,11 @@ class TrainingDivergedError(RuntimeError):
 
 @dataclass
 class TrainState:
-    """What changes as training goes; checkpointed with the model and optimizer."""
+    """What changes as training goes; checkpointed with the model and optimizer (the step is
+    also the data position and the random state: see StepSampler and `_seed_step`)."""
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
 
 
 def check_output_dir(path: Path) -> None:

@@ -67,12 +67,17 @@ def test_plan_matches_the_tracker_on_a_real_two_process_run(
     token_ids = untraced * 16 * config.batch_size_per_device * config.max_seq_length
     # Parameters, gradients and optimizer state before the update: byte for byte.
     assert planned.state_bytes == real.state_bytes
-    assert real.before_optimizer["Total"] - planned.before_optimizer["Total"] == token_ids
-    # The peak and each of its parts.
-    assert real.peak_bytes - planned.peak_bytes == token_ids
+    # Totals: the same up to the untraced token ids, and up to a few scalars that the real
+    # run's garbage collector had not freed yet (reference cycles through DTensor dispatch, e.g.
+    # the 21 per-parameter norms of gradient clipping, 84 bytes, in about one run in six).
+    gc_slack = 256
+    extra = real.before_optimizer["Total"] - planned.before_optimizer["Total"] - token_ids
+    assert 0 <= extra <= gc_slack
+    assert 0 <= real.peak_bytes - planned.peak_bytes - token_ids <= gc_slack
     assert planned.peak_bytes == pytest.approx(real.peak_bytes, rel=1e-3)
     for category, measured in real.peak.items():
-        assert planned.peak.get(category, 0) == pytest.approx(measured, abs=token_ids), category
+        planned_bytes = planned.peak.get(category, 0)
+        assert planned_bytes == pytest.approx(measured, abs=token_ids + gc_slack), category
 
 
 def _llama_parameters(config_json: Path) -> int:
