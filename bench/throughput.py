@@ -22,13 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fsdp_utils.config import TrainConfig
+from fsdp_utils.data import prepare_dataset
+from fsdp_utils.synthetic import build_demo_assets
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from fsdp_utils.config import TrainConfig  # noqa: E402
-from fsdp_utils.data import prepare_dataset  # noqa: E402
-from fsdp_utils.synthetic import build_demo_assets  # noqa: E402
-
 RESULTS = REPO / "bench" / "results"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SEQ, PER_DEVICE, TOTAL, NPROC = 1024, 2, 8, 2
