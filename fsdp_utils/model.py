@@ -150,13 +150,20 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def tied_parameter_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share storage (e.g. embed_tokens and lm_head)."""
+def _all_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every (name, parameter), shared ones under each of their names, named as in the
+    checkpoint: without the activation-checkpointing wrapper's prefix."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
-    by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name.replace(_CHECKPOINT_PREFIX, ""))
+        yield name.replace(_CHECKPOINT_PREFIX, ""), param
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share storage (e.g. embed_tokens and lm_head)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in _all_named_parameters(model):
+        by_id.setdefault(id(param), []).append(name)
     return [names for names in by_id.values() if len(names) > 1]
 
 
@@ -191,12 +198,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:
     """`to_empty` gives each module its own new tensor, untying shared weights of plain
     modules (FSDP2 keeps them shared). Point the followers back at the leader."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
-    params = {
-        n.replace(_CHECKPOINT_PREFIX, ""): p
-        for n, p in model.named_parameters(remove_duplicate=False)
-    }
+    params = dict(_all_named_parameters(model))
     for leader, *followers in tied:
         for follower in followers:
             if params[follower] is not params[leader]:

@@ -14,8 +14,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fsdp_utils.config import TrainConfig
+
+if TYPE_CHECKING:
+    from fsdp_utils.batch import BatchPlan
 
 GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 
@@ -36,15 +40,25 @@ def detect_gpu_memory() -> str | None:
     return f"{min(sizes)}MiB" if result.returncode == 0 and sizes else None
 
 
-def check_basics(config: TrainConfig, world_size: int) -> str:
-    """Batch arithmetic, offline assets, sequence length: no weights, no process group."""
-    from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
+def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Path, Any]:
+    """Batch arithmetic, the model in the offline cache, the sequence length against its
+    context: (plan, model folder, model config). The trainer starts with the same checks."""
+    from fsdp_utils.assets import resolve_model_dir
     from fsdp_utils.batch import plan_batch
     from fsdp_utils.model import check_seq_length, load_model_config
 
     plan = plan_batch(config, world_size)
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
-    check_seq_length(load_model_config(model_dir), config.max_seq_length)
+    hf_config = load_model_config(model_dir)
+    check_seq_length(hf_config, config.max_seq_length)
+    return plan, model_dir, hf_config
+
+
+def check_basics(config: TrainConfig, world_size: int) -> str:
+    """Batch arithmetic, offline assets, sequence length: no weights, no process group."""
+    from fsdp_utils.assets import resolve_dataset_files
+
+    plan, model_dir, _ = check_batch_and_model(config, world_size)
     files = resolve_dataset_files(
         config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
     )

@@ -22,8 +22,6 @@ import torch
 from torch import nn
 
 from fsdp_utils import distributed as dist_utils
-from fsdp_utils.assets import resolve_model_dir
-from fsdp_utils.batch import BatchPlan, plan_batch
 from fsdp_utils.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, run_identity
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.data import PreparedData, StepSampler, eval_batches, prepare_dataset
@@ -39,9 +37,7 @@ from fsdp_utils.metrics import (
 )
 from fsdp_utils.model import (
     build_meta_model,
-    check_seq_length,
     checkpoint_key_map,
-    load_model_config,
     load_pretrained_weights,
     materialize,
 )
@@ -53,6 +49,7 @@ from fsdp_utils.parallelize import (
     gradient_sync_context,
     wrap_ddp,
 )
+from fsdp_utils.preflight import check_batch_and_model
 from fsdp_utils.timelimit import StopController
 
 
@@ -88,11 +85,8 @@ class Trainer:
         self.env = env
         self.layout = RunLayout.of(config.output_dir)
         self.state = TrainState()
-        # Fail fast, before any model or data is loaded.
-        self.plan: BatchPlan = plan_batch(config, env.world_size)
-        self.model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
-        self.hf_config = load_model_config(self.model_dir)
-        check_seq_length(self.hf_config, config.max_seq_length)
+        # Fail fast, before any model or data is loaded: the preflight's own checks.
+        self.plan, self.model_dir, self.hf_config = check_batch_and_model(config, env.world_size)
         if env.is_main:
             check_output_dir(self.layout.root)
         dist_utils.barrier()

@@ -320,7 +320,7 @@ def nvidia_smi_list() -> str | None:
 
 
 def read_status(run_dir: Path) -> dict[str, object] | None:
-    path = run_dir / "status.json"
+    path = RunLayout.of(run_dir).status
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
