@@ -10,9 +10,10 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-import torch
+if TYPE_CHECKING:  # torch only where CUDA is asked about: plots need not import it (1 s)
+    import torch
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), from NVIDIA's data sheets. V100 has no bf16:
 # its fp16 tensor-core peak is used.
@@ -29,6 +30,8 @@ PEAK_TFLOPS = (
 def detect_peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, tflops in PEAK_TFLOPS:
         if key in name:
@@ -72,6 +75,8 @@ def memory_snapshot(device: torch.device) -> dict[str, float | None]:
     gib = 1024**3
     out: dict[str, float | None] = {}
     if device.type == "cuda":
+        import torch
+
         out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
         torch.cuda.reset_peak_memory_stats(device)
@@ -261,7 +266,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str,
     if not path.is_file():
         raise ValueError(
             f"{run_dir} is not a run folder: it has no metrics.jsonl (chess_finetune.py writes "
-            "one into its --output_dir at the first step). Give the run's --output_dir, e.g. "
+            "one into its --output_dir when training starts). Give the run's --output_dir, e.g. "
             "`python -m fsdp_utils.plot runs/chess -o runs.png`."
         )
     records = []

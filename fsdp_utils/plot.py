@@ -188,7 +188,12 @@ def plot_runs(
     columns = 2
     rows = -(-len(panels) // columns)
     fig = Figure(figsize=(6.2 * columns, 3.3 * rows + 0.8), layout="constrained")
-    axes = {title_: fig.add_subplot(rows, columns, i + 1) for i, (title_, _) in enumerate(panels)}
+    first = fig.add_subplot(rows, columns, 1)
+    # One step axis for all panels, so that a chess evaluation lines up with the loss.
+    axes = {panels[0][0]: first} | {
+        title_: fig.add_subplot(rows, columns, i + 1, sharex=first)
+        for i, (title_, _) in enumerate(panels) if i > 0
+    }  # fmt: skip
     for title_, ylabel in panels:
         ax = axes[title_]
         ax.set_title(title_)
@@ -245,6 +250,7 @@ def plot_runs(
         )  # fmt: skip
     else:
         axes["memory"].set_title("memory: host RSS of rank 0 (no CUDA)")
+    axes["memory"].set_ylim(bottom=0)  # from 0: how much of the memory is in use, at a glance
     for extra in range(len(panels), rows * columns):  # an empty cell in the last row
         fig.add_subplot(rows, columns, extra + 1).set_visible(False)
 
@@ -255,7 +261,7 @@ def plot_runs(
         fig.legend(
             handles=[Line2D([], [], color=f"C{i % 10}", lw=2, label=run.name)
                      for i, run in enumerate(runs)],
-            loc="outside upper center", ncols=min(len(runs), 4), fontsize="small",
+            loc="outside lower center", ncols=min(len(runs), 4), fontsize="small",
         )  # fmt: skip
     return fig, drawn
 
@@ -310,7 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0.0 <= args.smoothing < 1.0:
             raise ValueError(f"--smoothing must be in [0, 1), got {args.smoothing}.")
         runs = load_runs(args.run_dirs, args.sweep)
-        fig, drawn = plot_runs(runs, smoothing=args.smoothing, title=args.title)
+        title = args.title
+        if title is None and args.sweep is not None:
+            title = f"sweep {args.sweep.resolve().name}: {len(runs)} runs"
+        fig, drawn = plot_runs(runs, smoothing=args.smoothing, title=title)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.output, dpi=110)
     except (ValueError, OSError) as err:

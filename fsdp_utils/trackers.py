@@ -137,7 +137,7 @@ class WandbSink:
     The W&B run starts at the first record: a leg that resumed the training run (its first
     record is "resumed") continues the W&B run whose id is stored in `<run>/wandb/run_id`;
     a fresh start gets a new id. Each leg writes its own `offline-run-<time>-<id>` folder;
-    `wandb sync` (0.30 or later) uploads the folders of one id in order as one run."""
+    `wandb sync` (0.31) uploads the folders of one id in order as one run."""
 
     def __init__(self, layout: RunLayout, *, project: str) -> None:
         self.layout = layout
