@@ -205,6 +205,23 @@ class TrainConfig:
         metadata=_opt("Peak TFLOP/s of one device for MFU (detected for A100/H100/H200)."),
     )
 
+    # --- trackers (fsdp_utils.trackers) ----------------------------------------------------
+    tensorboard: bool = field(
+        default=False,
+        metadata=_opt(
+            "Also write the metrics as TensorBoard event files into output_dir/tensorboard "
+            "(view on the login node: tensorboard --logdir runs/)."
+        ),
+    )
+    wandb: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Also log to this W&B project, always offline, into output_dir/wandb (no network "
+            "call; the end of the log gives the `wandb sync` command for the login node). "
+            "Needs pip install -e '.[wandb]'."
+        ),
+    )
+
     # --- checkpoints and time limits -----------------------------------------------------
     save_every_steps: int = field(
         default=0, metadata=_opt("Save a sharded checkpoint every N steps (0: off).")

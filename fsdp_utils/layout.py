@@ -7,6 +7,8 @@
     final/             Hugging Face model + tokenizer (safetensors) at the end
     gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
     logs/              Slurm and launcher logs
+    tensorboard/       TensorBoard event files (--tensorboard)
+    wandb/             W&B offline runs, one per leg, and the run id they share (--wandb)
     status.json        how the last run ended: completed | interrupted | failed
     STOP               created to ask a running job to save and stop
 """
@@ -48,6 +50,15 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        """W&B writes its offline runs into `<root>/wandb/` (wandb.init(dir=root))."""
+        return self.root / "wandb"
 
     @property
     def status(self) -> Path:

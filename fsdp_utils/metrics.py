@@ -1,5 +1,6 @@
 """Throughput, MFU, memory, and the run's log: JSONL file + console (rich live on a terminal,
-plain lines in a Slurm log). Only rank 0 writes."""
+plain lines in a Slurm log), plus optional sinks (TensorBoard, W&B: `fsdp_utils.trackers`).
+Only rank 0 writes. `read_metrics` is the one reader of what `RunLogger` writes."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-import torch
+if TYPE_CHECKING:  # torch only where CUDA is asked about: plots need not import it (1 s)
+    import torch
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), from NVIDIA's data sheets. V100 has no bf16:
 # its fp16 tensor-core peak is used.
@@ -27,6 +30,8 @@ PEAK_TFLOPS = (
 def detect_peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, tflops in PEAK_TFLOPS:
         if key in name:
@@ -70,6 +75,8 @@ def memory_snapshot(device: torch.device) -> dict[str, float | None]:
     gib = 1024**3
     out: dict[str, float | None] = {}
     if device.type == "cuda":
+        import torch
+
         out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
         torch.cuda.reset_peak_memory_stats(device)
@@ -110,16 +117,48 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
     )
 
 
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+class MetricSink(Protocol):
+    """Somewhere else the log's records go (torchtitan's LoggerContainer holds such loggers):
+    every record that metrics.jsonl gets, the run's resolved config once per run (leg), and a
+    closing note for the end of the log."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def write_config(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> str | None: ...
+
+
 class RunLogger:
-    """Rank 0's log. Every record goes to metrics.jsonl with a `kind` and a wall-clock time."""
+    """Rank 0's log. Every record goes to metrics.jsonl with a `kind` and a wall-clock time,
+    and to each sink."""
 
     def __init__(
-        self, metrics_path: Path | None, enabled: bool, max_steps: int, stream: TextIO | None = None
+        self,
+        metrics_path: Path | None,
+        enabled: bool,
+        max_steps: int,
+        stream: TextIO | None = None,
+        *,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self.enabled = enabled
         self.max_steps = max_steps
         self.stream = stream or sys.stdout
+        self.sinks = list(sinks) if enabled else []
         self._file = open(metrics_path, "a") if (enabled and metrics_path) else None  # noqa: SIM115
+        if self._file is not None and metrics_path is not None and _ends_mid_line(metrics_path):
+            # The last leg was killed in the middle of a line: end it, or this leg's first
+            # record would be glued to it and lost to readers.
+            self._file.write("\n")
         self._live: Any = None
         self._live_rows: list[str] = []
         if enabled and self.stream.isatty():
@@ -131,9 +170,17 @@ class RunLogger:
             self._live.start()
 
     def _write(self, record: dict[str, Any]) -> None:
+        stamped = {"time": round(time.time(), 3), **record}
         if self._file is not None:
-            self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._file.write(json.dumps(stamped) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.write(stamped)
+
+    def config(self, record: dict[str, Any]) -> None:
+        """The run's resolved config (what config.json holds), for the sinks."""
+        for sink in self.sinks:
+            sink.write_config(record)
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -191,9 +238,73 @@ class RunLogger:
         )
 
     def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:  # their notes (e.g. the `wandb sync` command) end the log
+            note = sink.close()
+            if note:
+                self.info(note)
         if self._live is not None:
             self._live.stop()
             self._live = None
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# --- reading metrics.jsonl -------------------------------------------------------------------
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of `<run_dir>/metrics.jsonl` in the order written (all kinds, or one).
+
+    A resumed run appends to the same file, so its legs follow one another. A line that does
+    not parse is skipped: a job killed in the middle of a write leaves half a line, which the
+    next leg then continues. Raises ValueError if the folder holds no metrics.jsonl."""
+    from fsdp_utils.layout import RunLayout
+
+    path = RunLayout.of(run_dir).metrics
+    if not path.is_file():
+        raise ValueError(
+            f"{run_dir} is not a run folder: it has no metrics.jsonl (chess_finetune.py writes "
+            "one into its --output_dir when training starts). Give the run's --output_dir, e.g. "
+            "`python -m fsdp_utils.plot runs/chess -o runs.png`."
+        )
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and (kind is None or record.get("kind") == kind):
+                records.append(record)
+    return records
+
+
+def latest_history(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's history as it stands after its resumes, in order.
+
+    Each leg of a run logs a "start" record at the step it starts from (0, or the checkpoint it
+    resumed). A leg resumed from a checkpoint older than the last step logged (a job killed
+    between two saves) logs those steps again: what earlier legs logged after its start step is
+    dropped, since the run continued from the checkpoint, not from them. (TensorBoard's purge of
+    a restarted run does the same: `fsdp_utils.trackers`.)"""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        start = record.get("step")
+        if record.get("kind") == "start" and isinstance(start, int):
+            kept = [r for r in kept if not (isinstance(r.get("step"), int) and r["step"] > start)]
+        kept.append(record)
+    return kept
+
+
+def scalar_fields(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a record, without its step and time stamp: what plots and trackers draw.
+    Booleans and missing values (None: e.g. MFU on a CPU) are not numbers here."""
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key not in ("step", "time")
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+    }

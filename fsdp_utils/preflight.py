@@ -41,12 +41,14 @@ def detect_gpu_memory() -> str | None:
 
 
 def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Path, Any]:
-    """Batch arithmetic, the model in the offline cache, the sequence length against its
-    context: (plan, model folder, model config). The trainer starts with the same checks."""
+    """Trackers, batch arithmetic, the model in the offline cache, the sequence length against
+    its context: (plan, model folder, model config). The trainer starts with the same checks."""
     from fsdp_utils.assets import resolve_model_dir
     from fsdp_utils.batch import plan_batch
     from fsdp_utils.model import check_seq_length, load_model_config
+    from fsdp_utils.trackers import check_trackers
 
+    check_trackers(config)
     plan = plan_batch(config, world_size)
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     hf_config = load_model_config(model_dir)

@@ -51,6 +51,7 @@ from fsdp_utils.parallelize import (
 )
 from fsdp_utils.preflight import check_batch_and_model
 from fsdp_utils.timelimit import StopController
+from fsdp_utils.trackers import open_trackers
 
 
 class TrainingDivergedError(RuntimeError):
@@ -90,7 +91,12 @@ class Trainer:
         if env.is_main:
             check_output_dir(self.layout.root)
         dist_utils.barrier()
-        self.log = RunLogger(self.layout.metrics, env.is_main, config.max_training_steps)
+        self.log = RunLogger(
+            self.layout.metrics,
+            env.is_main,
+            config.max_training_steps,
+            sinks=open_trackers(config, self.layout, enabled=env.is_main),
+        )
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -289,6 +295,7 @@ class Trainer:
         tmp = self.layout.config.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(self.layout.config)
+        self.log.config(record)
 
     # --- training ------------------------------------------------------------------------
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from fsdp_utils import metrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -65,8 +66,8 @@ def tiny_args(
 
 
 def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+    """The run's records of one kind, in the order written (fsdp_utils.metrics' reader)."""
+    return metrics.read_metrics(output_dir, kind)
 
 
 def check_ok(result: subprocess.CompletedProcess[str]) -> None:

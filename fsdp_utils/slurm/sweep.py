@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.layout import RunLayout
+from fsdp_utils.metrics import latest_history, read_metrics
 
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
@@ -70,17 +71,15 @@ def _median(values: Sequence[float]) -> float | None:
 def summarise_run(value: str, run_dir: Path, failure: str | None = None) -> RunSummary:
     """Steady-state speed (median over steps, the first warm-up step left out) and peak memory
     from the run's metrics.jsonl; `failure` is the job's error text if it failed."""
-    path = RunLayout.of(run_dir).metrics
-    records = []
-    if path.exists():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r for r in records if r.get("kind") == "train"]
+    train = []
+    if RunLayout.of(run_dir).metrics.exists():  # a job that failed early may have written none
+        train = [r for r in latest_history(read_metrics(run_dir)) if r.get("kind") == "train"]
     steady = train[1:] or train
     gpu_peaks = [r["cuda_peak_reserved_gib"] for r in train if r.get("cuda_peak_reserved_gib")]
     host_peaks = [r["host_peak_rss_gib"] for r in train if r.get("host_peak_rss_gib")]
     if failure is None:
         outcome = "completed"
-        status_path = run_dir / "status.json"
+        status_path = RunLayout.of(run_dir).status
         if status_path.exists():
             outcome = str(json.loads(status_path.read_text()).get("status", outcome))
     elif any(marker in failure for marker in OOM_MARKERS):
