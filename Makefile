@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system demo test test-quick lint format bench clean help
+.PHONY: setup setup-system demo test test-quick lint format bench gpu-check clean help
 
 help:
 	@echo "make setup       create $(VENV) (torch CPU pinned first) and install the package with test/lint extras"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-quick  the suite without the slow end-to-end tests"
 	@echo "make lint        ruff check + ruff format --check + mypy"
 	@echo "make bench       throughput (tokens/s) and the memory-plan table, results in bench/results/"
+	@echo "make gpu-check   on a GPU node: run the CUDA paths, measure tokens/s, MFU, memory vs plan"
 
 $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -57,6 +58,11 @@ format: setup
 bench: setup
 	$(PY) bench/throughput.py
 	$(PY) bench/plan_table.py
+
+# On a GPU node (srun ... make gpu-check): random-weight Llama models, several configurations,
+# measured against the planner. Without a CUDA device it says so and exits 2.
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(STAMPS) runs demo_assets bench/results
