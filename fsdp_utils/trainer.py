@@ -106,9 +106,9 @@ class Trainer:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
         self._print_header()
+        self.chess_eval = TrainingChessEval.build(config, env, self.model_dir, self.log)
         self.data = self._prepare_data()
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
-        self.chess_eval = TrainingChessEval.build(config, env, self.model_dir, self.log)
 
         self.checkpointer = Checkpointer(
             self.layout.checkpoints,

@@ -24,7 +24,7 @@ Parsing rules (`referee.judge`):
 - A word is a legal move when it is lower-case UCI as python-chess writes it
   (`[a-h][1-8][a-h][1-8]` plus an optional promotion `q`, `r`, `b`, `n`; castling as the
   king's move `e1g1`) and the move is in `board.legal_moves`. SAN (`Nf3`), `0000`,
-  upper case, off-board squares, punctuation, a result such as `1-0`: unparseable.
+  `a1a1`, upper case, off-board squares, punctuation, a result such as `1-0`: unparseable.
 - Judging stops at the first failure, after K legal plies, or at the end of the text. After
   a move that ends the game, any further word is a move after the end; the text ending
   before the game is over is "no move", unless a draw can be claimed (threefold repetition,

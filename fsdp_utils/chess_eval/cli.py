@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model", help="model folder, hub id (offline cache) or LoRA adapter folder")
     parser.add_argument(
-        "--config", metavar="FILE", help="training config (YAML/JSON) to take data options from"
+        "--config",
+        metavar="FILE",
+        help="training config (YAML/JSON), or a run folder's config.json, to take data options from",
     )
     parser.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)"
@@ -93,7 +95,9 @@ def resolve_config(args: argparse.Namespace, model: Path) -> tuple[TrainConfig, 
         values.update({k: v for k, v in run_values.items() if k in known})
         source = f"the run's {model.parent / 'config.json'}"
     if args.config:
-        values.update(load_config_file(args.config))
+        loaded = load_config_file(args.config)
+        # A run folder's config.json holds the options under "config".
+        values.update(loaded["config"] if isinstance(loaded.get("config"), dict) else loaded)
         source = args.config
     values.update({k: v for k, v in vars(args).items() if k in known})
     values.pop("chess_eval_every", None)

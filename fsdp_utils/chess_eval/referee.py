@@ -9,8 +9,8 @@ docstring and the README:
   whitespace, or the text has ended (EOS, or the token budget ran out).
 - A word is a legal move when it is UCI as `Move.uci()` writes it (`[a-h][1-8][a-h][1-8]`
   plus an optional lower-case promotion piece `qrbn`; castling as the king's move, `e1g1`)
-  and that move is in `board.legal_moves`. The null move `0000`, SAN (`Nf3`), upper case,
-  off-board squares and any other text are unparseable.
+  and that move is in `board.legal_moves`. The null move `0000`, a move to its own square
+  (`a1a1`), SAN (`Nf3`), upper case, off-board squares and any other text are unparseable.
 - Judging stops at the first move that is not legal, after K legal plies, or at the end.
   After K legal plies the rest of the text is not read.
 - After a move that ends the game (checkmate, stalemate, insufficient material, fivefold
@@ -56,7 +56,10 @@ def parse_uci(word: str) -> chess.Move | None:
     """The move a word names, or None if the word is not UCI as python-chess writes it."""
     if not UCI_MOVE.fullmatch(word):
         return None
-    return chess.Move.from_uci(word)
+    try:
+        return chess.Move.from_uci(word)
+    except chess.InvalidMoveError:  # e.g. "a1a1": python-chess writes no such move
+        return None
 
 
 def board_after(moves: Sequence[str]) -> chess.Board:
@@ -83,10 +86,12 @@ def judge(board: chess.Board, text: str, *, plies: int, finished: bool) -> Verdi
             return Verdict(0, "unparseable", False, None)
         return None
     words = text.split()
-    complete = words if finished or (text and text[-1].isspace()) else words[:-1]
-    for word in complete:
-        if board.is_game_over():
+    complete = len(words) if finished or (text and text[-1].isspace()) else len(words) - 1
+    for i, word in enumerate(words):
+        if board.is_game_over():  # any word after the end fails, complete or not
             return Verdict(legal, "after_end", True, board.result())
+        if i == complete:
+            break
         move = parse_uci(word)
         if move is None:
             return Verdict(legal, "unparseable", False, None)
