@@ -13,7 +13,10 @@ it in milliseconds. It can also run on the login node (`download_models.py --pre
 
 The result is two int32 arrays per split, memory-mapped at training time: `input_ids`
 (blocks x max_seq_length) and `lengths` (valid tokens per block; positions past it are padding
-and carry no loss).
+and carry no loss). With `--document_masking` batches also carry position ids that restart
+after every EOS (fsdp_utils.document_masking): derived at batch time, not stored, so the
+prepared layout and its cache key are unchanged. The raw rows of the eval split are also what
+the chess evaluation plays from (`held_out_games`).
 """
 
 from __future__ import annotations
