@@ -21,9 +21,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_MODEL = {"hidden_size": 64, "num_layers": 2, "vocab_size": 512}
+DEMO_MODEL: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "vocab_size": 512}
 
 
 def build_assets(folder: Path, games: int) -> dict[str, Path]:
