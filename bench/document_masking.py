@@ -142,6 +142,7 @@ def check(implementations: list[str], seq: int, doc: int) -> dict[str, Any]:
     dtype = torch.bfloat16 if cuda else torch.float32
     hidden, layers = (1024, 8) if cuda else (256, 2)
     config = LlamaConfig(
+        initializer_range=0.2,  # sharp attention, so documents that see each other show it
         vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=layers, num_attention_heads=hidden // 128 if cuda else 4,
         num_key_value_heads=hidden // 128 if cuda else 4, max_position_embeddings=seq,
@@ -153,8 +154,12 @@ def check(implementations: list[str], seq: int, doc: int) -> dict[str, Any]:
         f"transformers {transformers.__version__}, {dtype}, Llama {layers} x {hidden}"
     )
     for impl in implementations:
+        # Correctness in fp32 (flash attention needs 16-bit), timing in `dtype`.
+        check_dtype = torch.bfloat16 if impl.startswith("flash") else torch.float32
         try:
-            model = LlamaForCausalLM._from_config(config, attn_implementation=impl, dtype=dtype)
+            model = LlamaForCausalLM._from_config(
+                config, attn_implementation=impl, dtype=check_dtype
+            )
         except Exception as err:  # an implementation that is not installed
             rows.append({"implementation": impl, "error": f"{type(err).__name__}: {err}"[:200]})
             print(f"{impl}: not available ({rows[-1]['error']})")
@@ -172,11 +177,15 @@ def check(implementations: list[str], seq: int, doc: int) -> dict[str, Any]:
                 together = model(
                     input_ids=packed, position_ids=position_ids, use_cache=False
                 ).logits
-                alone = model(input_ids=b, use_cache=False).logits
-                diff = (together[:, 40:].float() - alone.float()).abs().max().item()
-                scale = alone.float().abs().max().item()
+                leaky = model(input_ids=packed, use_cache=False).logits  # plain causal
+                alone = model(input_ids=b, use_cache=False).logits.float()
+                diff = (together[:, 40:].float() - alone).abs().max().item()
+                leak = (leaky[:, 40:].float() - alone).abs().max().item()
                 row[f"max_diff_batch{rows_in_batch}"] = diff
-                row[f"separate_batch{rows_in_batch}"] = diff <= 2e-2 * max(scale, 1.0)
+                row[f"leak_diff_batch{rows_in_batch}"] = leak
+                # Kept apart: far closer to the document alone than plain causal attention is.
+                row[f"separate_batch{rows_in_batch}"] = diff < 0.05 * leak
+        model.to(dtype)
         model.train()
         ids = torch.randint(3, 1000, (1, seq), device=device)
         ids[:, doc - 1 :: doc] = eos  # documents of `doc` tokens
@@ -200,9 +209,10 @@ def check(implementations: list[str], seq: int, doc: int) -> dict[str, Any]:
         row["ratio"] = timings["document masking"] / timings["causal"]
         rows.append(row)
         print(
-            f"{impl}: documents separate with 1 row: {row['separate_batch1']} "
-            f"(max |diff| {row['max_diff_batch1']:.2e}); with 2 rows: {row['separate_batch2']} "
-            f"({row['max_diff_batch2']:.2e}); fwd+bwd tokens/s causal "
+            f"{impl}: documents kept apart with 1 row: {row['separate_batch1']} (max |diff| "
+            f"{row['max_diff_batch1']:.1e}, plain causal {row['leak_diff_batch1']:.1e}); with "
+            f"2 rows: {row['separate_batch2']} ({row['max_diff_batch2']:.1e}, "
+            f"{row['leak_diff_batch2']:.1e}); fwd+bwd tokens/s causal "
             f"{timings['causal']:,.0f}, document masking {timings['document masking']:,.0f} "
             f"({row['ratio']:.2f}x)",
             flush=True,
