@@ -12,6 +12,7 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -198,6 +199,36 @@ class TrainConfig:
         metadata=_opt("Where tokenised/packed data is cached (default: beside the hub cache)."),
     )
 
+    # --- chess evaluation and document masking --------------------------------------------
+    document_masking: bool = field(
+        default=False,
+        metadata=_opt(
+            "Packed documents do not attend to each other: position ids restart at every "
+            "document (transformers then masks attention per document; sdpa, eager, flex)."
+        ),
+    )
+    chess_eval_every: int = field(
+        default=0,
+        metadata=_opt(
+            "Run the chess evaluation (legal-move rate, next-move accuracy) on held-out games "
+            "every N optimizer steps and at the end (0: off)."
+        ),
+    )
+    chess_eval_games: int = field(
+        default=32,
+        metadata=_opt("Held-out games per chess evaluation (3 continuations each)."),
+    )
+    chess_eval_plies: int = field(
+        default=10, metadata=_opt("K: plies the model plays on from each game prefix.")
+    )
+    chess_eval_temperature: float = field(
+        default=0.0, metadata=_opt("Sampling temperature of the chess evaluation (0: greedy).")
+    )
+    chess_eval_batch_size: int | None = field(
+        default=None,
+        metadata=_opt("Sequences per forward pass in the chess evaluation (default: 8)."),
+    )
+
     # --- metrics -------------------------------------------------------------------------
     log_every: int = field(default=1, metadata=_opt("Log metrics every N optimizer steps."))
     peak_tflops: float | None = field(
@@ -311,10 +342,15 @@ def _parse_optional(inner: type) -> Any:
     return parse
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; defaults are SUPPRESSed so we know what was given."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, only: Collection[str] | None = None
+) -> None:
+    """One flag per TrainConfig field (or per field in `only`); defaults are SUPPRESSed so we
+    know what was given."""
     hints = _field_types()
     for f in dataclasses.fields(TrainConfig):
+        if only is not None and f.name not in only:
+            continue
         tp, optional = _unwrap_optional(hints[f.name])
         help_text = f.metadata.get("help", "").replace("%", "%%")
         default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
@@ -414,6 +450,21 @@ def validate_config(config: TrainConfig) -> None:
         )
     if config.no_fsdp and config.sharding != "full":
         raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
+    if config.chess_eval_plies < 1:
+        raise ValueError(
+            f"--chess_eval_plies (K, the plies each continuation is judged for) must be at "
+            f"least 1, got {config.chess_eval_plies}."
+        )
+    for name in ("chess_eval_every", "chess_eval_games", "chess_eval_batch_size"):
+        value = getattr(config, name)
+        if value is not None and value < (0 if name == "chess_eval_every" else 1):
+            raise ValueError(
+                f"--{name} must be at least {int(name != 'chess_eval_every')}, got {value}."
+            )
+    if config.chess_eval_temperature < 0:
+        raise ValueError(
+            f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
+        )
     for field_name in ("{moves}",):
         if field_name not in config.template:
             raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")

@@ -13,7 +13,10 @@ it in milliseconds. It can also run on the login node (`download_models.py --pre
 
 The result is two int32 arrays per split, memory-mapped at training time: `input_ids`
 (blocks x max_seq_length) and `lengths` (valid tokens per block; positions past it are padding
-and carry no loss).
+and carry no loss). With `--document_masking` batches also carry position ids that restart
+after every EOS (fsdp_utils.document_masking): derived at batch time, not stored, so the
+prepared layout and its cache key are unchanged. The raw rows of the eval split are also what
+the chess evaluation plays from (`held_out_games`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import torch
 from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
 from fsdp_utils.batch import BatchPlan
 from fsdp_utils.config import TrainConfig
+from fsdp_utils.document_masking import document_position_ids
 from fsdp_utils.loss import IGNORE_INDEX
-from fsdp_utils.render import is_chess_schema, render_game
+from fsdp_utils.render import CHESS_COLUMNS, is_chess_schema, render_game
 
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 
@@ -88,8 +92,13 @@ class PreparedData:
     folder: Path
     meta: dict[str, Any]
 
-    def split(self, name: str) -> TokenBlocks:
-        return TokenBlocks.load(self.folder, name)
+    def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks:
+        """A split's blocks; with document masking their batches carry position ids that
+        restart at every document (fsdp_utils.document_masking). A padded (unpacked) row
+        holds one document anyway, so it gets none."""
+        packed = bool(self.meta["spec"].get("packing", True))
+        eos = self.meta["stats"]["eos_token_id"] if document_masking and packed else None
+        return TokenBlocks.load(self.folder, name, document_eos=eos)
 
 
 def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
@@ -138,8 +147,8 @@ def _describe(stats: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> Any:
-    """A `datasets.Dataset` with one `text` column."""
+def _load_raw(config: TrainConfig, files: list[Path]) -> Any:
+    """The dataset files as one `datasets.Dataset`, columns as stored."""
     import datasets
 
     suffixes = {f.suffix for f in files}
@@ -149,9 +158,14 @@ def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> An
         )
     builder = "parquet" if ".parquet" in suffixes else "json"
     cache = str(default_data_cache_dir(config) / "raw")
-    raw = datasets.load_dataset(
+    return datasets.load_dataset(
         builder, data_files=[str(f) for f in files], split="train", cache_dir=cache
     )
+
+
+def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> Any:
+    """A `datasets.Dataset` with one `text` column."""
+    raw = _load_raw(config, files)
     columns = raw.column_names
     if is_chess_schema(columns):
         template = config.template
@@ -179,6 +193,39 @@ def _load_documents(config: TrainConfig, files: list[Path], num_proc: int) -> An
     )
 
 
+def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
+    """Shuffle by seed, cap at max_examples, hold out the first eval_examples. The order
+    depends only on the number of documents and the seed, so raw rows and their rendered
+    texts split the same way (the chess evaluation reads the raw held-out games)."""
+    docs = docs.shuffle(seed=config.seed)
+    if config.max_examples is not None:
+        docs = docs.select(range(min(config.max_examples, len(docs))))
+    n_eval = min(config.eval_examples, max(len(docs) - 1, 0))
+    return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
+
+
+def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[str, Any]]:
+    """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
+    the games whose rendered text is the held-out data. A dataset that is not chess is a
+    ValueError saying so."""
+    files = resolve_dataset_files(
+        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
+    )
+    raw = _load_raw(config, files)
+    if not is_chess_schema(raw.column_names):
+        raise ValueError(
+            f"The chess evaluation needs chess games, but the dataset {config.dataset} has "
+            f"columns {raw.column_names}, not the laion/strategic_game_chess schema (Moves, "
+            "Termination, Result). Evaluate on a chess dataset (--dataset "
+            "laion/strategic_game_chess, or a folder of parquet files in that schema), or "
+            "leave --chess_eval_every at 0 for text data."
+        )
+    eval_split = _split(config, raw.select_columns(list(CHESS_COLUMNS)))["eval"]
+    if limit is not None:
+        eval_split = eval_split.select(range(min(limit, len(eval_split))))
+    return list(eval_split)
+
+
 def _num_proc(config: TrainConfig, num_docs: int) -> int:
     if config.num_proc is not None:
         return max(1, config.num_proc)
@@ -202,11 +249,7 @@ def _build(
 
     docs = _load_documents(config, files, num_proc=1)
     num_proc = _num_proc(config, len(docs))
-    docs = docs.shuffle(seed=config.seed)
-    if config.max_examples is not None:
-        docs = docs.select(range(min(config.max_examples, len(docs))))
-    n_eval = min(config.eval_examples, max(len(docs) - 1, 0))
-    splits = {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
+    splits = _split(config, docs)
 
     def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         ids = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
@@ -275,21 +318,25 @@ def _pad_documents(
 class TokenBlocks:
     input_ids: np.ndarray  # (blocks, seq_len) int32, memory-mapped
     lengths: np.ndarray  # (blocks,) int32
+    document_eos: int | None = None  # set: batches carry per-document position ids
 
     @classmethod
-    def load(cls, folder: Path, split: str) -> TokenBlocks:
+    def load(cls, folder: Path, split: str, *, document_eos: int | None = None) -> TokenBlocks:
         ids = folder / f"{split}_input_ids.npy"
         if not ids.is_file():
-            return cls(np.zeros((0, 1), np.int32), np.zeros(0, np.int32))
+            return cls(np.zeros((0, 1), np.int32), np.zeros(0, np.int32), document_eos)
         return cls(
-            np.load(ids, mmap_mode="r"), np.load(folder / f"{split}_lengths.npy", mmap_mode="r")
+            np.load(ids, mmap_mode="r"),
+            np.load(folder / f"{split}_lengths.npy", mmap_mode="r"),
+            document_eos,
         )
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """input_ids and labels; labels are IGNORE_INDEX on padding (the model shifts them)."""
+        """input_ids and labels; labels are IGNORE_INDEX on padding (the model shifts them).
+        With document masking also position_ids, restarting at every document."""
         order = np.sort(indices)  # sequential reads from the memory map
         rows = torch.from_numpy(np.ascontiguousarray(self.input_ids[order])).long()
         lengths = torch.from_numpy(np.ascontiguousarray(self.lengths[order])).long()
@@ -297,7 +344,18 @@ class TokenBlocks:
         rows, lengths = rows[restore], lengths[restore]
         positions = torch.arange(rows.shape[1]).unsqueeze(0)
         labels = rows.masked_fill(positions >= lengths.unsqueeze(1), IGNORE_INDEX)
-        return {"input_ids": rows, "labels": labels}
+        if self.document_eos is None:
+            return {"input_ids": rows, "labels": labels}
+        position_ids = document_position_ids(rows, self.document_eos)
+        return {"input_ids": rows, "labels": labels, "position_ids": position_ids}
+
+
+def batch_position_ids(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The batch's per-document position ids on `device`, or None (positions 0..T-1). Passed
+    to the model with no attention mask and use_cache=False, or transformers ignores them
+    for packing (fsdp_utils.document_masking)."""
+    position_ids = batch.get("position_ids")
+    return None if position_ids is None else position_ids.to(device, non_blocking=True)
 
 
 class StepSampler:

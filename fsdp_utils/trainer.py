@@ -23,9 +23,17 @@ from torch import nn
 
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, run_identity
+from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import PreparedData, StepSampler, eval_batches, prepare_dataset
+from fsdp_utils.data import (
+    PreparedData,
+    StepSampler,
+    batch_position_ids,
+    eval_batches,
+    prepare_dataset,
+)
 from fsdp_utils.distributed import DistEnv
+from fsdp_utils.document_masking import check_document_masking
 from fsdp_utils.layout import RunLayout
 from fsdp_utils.loss import IGNORE_INDEX, count_targets, token_loss_sum
 from fsdp_utils.metrics import (
@@ -104,6 +112,7 @@ class Trainer:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
         self._print_header()
+        self.chess_eval = TrainingChessEval.build(config, env, self.model_dir, self.log)
         self.data = self._prepare_data()
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
 
@@ -119,6 +128,8 @@ class Trainer:
         watch = Stopwatch()
         self.model = self._build_model(load_weights=resume_from is None)
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
+        if config.document_masking:
+            check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
         self.autocast = autocast_context(config, env.device)
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
@@ -187,8 +198,8 @@ class Trainer:
             folder = prepare_dataset(self.config, log=lambda _: None)
         meta = json.loads((folder / "meta.json").read_text())
         prepared = PreparedData(folder, meta)
-        self.train_blocks = prepared.split("train")
-        self.eval_blocks = prepared.split("eval")
+        self.train_blocks = prepared.split("train", document_masking=self.config.document_masking)
+        self.eval_blocks = prepared.split("eval", document_masking=self.config.document_masking)
         return prepared
 
     def _resume(self, info: CheckpointInfo) -> None:
@@ -331,6 +342,8 @@ class Trainer:
                 last = self._log_step(metrics, step_time)
             if config.eval_every and self.state.step % config.eval_every == 0:
                 self.evaluate()
+            if self.chess_eval:
+                self.chess_eval.maybe_run(self.model, self.state.step, autocast=self.autocast)
             decision = self.stop.poll(self.state.step, step_time)
             if decision.stop:
                 self.log.event(
@@ -356,6 +369,10 @@ class Trainer:
         final_eval = None
         if not config.eval_every or self.state.step % config.eval_every:
             final_eval = self.evaluate()
+        if self.chess_eval:
+            self.chess_eval.maybe_run(
+                self.model, self.state.step, final=True, autocast=self.autocast
+            )
         if self.checkpointing and self.last_saved_step != self.state.step:
             self.save_checkpoint()
         return {
@@ -431,7 +448,11 @@ class Trainer:
         input_ids = batch["input_ids"].to(self.env.device, non_blocking=True)
         labels = batch["labels"].to(self.env.device, non_blocking=True)
         with self.autocast():
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=batch_position_ids(batch, self.env.device),
+                use_cache=False,
+            ).logits
         loss_sum = token_loss_sum(logits, labels)
         # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
         # average into the sum over all ranks' tokens, divided by the global token count.
@@ -471,7 +492,11 @@ class Trainer:
             input_ids = batch["input_ids"].to(self.env.device)
             labels = batch["labels"].to(self.env.device)
             with self.autocast():
-                logits = self.model(input_ids=input_ids, use_cache=False).logits
+                logits = self.model(
+                    input_ids=input_ids,
+                    position_ids=batch_position_ids(batch, self.env.device),
+                    use_cache=False,
+                ).logits
             totals[0] += token_loss_sum(logits, labels)
             totals[1] += count_targets(labels)
         self.model.train()

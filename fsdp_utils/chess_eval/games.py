@@ -1,0 +1,79 @@
+"""Held-out games -> the prefixes the model continues, rendered with the run's own template.
+
+Every game gives three prefixes (the phases): its opening (no moves yet), a middlegame ply
+drawn from (seed, game), and its ending (K/2 plies before the game's last move, so a model
+that plays on well can end the game and meet the `[Result ...]` header). The prompt is the
+template up to `{moves}`, then the prefix's moves, with trailing whitespace removed: the model
+writes the separating space itself, as it did in training.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("opening", "middlegame", "ending")
+
+
+@dataclass(frozen=True)
+class Prefix:
+    index: int  # position in the evaluation's item list (seeds sampling)
+    game: int  # index of the held-out game
+    phase: str
+    moves: tuple[str, ...]  # the real game's moves before the continuation
+    prompt: str
+    header_result: str | None  # the result the prompt's header asks for; None: no header
+
+
+def template_head(template: str) -> str:
+    """The part of the template before `{moves}` (what precedes the first move)."""
+    return template.split("{moves}", 1)[0]
+
+
+def header_shows_result(template: str) -> bool:
+    return "{result}" in template_head(template)
+
+
+def render_prompt(template: str, game: Mapping[str, Any], moves: Sequence[str]) -> str:
+    head = template_head(template).format(
+        result=game["Result"], termination=game["Termination"], moves=""
+    )
+    return (head + " ".join(moves)).rstrip()
+
+
+def moves_offset(template: str, game: Mapping[str, Any]) -> int:
+    """Where the first move starts in the game's full rendered text."""
+    return len(
+        template_head(template).format(
+            result=game["Result"], termination=game["Termination"], moves=""
+        )
+    )
+
+
+def phase_plies(num_moves: int, plies: int, rng: random.Random) -> dict[str, int]:
+    middle = rng.randint(1, num_moves - 1) if num_moves > 1 else 0
+    return {"opening": 0, "middlegame": middle, "ending": max(0, num_moves - max(1, plies // 2))}
+
+
+def make_prefixes(
+    games: Sequence[Mapping[str, Any]], template: str, *, plies: int, seed: int
+) -> list[Prefix]:
+    shows_result = header_shows_result(template)
+    prefixes: list[Prefix] = []
+    for g, game in enumerate(games):
+        moves = list(game["Moves"])
+        rng = random.Random(f"{seed}/{g}")
+        for phase, ply in phase_plies(len(moves), plies, rng).items():
+            prefixes.append(
+                Prefix(
+                    index=len(prefixes),
+                    game=g,
+                    phase=phase,
+                    moves=tuple(moves[:ply]),
+                    prompt=render_prompt(template, game, moves[:ply]),
+                    header_result=str(game["Result"]) if shows_result else None,
+                )
+            )
+    return prefixes

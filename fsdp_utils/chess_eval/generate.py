@@ -1,0 +1,137 @@
+"""Batched decoding and teacher-forced scoring that are safe under FSDP.
+
+With FSDP every forward pass is a collective (each layer's parameters are all-gathered), so
+all ranks must run the same number of forwards. Callers give every rank the same number of
+batches of the same size (padding with dummy rows); here, a batch decodes until every row on
+*every* rank is done (one tiny all-reduce per token), so the forward counts match. No rank
+ever holds more than FSDP's one gathered layer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils import distributed as dist_utils
+
+
+@dataclass
+class Generated:
+    tokens: list[int]  # the continuation, without the EOS
+    eos: bool  # the model wrote EOS
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    return name in inspect.signature(type(model).forward).parameters
+
+
+def _everyone_done(done: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1.0 if done else 0.0], device=device)
+    return bool(dist_utils.all_reduce_min(flag).item() > 0)
+
+
+def _pick(logits: torch.Tensor, temperature: float, seeds: Sequence[int], step: int) -> list[int]:
+    if temperature <= 0:
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    # One generator per row and token, seeded by the row's item: the same item samples the
+    # same tokens whatever batch or rank it lands in.
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    picked = []
+    for row, seed in enumerate(seeds):
+        generator = torch.Generator().manual_seed(seed * 100_003 + step)
+        picked.append(int(torch.multinomial(probs[row], 1, generator=generator)))
+    return picked
+
+
+@torch.no_grad()
+def continue_prompts(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    eos_token_id: int,
+    max_new_tokens: int,
+    is_done: Callable[[int, list[int]], bool],
+    device: torch.device,
+    temperature: float = 0.0,
+    seeds: Sequence[int] | None = None,
+    autocast: Callable[[], Any] | None = None,
+) -> list[Generated]:
+    """Continue each prompt token by token (greedy, or sampled with `temperature`), with a KV
+    cache. Row b stops at EOS, when `is_done(b, tokens)` says its verdict is known, or after
+    `max_new_tokens`. Collective under FSDP: every rank must call it equally often."""
+    rows = len(prompts)
+    length = max(len(p) for p in prompts)
+    input_ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.long)
+    for b, prompt in enumerate(prompts):  # left padding: every row's last token is at -1
+        input_ids[b, length - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[b, length - len(prompt) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    input_ids, mask, position_ids = (t.to(device) for t in (input_ids, mask, position_ids))
+    keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    context = autocast or contextlib.nullcontext
+
+    with context():
+        out = model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+            use_cache=True, **keep,
+        )  # fmt: skip
+    next_position = position_ids[:, -1:] + 1
+    results = [Generated([], False) for _ in range(rows)]
+    done = [False] * rows
+    row_seeds = list(seeds) if seeds is not None else list(range(rows))
+    for step in range(max_new_tokens):
+        picked = _pick(out.logits[:, -1, :], temperature, row_seeds, step)
+        for b, token in enumerate(picked):
+            if done[b]:
+                continue
+            if token == eos_token_id:
+                results[b].eos = True
+                done[b] = True
+                continue
+            results[b].tokens.append(token)
+            done[b] = is_done(b, results[b].tokens)
+        if step == max_new_tokens - 1 or _everyone_done(all(done), device):
+            break
+        feed = torch.tensor(
+            [[pad_token_id if done[b] else picked[b]] for b in range(rows)], device=device
+        )
+        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+        with context():
+            out = model(
+                input_ids=feed, attention_mask=mask, position_ids=next_position,
+                past_key_values=out.past_key_values, use_cache=True, **keep,
+            )  # fmt: skip
+        next_position = next_position + 1
+    return results
+
+
+@torch.no_grad()
+def top1_hits(
+    model: nn.Module,
+    sequences: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    device: torch.device,
+    autocast: Callable[[], Any] | None = None,
+) -> list[list[bool]]:
+    """Teacher forcing: hits[b][j] says whether token j of sequence b (j >= 1) is the model's
+    top-1 prediction given tokens 0..j-1 (hits[b][0] is False). One forward pass; right
+    padding needs no mask under causal attention. Collective under FSDP."""
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        input_ids[b, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    input_ids = input_ids.to(device)
+    with (autocast or contextlib.nullcontext)():
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    predicted = logits[:, :-1].argmax(dim=-1)
+    match = (predicted == input_ids[:, 1:]).cpu().tolist()
+    return [[False, *row[: len(seq) - 1]] for row, seq in zip(match, sequences, strict=True)]

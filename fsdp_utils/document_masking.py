@@ -1,0 +1,75 @@
+"""Packing without cross-document attention (`--document_masking`).
+
+A packed block holds several documents back to back, each closed by EOS. With document
+masking the position ids restart at 0 after every EOS (and at the start of every block), and
+the model is called with those position ids and **no attention mask**. transformers then
+detects the packed sequences from the position ids and keeps attention inside each document:
+
+- `sdpa`, `eager`, `flex_attention`: `masking_utils.find_packed_sequence_indices` turns
+  the position ids into document indices and builds a block-diagonal causal mask (a
+  materialised boolean mask for sdpa and eager, a `BlockMask` for flex). Checked on CPU with
+  transformers 5.23 (tests/test_document_masking.py).
+- `flash_attention_2/3`: `_is_packed_sequence` looks at the position ids only when the batch
+  holds one row; with more rows the documents of a row see each other. Hence
+  `check_document_masking` refuses flash attention with `--batch_size_per_device` > 1.
+
+Two traps, both silent, both tested: transformers ignores the position ids for packing when
+an attention mask is passed (even all ones) or when a KV cache is in use (`use_cache=True`
+creates one), and falls back to plain causal attention over the whole block.
+
+The boundaries are derived from the EOS tokens the data preparation already writes between
+documents, so prepared data needs no new field and old caches stay valid. A document that
+contains the EOS token in its own text would be cut there (chess games never do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Implementations whose transformers mask code turns packed position ids into a
+# block-diagonal mask for any batch size.
+HONOURS_PACKING = ("sdpa", "eager", "flex_attention")
+
+
+def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Position ids that restart at 0 after each EOS and at the start of each row.
+
+    [[5, 7, EOS, 9, 4, EOS, 8]] -> [[0, 1, 2, 0, 1, 2, 0]]: the EOS belongs to the document
+    it closes.
+    """
+    rows, length = input_ids.shape
+    index = torch.arange(length, device=input_ids.device).expand(rows, length)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_token_id
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
+
+
+def attention_implementation(model: Any) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "sdpa")
+
+
+def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
+    """Refuse an attention implementation that would silently let documents see each other."""
+    impl = attention_implementation(model)
+    if impl in HONOURS_PACKING:
+        return
+    if impl.startswith("flash_attention"):
+        if batch_size_per_device == 1:
+            return
+        raise ValueError(
+            f"--document_masking with {impl}: transformers separates packed documents for flash "
+            "attention only when a forward pass holds one sequence, and this run has "
+            f"--batch_size_per_device {batch_size_per_device}. Use --batch_size_per_device 1 "
+            "(the total batch stays the same), or sdpa attention."
+        )
+    raise ValueError(
+        f"--document_masking: the model uses the attention implementation {impl!r}, which is "
+        f"not known to honour packed position ids (known: {', '.join(HONOURS_PACKING)}, and "
+        "flash attention with one sequence per pass). Use sdpa, or train without "
+        "--document_masking."
+    )
