@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -206,3 +207,64 @@ def test_thresholds_are_configurable() -> None:
     default = make_notes(m.gpus, m.summary, None)
     assert any("Low GPU utilisation" in n.text for n in strict)
     assert not any("Low GPU utilisation" in n.text for n in default)
+
+
+def test_faulted_gpu_is_flagged_and_left_out_of_the_means() -> None:
+    # GPU 2 turns to ERR! halfway (synthetic values: this is about the arithmetic and the note).
+    data = samples("n1", 0, [90, 90, 90, 90]) + samples("n1", 1, [80, 80, 80, 80])
+    data += [
+        GpuSample(
+            host="n1",
+            index=2,
+            utilization_gpu=None if i >= 2 else 0.0,
+            time=60.0 * i,
+            faults=("utilization.gpu: ERR!",) if i >= 2 else (),
+        )
+        for i in range(4)
+    ]
+    m = measure("Whole run", "test", data, job(run_seconds=3600, gpus=3), timeline_bins=4)
+    assert m.summary.gpus_faulted == 1
+    assert m.summary.util_mean == 85.0  # GPUs 0 and 1 only
+    assert m.summary.util_lowest == 80.0
+    notes = make_notes(m.gpus, m.summary, job(run_seconds=3600, gpus=3))
+    text = " | ".join(f"{n.level}: {n.text}" for n in notes)
+    assert "error: n1 GPU 2 is in an error state: nvidia-smi read utilization.gpu: ERR!" in text
+    assert "in 2 of 4 samples" in text
+    assert "sbatch --exclude=n1" in text and "admins" in text
+    assert "not used" not in text and "differs" not in text  # not mistaken for an idle GPU
+    assert "utilization.gpu on" not in text  # nor for a value it cannot report
+    console = make_console(plain=True, file=io.StringIO())
+    console.print(render(Report("7", None, (m,), ()), ascii_only=True))
+    plain = console.file.getvalue()
+    assert "FAULT" in plain and "1 faulted" in plain
+
+
+def test_saved_outputs_of_other_shapes(tmp_path: Path) -> None:
+    from tests.test_monitoring_parse import GB10_TABLE
+
+    gb10 = tmp_path / "spark.txt"
+    gb10.write_text(GB10_TABLE)
+    result = run_script("--json", "--from-file", str(gb10))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (gpu,) = data["measurements"][0]["gpus"]
+    assert (gpu["util_mean"], gpu["mem_used_peak_mib"]) == (87.0, None)
+    assert any("memory.used on all GPUs" in n["text"] for n in data["notes"])
+
+    # Rows without a header or a command line, in another field order than ours.
+    rows = (FIXTURES / "nvidia_smi_query_gpu_1xL40S.csv").read_text().splitlines()[1:]
+    bare = tmp_path / "noheader.csv"
+    bare.write_text("\n".join(rows) + "\n")
+    result = run_script("--from-file", str(bare))
+    assert result.returncode == 1
+    flat = " ".join(result.stderr.split())
+    assert "assumed its own field order: index,uuid,name,utilization.gpu" in flat
+    assert "Paste the command line above the rows" in flat
+
+    # Columns the saved output never had are not blamed on the GPUs.
+    result = run_script("--json", "--from-file", str(FIXTURES / "nvidia_smi_query_gpu_8xH200.csv"))
+    texts = [n["text"] for n in json.loads(result.stdout)["notes"]]
+    assert any("Not in the saved output" in t and "power.draw" in t for t in texts)
+    assert not any("Not reported by the GPUs" in t for t in texts)
+    # One reading is a snapshot: GPU 7 at 0% is worth a warning, not "0% in every sample".
+    assert any("GPUs at 0% in this snapshot" in t and "GPU 7" in t for t in texts)
