@@ -116,8 +116,11 @@ def split_sample_lines(lines: Sequence[str], allocation: Allocation | None) -> S
 
 
 def restart_count() -> int | None:
+    """The leg of a requeued job; Slurm sets SLURM_RESTART_COUNT only from the first requeue."""
     value = os.environ.get("SLURM_RESTART_COUNT", "").strip()
-    return int(value) if value.isdigit() else None
+    if value.isdigit():
+        return int(value)
+    return 0 if os.environ.get("SLURM_JOB_ID") else None
 
 
 class CsvSink:
