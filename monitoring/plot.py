@@ -184,17 +184,23 @@ def gpu_figure(
                 x = (leg.start - t0) / scale
                 ax.axvline(x, color="0.3", linestyle="--", linewidth=0.9)
             ax.margins(x=0.01)
-            for leg in legs[1:]:
-                restart = f", restart {leg.restart}" if leg.restart is not None else ""
-                ax.text(
-                    (leg.start - t0) / scale,
-                    1.0,
-                    f" leg {leg.number}{restart}",
-                    transform=ax.get_xaxis_transform(),  # x in data, y on top of the axes
-                    fontsize=8,
-                    va="bottom",
-                    color="0.3",
-                )
+        for leg in legs[1:]:
+            # Short labels on the utilisation side only (the legend sits right of the memory
+            # side; restarts and times are in the report's legs table); near the right end
+            # the label goes left of its line. A new job id in the run folder is named.
+            job = f" (job {leg.job_id})" if leg.job_id != legs[0].job_id else ""
+            late = t1 > t0 and (leg.start - t0) / (t1 - t0) > 0.8
+            ax_util.text(
+                (leg.start - t0) / scale,
+                0.985,
+                f" leg {leg.number}{job} ",
+                transform=ax_util.get_xaxis_transform(),  # x in data, y just inside the top
+                fontsize=8,
+                va="top",
+                ha="right" if late else "left",
+                color="0.3",
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 1},
+            )
         ax_mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     for ax in axes[-1]:
         ax.set_xlabel(f"time since the first sample ({unit})")
