@@ -60,16 +60,6 @@ def allocation_from_env(env: Mapping[str, str]) -> Allocation | None:
     return None
 
 
-def allocated_from_env(env: Mapping[str, str]) -> list[int] | None:
-    """GPU indices Slurm gave this step/job (`SLURM_STEP_GPUS`/`SLURM_JOB_GPUS` only)."""
-    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
-        value = env.get(name, "").strip()
-        if value:
-            indices = _indices(value)
-            return list(indices) if indices is not None else None
-    return None
-
-
 def job_gpu_indices(seen: Collection[int], allocated: Collection[int] | None) -> set[int]:
     """The indices among `seen` to keep for the job (all of them unless the node shows more)."""
     if not allocated or len(set(seen)) <= len(set(allocated)):

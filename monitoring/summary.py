@@ -14,7 +14,6 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from monitoring.allocation import job_gpu_indices
 from monitoring.legs import Leg, covered_seconds
 from monitoring.records import GpuProcess, GpuSample, JobInfo, NodeError
 
@@ -119,20 +118,6 @@ def _timeline(
         if s.time is not None and s.utilization_gpu is not None:
             slots[min(bins - 1, int((s.time - start) / width))].append(s.utilization_gpu)
     return tuple(_mean(slot) for slot in slots)
-
-
-def restrict_to_job(samples: Iterable[GpuSample], job: JobInfo | None) -> list[GpuSample]:
-    """Drop other jobs' GPUs on nodes without device cgroups (see monitoring.allocation)."""
-    samples = list(samples)
-    if job is None or not job.gpu_indices:
-        return samples
-    seen: dict[str, set[int]] = defaultdict(set)
-    for s in samples:
-        seen[s.host].add(s.index)
-    keep = {
-        host: job_gpu_indices(indices, job.gpu_indices.get(host)) for host, indices in seen.items()
-    }
-    return [s for s in samples if s.index in keep[s.host]]
 
 
 def summarize_gpus(

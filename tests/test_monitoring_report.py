@@ -11,13 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from monitoring.allocation import allocated_from_env, job_gpu_indices
+from monitoring.allocation import (
+    Allocation,
+    allocation_from_env,
+    job_gpu_indices,
+    select_job_gpus,
+)
 from monitoring.cli import check_owner
 from monitoring.collect import ReportError, accounting_note
 from monitoring.parse import accounting_gpu_tres, parse_sacct
 from monitoring.records import GpuSample, JobInfo, NodeError
 from monitoring.report import Report, make_console, measure, render, to_json
-from monitoring.summary import Thresholds, make_notes, restrict_to_job
+from monitoring.summary import Thresholds, make_notes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -93,13 +98,21 @@ def test_error_notes_name_the_fix() -> None:
 
 def test_job_gpu_selection_without_device_cgroups() -> None:
     data = [GpuSample(host="n1", index=i, utilization_gpu=50.0) for i in range(8)]
-    restricted = restrict_to_job(data, job(gpu_indices={"n1": (2, 3)}))
-    assert [s.index for s in restricted] == [2, 3]
+    chosen = select_job_gpus(data, (), job(gpu_indices={"n1": (2, 3)}))
+    assert [s.index for s in chosen.samples] == [2, 3]
+    assert chosen.rules == ("n1: GPUs 2,3 of the 8 in the samples (scontrol GRES IDX:2,3)",)
     # Only two GPUs visible (device cgroups renumber them 0,1): nothing to choose.
     assert job_gpu_indices([0, 1], [4, 5]) == {0, 1}
-    assert allocated_from_env({"SLURM_JOB_GPUS": "0,2-3"}) == [0, 2, 3]
-    assert allocated_from_env({"SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "0,1"}) == [1]
-    assert allocated_from_env({}) is None
+    assert allocation_from_env({"SLURM_JOB_GPUS": "0,2-3"}) == Allocation(
+        (0, 2, 3), (), "SLURM_JOB_GPUS=0,2-3"
+    )
+    step = allocation_from_env({"SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "0,1"})
+    assert step is not None and step.indices == (1,)
+    # CUDA_VISIBLE_DEVICES last; NoDevFiles (GRES without device files) is no allocation.
+    cuda = allocation_from_env({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"})
+    assert cuda is not None and cuda.uuids == ("GPU-a", "GPU-b")
+    assert allocation_from_env({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) is None
+    assert allocation_from_env({}) is None
 
 
 def test_another_users_job_is_refused_with_the_command_to_give_them() -> None:
