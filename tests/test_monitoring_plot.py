@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from monitoring.cli import ReportOptions, load_history
+from monitoring.cli import ReportOptions, load_history, main
 from monitoring.plot import ATTENTION, FAULT, gpu_figure
 from monitoring.records import QUERY_GPU_FIELDS
 from monitoring.sampler import CsvSink, QueryResult
@@ -130,24 +130,29 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_plot_from_the_command_line(run_dir: Path, tmp_path: Path) -> None:
+def test_plot_from_the_command_line(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     png = tmp_path / "plots" / "gpu.png"
-    result = run_script("--run-dir", str(run_dir), "--plot", str(png))
+    result = run_script("--run-dir", str(run_dir), "--plot", str(png))  # as users run it
     assert result.returncode == 0, result.stderr
     assert f"GPU plot: {png}" in result.stdout
     height, width, _ = imread(png).shape
     assert width > 1000 and height > 500  # a real picture, two node rows
+    capsys.readouterr()
     # A job with no samples: one paragraph, exit 1, no traceback, and no empty picture.
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_script("12345", "--run-dir", str(empty), "--plot", str(tmp_path / "x.png"))
-    assert result.returncode == 1
-    assert result.stderr.startswith("gpu_report: Nothing to plot for job 12345")
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
-    assert "python -m monitoring.sampler" in result.stderr
+    assert main(["12345", "--run-dir", str(empty), "--plot", str(tmp_path / "x.png")]) == 1
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("gpu_report: Nothing to plot for job 12345")
+    assert len(stderr.strip().splitlines()) == 1
+    assert "python -m monitoring.sampler" in stderr
     assert not (tmp_path / "x.png").exists()
     # A saved one-moment output cannot be plotted over time; a bad suffix is a usage error.
     saved = FIXTURES / "nvidia_smi_query_gpu_8xH200.csv"
-    result = run_script("--from-file", str(saved), "--plot", str(tmp_path / "y.png"))
-    assert result.returncode == 1 and "is one moment" in result.stderr
-    assert run_script("--run-dir", str(run_dir), "--plot", "gpu.jpeg").returncode == 2
+    assert main(["--from-file", str(saved), "--plot", str(tmp_path / "y.png")]) == 1
+    assert "is one moment" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["--run-dir", str(run_dir), "--plot", "gpu.jpeg"])
+    assert usage.value.code == 2 and "name a .png, .pdf or .svg file" in capsys.readouterr().err
