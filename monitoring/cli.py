@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from monitoring.allocation import select_job_gpus
 from monitoring.collect import (
     Accounting,
     JobEndedError,
@@ -29,13 +30,16 @@ from monitoring.collect import (
     run_bsc_load,
     validate_job_id,
 )
+from monitoring.legs import Leg, find_legs
 from monitoring.parse import (
+    QUERY_GPU_FIELDS,
+    looks_like_table,
     parse_bsc_load,
     parse_nvidia_smi_table,
-    parse_query_gpu,
     parse_sample_csv,
+    read_query_gpu,
 )
-from monitoring.records import BscLoadNode, GpuProcess, JobInfo, NodeError
+from monitoring.records import BscLoadNode, GpuProcess, GpuSample, JobInfo, NodeError
 from monitoring.report import (
     Measurement,
     Report,
@@ -46,7 +50,7 @@ from monitoring.report import (
     to_json,
 )
 from monitoring.rundir import describe, find_samples
-from monitoring.summary import Thresholds, make_notes, restrict_to_job, summarize_job
+from monitoring.summary import Note, Thresholds, make_notes, summarize_job
 
 SAMPLER_HINT = (
     "The per-node sampler writes them when the job runs slurm/finetune.sh. In your own job "
@@ -65,6 +69,7 @@ class ReportOptions:
     bsc_load: bool = True
     timeline_bins: int = 24
     thresholds: Thresholds = field(default_factory=Thresholds)
+    plot: Path | None = None  # draw the sampler files' GPU use over time into this file
 
 
 def current_user() -> str:
@@ -87,6 +92,12 @@ def check_owner(job: JobInfo, user: str, uid: int) -> None:
 # ----------------------------------------------------------------------------- collecting
 
 
+_ASSUMED = (
+    "no header line and no pasted `nvidia-smi --query-gpu=...` command line, so gpu_report "
+    "assumed its own field order: " + ",".join(QUERY_GPU_FIELDS)
+)
+
+
 def _from_file(path: Path, options: ReportOptions) -> Report:
     """A saved nvidia-smi table/CSV, bsc_load table or sampler CSV (format recognised)."""
     try:
@@ -97,11 +108,14 @@ def _from_file(path: Path, options: ReportOptions) -> Report:
     errors: list[NodeError] = []
     processes: tuple[GpuProcess, ...] = ()
     bsc_nodes: list[BscLoadNode] = []
+    fields_read: tuple[str, ...] | None = None  # None: every field the report shows
+    assumed = False
     if "NODE" in text and ("│" in text or "\t" in text):
         bsc_nodes = parse_bsc_load(text)
         samples = samples_from_bsc_load(bsc_nodes, None)
         kind = "bsc_load table"
-    elif "NVIDIA-SMI" in text or "Processes:" in text:
+        fields_read = ("utilization.gpu",)
+    elif looks_like_table(text):
         probe = parse_nvidia_smi_table(text, host)
         samples, processes, errors = list(probe.samples), probe.processes, list(probe.errors)
         kind = "nvidia-smi table"
@@ -109,28 +123,68 @@ def _from_file(path: Path, options: ReportOptions) -> Report:
         samples, errors = parse_sample_csv(text, host)
         kind = "sampler CSV"
     else:
-        samples, errors = parse_query_gpu(text, host)
-        kind = "nvidia-smi --query-gpu CSV"
+        read = read_query_gpu(text, host)
+        samples, errors, fields_read = read.samples, read.errors, read.columns
+        assumed = read.columns_from == "assumed"
+        kind = f"nvidia-smi --query-gpu CSV (fields from its {read.columns_from})"
+        if assumed:
+            kind = "nvidia-smi --query-gpu CSV (field order assumed)"
     if not samples:
+        hint = ""
+        if assumed and errors:
+            hint = (
+                f" Its rows do not fit: {_ASSUMED} ({len(QUERY_GPU_FIELDS)} fields). Paste the "
+                "command line above the rows (`nvidia-smi --query-gpu=index,name,... "
+                "--format=csv,noheader`), or save the output with its header (--format=csv)."
+            )
         raise ReportError(
             f"{path} holds no GPU rows that gpu_report can read. It reads saved outputs of "
             "`nvidia-smi`, `nvidia-smi --query-gpu=... --format=csv`, `bsc_load <jobid>` and "
-            "the sampler's <node>.csv files."
+            "the sampler's <node>.csv files." + hint
         )
     timed = any(s.time is not None for s in samples)
     bins = options.timeline_bins if timed else 0
     m = measure("Saved output", f"{kind} in {path}", samples, None, processes, bins)
-    notes = make_notes(m.gpus, m.summary, None, errors, options.thresholds)
-    return Report(None, None, (m,), tuple(notes), bsc_load=tuple(bsc_nodes))
+    notes = make_notes(m.gpus, m.summary, None, errors, options.thresholds, fields_read=fields_read)
+    if assumed:
+        notes.insert(
+            0,
+            Note(
+                "warning",
+                f"{path}: {_ASSUMED}. If the file came from another "
+                "field list, paste its command line above the rows.",
+            ),
+        )
+    plot = None
+    if options.plot is not None:
+        if kind != "sampler CSV":
+            raise ReportError(
+                f"--plot draws GPU samples over time, and {path} is one moment (a {kind}). "
+                "Plot a job (python monitoring/gpu_report.py <jobid> --plot gpu.png), a run "
+                "folder (--run-dir DIR --plot gpu.png) or a sampler <node>.csv."
+            )
+        plot = _plot(samples, find_legs(samples), options.plot, f"GPU use: {path}", options)
+    return Report(None, None, (m,), tuple(notes), bsc_load=tuple(bsc_nodes), plot=plot)
 
 
-def _history(
+@dataclass(frozen=True)
+class History:
+    """The run's sampler files, reduced to the job's GPUs."""
+
+    measurement: Measurement
+    samples: list[GpuSample]
+    legs: list[Leg]
+    errors: list[NodeError]
+    warnings: tuple[str, ...]  # doubts about which GPUs were the job's
+
+
+def load_history(
     job_id: str | None, job: JobInfo | None, options: ReportOptions, title: str
-) -> tuple[Measurement | None, list[NodeError], str]:
-    """The run's sampler files: (measurement or None, logged errors, where we looked)."""
+) -> tuple[History | None, str]:
+    """The run's sampler files: (history or None, where we looked)."""
     found, looked = find_samples(job_id, job, options.run_dir)
     if found is None:
-        return None, [], describe(looked)
+        return None, describe(looked)
     if not found.samples:
         others = ", ".join(j or "(outside Slurm)" for j in found.job_ids)
         raise ReportError(
@@ -138,10 +192,44 @@ def _history(
             f"{job_id}. Pass the run folder of job {job_id} with --run-dir, or leave --run-dir "
             "out to let gpu_report find it."
         )
-    samples = restrict_to_job(found.samples, job)
+    chosen = select_job_gpus(found.samples, found.starts, job)
+    legs = find_legs(chosen.samples, found.starts)
     source = f"sampler files in {found.folder}"
-    m = measure(title, source, samples, job, timeline_bins=options.timeline_bins)
-    return m, list(found.errors), describe(looked)
+    m = measure(
+        title,
+        source,
+        chosen.samples,
+        job,
+        timeline_bins=options.timeline_bins,
+        legs=legs,
+        gpu_selection=chosen.rules,
+    )
+    return History(m, chosen.samples, legs, list(found.errors), chosen.warnings), describe(looked)
+
+
+def _plot(
+    samples: list[GpuSample], legs: list[Leg], path: Path, title: str, options: ReportOptions
+) -> str:
+    from monitoring.plot import write_plot  # matplotlib: only when a plot is asked for
+
+    try:
+        write_plot(samples, path, legs, title=title, thresholds=options.thresholds)
+    except OSError as error:
+        raise ReportError(
+            f"cannot write the plot to {path}: {error.strerror}. Choose a writable path, "
+            "e.g. --plot gpu.png"
+        ) from None
+    return str(path)
+
+
+def _no_plot(job_id: str | None, looked: str) -> ReportError:
+    what = f"job {job_id}" if job_id else "this run folder"
+    return ReportError(
+        f"Nothing to plot for {what}: no GPU sampler files of it were found (looked in: "
+        f"{looked}). --plot draws the sampler files (<run_dir>/gpu_samples/<node>.csv) over "
+        f"the job's time; run without --plot for the report alone. {SAMPLER_HINT} If the run "
+        "folder is elsewhere, pass --run-dir <output_dir>."
+    )
 
 
 def _live(
@@ -152,13 +240,15 @@ def _live(
     bsc_nodes, bsc_problem = run_bsc_load(job.job_id) if options.bsc_load else ([], None)
     if bsc_problem:
         errors.append(NodeError("bsc_load", bsc_problem))
-    samples = restrict_to_job(probe.samples, job)
+    chosen = select_job_gpus(probe.samples, (), job)
+    samples = chosen.samples
     p = options.probe
     if samples:
         source = (
             f"{p.samples} nvidia-smi samples {p.interval:g} s apart on each node (srun --overlap)"
         )
-        return measure("Live", source, samples, job, probe.processes), errors, bsc_nodes
+        m = measure("Live", source, samples, job, probe.processes, gpu_selection=chosen.rules)
+        return m, errors, bsc_nodes
     if bsc_nodes:
         m = measure("Live", "bsc_load", samples_from_bsc_load(bsc_nodes, time.time()), job)
         return m, errors, bsc_nodes
@@ -167,11 +257,16 @@ def _live(
 
 def _from_run_dir(options: ReportOptions) -> Report:
     """`--run-dir` without a job id: every sample in the folder, no Slurm needed."""
-    m, errors, looked = _history(None, None, options, "Samples")
-    if m is None:
+    history, looked = load_history(None, None, options, "Samples")
+    if history is None:
         raise ReportError(f"No GPU sampler files (<node>.csv) in {looked}. " + SAMPLER_HINT)
-    notes = make_notes(m.gpus, m.summary, None, errors, options.thresholds)
-    return Report(None, None, (m,), tuple(notes))
+    m = history.measurement
+    notes = make_notes(m.gpus, m.summary, None, history.errors, options.thresholds)
+    plot = None
+    if options.plot is not None:
+        title = f"GPU use: {options.run_dir}"
+        plot = _plot(history.samples, history.legs, options.plot, title, options)
+    return Report(None, None, (m,), tuple(notes), plot=plot)
 
 
 def _lookup(job_id: str, options: ReportOptions) -> JobInfo | None:
@@ -234,9 +329,11 @@ def build_report(options: ReportOptions) -> Report:
 
     running = job is not None and job.is_running
     title = "Run so far" if running else "Whole run"
-    history, logged, looked = _history(job_id, job, options, title)
-    errors += logged
-    measurements += [history] if history is not None else []
+    history, looked = load_history(job_id, job, options, title)
+    if history is None and options.plot is not None:
+        raise _no_plot(job_id, looked)
+    errors += history.errors if history else []
+    measurements += [history.measurement] if history is not None else []
 
     acct = Accounting((), None, None)
     if not running:
@@ -249,11 +346,18 @@ def build_report(options: ReportOptions) -> Report:
         raise ReportError(_nothing_to_report(job_id, job, looked, acct.note))
 
     # Advice from the longest view available: the run's samples, else the live snapshot.
-    basis = history or (measurements[0] if measurements else None)
+    basis = history.measurement if history else (measurements[0] if measurements else None)
     if basis is None:
         notes = make_notes((), summarize_job([], [], job), job, errors, options.thresholds)
     else:
         notes = make_notes(basis.gpus, basis.summary, job, errors, options.thresholds)
+    notes += [Note("warning", text) for text in (history.warnings if history else ())]
+    plot = None
+    if history is not None and options.plot is not None:
+        name = f" ({job.name})" if job is not None and job.name else ""
+        plot = _plot(
+            history.samples, history.legs, options.plot, f"GPU use of job {job_id}{name}", options
+        )
     return Report(
         job_id=job_id,
         job=job,
@@ -263,6 +367,7 @@ def build_report(options: ReportOptions) -> Report:
         accounting=acct.gpu,
         accounting_note=acct.note,
         slurm_version=acct.version,
+        plot=plot,
     )
 
 
@@ -346,7 +451,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     parser.add_argument(
         "--timeline-bins", type=int, default=24, help="post-mortem timeline width (24)"
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE",
+        help="also draw per-GPU utilisation and memory over the job's time from the sampler "
+        "files, all nodes (.png, .pdf or .svg)",
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+        parser.error(f"--plot {args.plot}: name a .png, .pdf or .svg file, e.g. --plot gpu.png")
     if args.job_id is None and args.run_dir is None and args.from_file is None:
         parser.error("give a job id (or --run-dir / --from-file)")
     if args.refresh <= 0 or args.timeline_bins < 0:
@@ -362,6 +476,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
         probe=probe,
         bsc_load=not args.no_bsc_load,
         timeline_bins=args.timeline_bins,
+        plot=args.plot,
     )
     return options, args
 

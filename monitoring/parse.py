@@ -2,6 +2,9 @@
 
 Each parser is tested against outputs copied exactly from real tools (tests/fixtures/).
 Values a device cannot report (`[N/A]`, `[Not Supported]`, `N/A`, `-`) become `None`, never 0.
+Cells that read as an error (`ERR!`, `[Unknown Error]`, `[GPU is lost]`) also become `None`, and
+are listed in the sample's `faults`: the GPU is in an error state, which is not the same as a
+value the device does not support.
 Lines that are not measurements (e.g. "Unable to determine the device handle for GPU0000:01:00.0:
 GPU has fallen off the bus.") are returned as `NodeError`s so the report can say what happened.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from monitoring.records import (
     QUERY_APPS_FIELDS,
@@ -23,6 +27,7 @@ from monitoring.records import (
     JobInfo,
     NodeError,
     Probe,
+    SamplerStart,
 )
 
 # A number, optionally followed by the unit nvidia-smi prints without `nounits` (or in its table).
@@ -44,6 +49,24 @@ _KNOWN_QUERY_FIELDS = {
 }
 
 
+# What nvidia-smi prints in a cell when it could not read the GPU: `ERR!` in its table (a GSP
+# timeout, an Xid error, a GPU falling off the bus), bracketed NVML errors in --query-gpu CSV.
+_FAULT_CELLS = frozenset(
+    {
+        "err!",
+        "unknown error",
+        "gpu is lost",
+        "gpu requires reset",
+        "gpu access blocked by the operating system",
+    }
+)
+
+
+def is_fault(cell: str) -> bool:
+    """`ERR!`, `[Unknown Error]`, `[GPU is lost]`, `[GPU requires reset]`: a GPU in error."""
+    return cell.strip().strip("[]").strip().lower() in _FAULT_CELLS
+
+
 def parse_number(cell: str) -> float | None:
     """`"100"`, `"100 %"`, `"45934MiB"`, `"286W"`, `"45C"` -> float; anything else -> None."""
     match = _NUMBER.match(cell.strip())
@@ -62,8 +85,16 @@ def _field_name(cell: str) -> str:
     return _UNIT_SUFFIX.sub("", cell.strip())
 
 
+_FIELD_NAME = re.compile(r"^[a-z][a-z0-9_.]*(\s*\[[^\]]*\])?$")
+
+
 def _is_header(cells: Sequence[str]) -> bool:
-    return bool(cells) and _field_name(cells[0]) in _KNOWN_QUERY_FIELDS
+    """A CSV header: every cell a field name (`memory.used [MiB]`), at least one we know."""
+    return (
+        bool(cells)
+        and all(_FIELD_NAME.match(cell) for cell in cells)
+        and any(_field_name(cell) in _KNOWN_QUERY_FIELDS for cell in cells)
+    )
 
 
 def _split(line: str) -> list[str]:
@@ -92,7 +123,71 @@ def _sample_from_row(
         temperature_c=number("temperature.gpu"),
         time=time,
         job_id=job_id,
+        faults=tuple(f"{name}: {cell}" for name, cell in row.items() if is_fault(cell)),
     )
+
+
+# A pasted command line: `$ nvidia-smi --query-gpu=index,name --format=csv,noheader`.
+_QUERY_COMMAND = re.compile(r"nvidia-smi\b.*?--query-(gpu|compute-apps)[= ]+[\"']?([\w.,]+)")
+
+
+@dataclass(frozen=True)
+class QueryGpuRead:
+    """`parse_query_gpu`'s result, with where the column names came from."""
+
+    samples: list[GpuSample]
+    errors: list[NodeError]
+    columns: tuple[str, ...]  # the field list used for the GPU rows (the last one, if several)
+    columns_from: str  # "header", "command line" or "assumed"
+
+
+def read_query_gpu(
+    text: str,
+    host: str,
+    fields: Sequence[str] = QUERY_GPU_FIELDS,
+    time: float | None = None,
+    job_id: str | None = None,
+) -> QueryGpuRead:
+    """Output of `nvidia-smi --query-gpu=<fields> --format=csv[,noheader][,nounits]`.
+
+    The columns come from, in order: a header line (`--format=csv`, so CSVs saved with any field
+    list work); a pasted `nvidia-smi --query-gpu=...` command line above the rows (the fields of
+    `noheader` output); else `fields` (gpu_report's own order), and `columns_from` says that they
+    were assumed. Rows after a pasted `--query-compute-apps` command are processes, not GPUs,
+    and are skipped. Without an `index` column GPUs are numbered by position.
+    """
+    columns = [*fields]
+    columns_from = "assumed"
+    in_apps = False
+    samples: list[GpuSample] = []
+    errors: list[NodeError] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        command = _QUERY_COMMAND.search(line)
+        if command:
+            in_apps = command.group(1) == "compute-apps"
+            if not in_apps:
+                columns = [name.strip() for name in command.group(2).split(",") if name.strip()]
+                columns_from = "command line"
+            continue
+        cells = _split(line)
+        if _is_header(cells):
+            names = [_field_name(cell) for cell in cells]
+            in_apps = "index" not in names and bool(set(names) & {"pid", "gpu_uuid"})
+            if not in_apps:
+                columns, columns_from = names, "header"
+            continue
+        if in_apps:
+            continue
+        row = dict(zip(columns, cells, strict=False))
+        if "index" not in row:
+            row["index"] = str(len(samples))
+        if len(cells) != len(columns) or not row["index"].isdigit():
+            errors.append(NodeError(host, line.strip()))
+            continue
+        samples.append(_sample_from_row(row, host, time, job_id))
+    return QueryGpuRead(samples, errors, tuple(columns), columns_from)
 
 
 def parse_query_gpu(
@@ -102,29 +197,9 @@ def parse_query_gpu(
     time: float | None = None,
     job_id: str | None = None,
 ) -> tuple[list[GpuSample], list[NodeError]]:
-    """Output of `nvidia-smi --query-gpu=<fields> --format=csv[,noheader][,nounits]`.
-
-    With a header line the columns are taken from it (so CSVs saved with any field list work);
-    without one, `fields` gives them. Without an `index` column GPUs are numbered by position.
-    """
-    columns = [*fields]
-    samples: list[GpuSample] = []
-    errors: list[NodeError] = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        cells = _split(line)
-        if _is_header(cells):
-            columns = [_field_name(cell) for cell in cells]
-            continue
-        row = dict(zip(columns, cells, strict=False))
-        if "index" not in row:
-            row["index"] = str(len(samples))
-        if len(cells) != len(columns) or not row["index"].isdigit():
-            errors.append(NodeError(host, line.strip()))
-            continue
-        samples.append(_sample_from_row(row, host, time, job_id))
-    return samples, errors
+    """`read_query_gpu` without the column provenance."""
+    read = read_query_gpu(text, host, fields, time, job_id)
+    return read.samples, read.errors
 
 
 def parse_compute_apps(
@@ -169,15 +244,27 @@ _TABLE_GPU_LINE1 = re.compile(
     r"^\|\s+(?P<index>\d+)\s+(?P<name>.+?)\s+(?:On|Off)\s+\|\s+"
     r"(?P<bus>[0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s"
 )
+# The memory cell is `used / total`, or one word or two where the GPU has no own memory to report
+# (`Not Supported` on unified-memory GPUs such as GB10); `ERR!` may stand in any cell, the fan's
+# even touching the border (`|ERR!   68C ...`).
 _TABLE_GPU_LINE2 = re.compile(
-    r"^\|\s*(?P<fan>\S+)\s+(?P<temp>\S+)\s+(?P<perf>\S+)\s+(?P<power>\S+)\s*/\s*(?P<cap>\S+)\s+\|"
-    r"\s*(?P<used>\S+)\s*/\s*(?P<total>\S+)\s+\|\s*(?P<util>\S+)\s+"
+    r"^\|\s*(?P<fan>\S+)\s+(?P<temp>\S+)\s+(?P<perf>\S+)\s+(?P<power>\S+)\s*/\s*(?P<cap>\S+)\s*\|"
+    r"\s*(?P<memory>[^|]*?)\s*\|\s*(?P<util>\S+)\s+"
 )
 _TABLE_PROCESS = re.compile(
     r"^\|\s+(?P<gpu>\d+)\s+(?P<gi>\S+)\s+(?P<ci>\S+)\s+(?P<pid>\d+)\s+(?P<type>[CGM+]+)\s+"
     r"(?P<name>.+?)\s+(?P<mem>\S+)\s*\|$"
 )
 _TABLE_ERROR_HINTS = ("Unable to", "failed", "No devices were found", "fallen off the bus")
+
+
+def looks_like_table(text: str) -> bool:
+    """The default `nvidia-smi` table, whole or a pasted fragment of its GPU rows."""
+    return (
+        "NVIDIA-SMI" in text
+        or "Processes:" in text
+        or any(_TABLE_GPU_LINE1.match(line) for line in text.splitlines())
+    )
 
 
 def parse_nvidia_smi_table(text: str, host: str) -> Probe:
@@ -208,16 +295,29 @@ def parse_nvidia_smi_table(text: str, host: str) -> Probe:
         if pending is not None:
             match = _TABLE_GPU_LINE2.match(line)
             if match:
+                used, _, total = match["memory"].partition("/")
+                cells = {
+                    "fan": match["fan"],
+                    "temperature.gpu": match["temp"],
+                    "power.draw": match["power"],
+                    "memory.used": used,
+                    "memory.total": total,
+                    "utilization.gpu": match["util"],
+                }
+                # ERR! elsewhere on the GPU's first line (ECC, Disp.A) is a fault all the same.
+                faults = [f"{k}: {v.strip()}" for k, v in cells.items() if is_fault(v)]
+                faults += ["status: ERR!"] if "ERR!" in pending.string[pending.end() :] else []
                 samples.append(
                     GpuSample(
                         host=host,
                         index=int(pending["index"]),
                         name=parse_text(pending["name"]),
                         utilization_gpu=parse_number(match["util"]),
-                        memory_used_mib=parse_number(match["used"]),
-                        memory_total_mib=parse_number(match["total"]),
+                        memory_used_mib=parse_number(used),
+                        memory_total_mib=parse_number(total),
                         power_w=parse_number(match["power"]),
                         temperature_c=parse_number(match["temp"]),
+                        faults=tuple(faults),
                     )
                 )
             pending = None
@@ -545,6 +645,43 @@ def parse_sample_csv(text: str, host: str = "?") -> tuple[list[GpuSample], list[
             _sample_from_row(row, row["host"] or host, parse_number(row["time"]), row["job_id"])
         )
     return samples, errors
+
+
+# `<node>.log` lines are `time<TAB>job_id<TAB>message`; a sampler's start is `sampler start {json}`.
+SAMPLER_START = "sampler start "
+
+
+def parse_sampler_log(text: str, host: str) -> list[tuple[str, NodeError | SamplerStart]]:
+    """A sampler's `<node>.log`: (job id, what the node said, or the sampler's start record)."""
+    out: list[tuple[str, NodeError | SamplerStart]] = []
+    for line in text.splitlines():
+        parts = line.split("\t", 2)
+        if len(parts) != 3:
+            continue
+        when, job_id, message = parts
+        if message.startswith(SAMPLER_START):
+            try:
+                record = json.loads(message[len(SAMPLER_START) :])
+                gpus = record.get("gpus")
+                out.append(
+                    (
+                        job_id,
+                        SamplerStart(
+                            host=host,
+                            job_id=job_id,
+                            time=float(when),
+                            restart=record.get("restart"),
+                            gpus=tuple(gpus) if gpus is not None else None,
+                            node_gpus=record.get("node_gpus"),
+                            rule=str(record.get("rule", "")),
+                        ),
+                    )
+                )
+                continue
+            except (ValueError, AttributeError, TypeError):
+                pass  # not ours after all: shown as what the node said
+        out.append((job_id, NodeError(host, message)))
+    return out
 
 
 _SRUN_LABEL = re.compile(r"^\s*\d+:\s?")

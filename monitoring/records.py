@@ -41,6 +41,26 @@ class GpuSample:
     temperature_c: float | None = None
     time: float | None = None  # epoch seconds
     job_id: str | None = None
+    # Cells that read as an error instead of a value (`ERR!`, `[Unknown Error]`, `[GPU is
+    # lost]`), as "field: cell". Such a GPU is faulted: its readings are not measurements.
+    faults: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplerStart:
+    """What a sampler recorded when it started on a node (one per leg of a requeued job).
+
+    `gpus` are the node-wide indices it kept (None: it kept every GPU nvidia-smi listed) and
+    `rule` says how it chose them, e.g. "SLURM_JOB_GPUS=0,1" or "none: no allocation known".
+    """
+
+    host: str
+    job_id: str
+    time: float
+    restart: int | None  # $SLURM_RESTART_COUNT: 0 for the first leg, 1 after one requeue, ...
+    gpus: tuple[int, ...] | None
+    node_gpus: int | None  # how many GPUs nvidia-smi listed on the node
+    rule: str
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from monitoring.legs import Leg
 from monitoring.records import AccountingGpu, BscLoadNode, GpuProcess, GpuSample, JobInfo
 from monitoring.summary import (
     GpuStats,
@@ -39,6 +41,7 @@ class Measurement:
     summary: JobSummary
     has_timeline: bool = False
     has_processes: bool = False
+    gpu_selection: tuple[str, ...] = ()  # per node, which GPUs count as the job's, and why
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Report:
     accounting: tuple[AccountingGpu, ...] = ()
     accounting_note: str | None = None
     slurm_version: tuple[int, int, int] | None = None
+    plot: str | None = None  # the PNG written by --plot
 
 
 def measure(
@@ -60,15 +64,19 @@ def measure(
     job: JobInfo | None,
     processes: Sequence[GpuProcess] = (),
     timeline_bins: int = 0,
+    *,
+    legs: Sequence[Leg] = (),
+    gpu_selection: Sequence[str] = (),
 ) -> Measurement:
     gpus = summarize_gpus(samples, processes, bins=timeline_bins)
     return Measurement(
         title=title,
         source=source,
         gpus=tuple(gpus),
-        summary=summarize_job(gpus, samples, job),
+        summary=summarize_job(gpus, samples, job, legs),
         has_timeline=timeline_bins > 0,
         has_processes=bool(processes),
+        gpu_selection=tuple(gpu_selection),
     )
 
 
@@ -171,11 +179,16 @@ def gpu_table(m: Measurement, ascii_only: bool, t: Thresholds) -> Table:
         last_of_node = i + 1 == len(m.gpus) or m.gpus[i + 1].host != g.host
         first_of_node = i == 0 or m.gpus[i - 1].host != g.host
         util_range = "-" if g.util_min is None else f"{g.util_min:.0f}-{g.util_peak:.0f}"
+        util = (
+            Text("FAULT", style="bold red")
+            if g.faulted
+            else Text(_fmt(g.util_mean), style=_util_style(g.util_mean, t))
+        )
         row: list[str | Text] = [
             g.host if first_of_node else "",
             str(g.index),
             _model(g.name),
-            Text(_fmt(g.util_mean), style=_util_style(g.util_mean, t)),
+            util,
             util_range,
             _memory(g),
             _fmt(g.power_mean_w),
@@ -194,6 +207,8 @@ def summary_line(m: Measurement) -> str:
     allocated = f" ({s.gpus_allocated} allocated)" if s.gpus_allocated is not None else ""
     plural = "" if s.gpus_measured == 1 else "s"
     parts = [f"{s.gpus_measured} GPU{plural} measured{allocated}"]
+    if s.gpus_faulted:
+        parts.append(f"{s.gpus_faulted} faulted (not counted in these figures)")
     if s.util_mean is not None:
         parts.append(
             f"mean utilisation {s.util_mean:.0f}% (lowest GPU {_fmt(s.util_lowest)}%, "
@@ -202,9 +217,40 @@ def summary_line(m: Measurement) -> str:
     if s.mem_peak_mib is not None:
         of = f" of {_gib(s.mem_total_mib)}" if s.mem_total_mib else ""
         parts.append(f"peak memory {_gib(s.mem_peak_mib)}{of} GiB on the fullest GPU")
-    if s.span_s:
+    if len(s.legs) > 1 and s.covered_s is not None:
+        parts.append(
+            f"{s.samples_per_gpu} samples per GPU over {format_duration(s.covered_s)} "
+            f"in {len(s.legs)} legs"
+        )
+    elif s.span_s:
         parts.append(f"{s.samples_per_gpu} samples per GPU over {format_duration(s.span_s)}")
     return "Job summary: " + "; ".join(parts) + "."
+
+
+def _clock(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+
+
+def legs_table(legs: Sequence[Leg], ascii_only: bool) -> Table:
+    """The legs of a requeued (or resumed) run, each with its own times."""
+    table = Table(
+        title="Legs (restarts): each start of the sampler",
+        title_justify="left",
+        box=box.ASCII if ascii_only else None,
+    )
+    for name in ("Leg", "Job", "Restart", "First sample", "Last sample", "Sampled", "Samples/GPU"):
+        table.add_column(name, justify="left" if name in ("Job", "First sample") else "right")
+    for leg in legs:
+        table.add_row(
+            str(leg.number),
+            leg.job_id or "-",
+            _fmt(leg.restart),
+            _clock(leg.start),
+            _clock(leg.end),
+            format_duration(leg.seconds),
+            str(leg.samples_per_gpu),
+        )
+    return table
 
 
 def bsc_load_table(nodes: Sequence[BscLoadNode], ascii_only: bool) -> Table:
@@ -280,6 +326,12 @@ def render(report: Report, ascii_only: bool, thresholds: Thresholds | None = Non
     summed = report.slurm_version is not None and report.slurm_version >= (24, 5, 1)
     for m in report.measurements:
         parts += [Text(""), gpu_table(m, ascii_only, t), Text(summary_line(m))]
+        if m.gpu_selection:
+            parts.append(Text("The job's GPUs: " + "; ".join(m.gpu_selection) + "."))
+        if len(m.summary.legs) > 1:
+            parts += [Text(""), legs_table(m.summary.legs, ascii_only)]
+    if report.plot:
+        parts += [Text(""), Text(f"GPU plot: {report.plot}")]
     if report.bsc_load:
         parts += [Text(""), bsc_load_table(report.bsc_load, ascii_only)]
     if report.accounting:

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitoring.parse import SAMPLE_PREFIX_FIELDS, parse_sample_csv
-from monitoring.records import GpuSample, JobInfo, NodeError
+from monitoring.parse import SAMPLE_PREFIX_FIELDS, parse_sample_csv, parse_sampler_log
+from monitoring.records import GpuSample, JobInfo, NodeError, SamplerStart
 
 SAMPLES_SUBDIR = "gpu_samples"  # fsdp_utils.layout.RunLayout.gpu_samples
 _HEADER_START = ",".join(SAMPLE_PREFIX_FIELDS) + ","
@@ -32,6 +32,7 @@ class SampleSet:
     samples: tuple[GpuSample, ...]
     errors: tuple[NodeError, ...]
     job_ids: tuple[str, ...]  # the jobs that wrote samples into this folder
+    starts: tuple[SamplerStart, ...] = ()  # the samplers' start records (legs, GPU choice)
 
 
 def _sampler_csvs(folder: Path) -> list[Path]:
@@ -104,14 +105,11 @@ def candidate_folders(job: JobInfo | None, run_dir: Path | None) -> list[Path]:
     return unique
 
 
-def _read_logs(folder: Path) -> list[tuple[str, NodeError]]:
-    """`<node>.log` lines `time<TAB>job_id<TAB>message` -> (job_id, error)."""
+def _read_logs(folder: Path) -> list[tuple[str, NodeError | SamplerStart]]:
+    """`<node>.log` lines -> (job_id, error or sampler start)."""
     out = []
     for path in sorted(folder.glob("*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            parts = line.split("\t", 2)
-            if len(parts) == 3:
-                out.append((parts[1], NodeError(path.stem, parts[2])))
+        out += parse_sampler_log(path.read_text(errors="replace"), path.stem)
     return out
 
 
@@ -131,8 +129,9 @@ def read_folder(folder: Path, job_id: str | None) -> SampleSet | None:
     if job_id is not None:
         samples = [s for s in samples if s.job_id == job_id]
         logged = [(j, e) for j, e in logged if j == job_id]
-    errors += [e for _, e in logged]
-    return SampleSet(folder, tuple(samples), tuple(errors), job_ids)
+    errors += [e for _, e in logged if isinstance(e, NodeError)]
+    starts = tuple(e for _, e in logged if isinstance(e, SamplerStart))
+    return SampleSet(folder, tuple(samples), tuple(errors), job_ids, starts)
 
 
 def find_samples(

@@ -10,7 +10,11 @@ Files, one pair per node (appended to, so a requeued job continues the same file
                           cells exactly as `nvidia-smi --query-gpu ... --format=csv,noheader,
                           nounits` printed them (`[N/A]` kept: missing, never zero).
     <output>/<node>.log   `time<TAB>job_id<TAB>message` for anything that was not a sample
-                          (a lost GPU, nvidia-smi errors or timeouts).
+                          (a lost GPU, nvidia-smi errors or timeouts), and one `sampler start
+                          {json}` line per start: $SLURM_RESTART_COUNT (the leg of a requeued
+                          job), the GPUs kept and the rule that chose them (monitoring.allocation).
+Only the job's GPUs are recorded: on a node without device cgroups nvidia-smi also lists other
+jobs' GPUs, whose use is neither this job's business nor part of its report.
 With `--output -` it prints one JSON object per nvidia-smi call instead (see `parse_probe_output`).
 
 Light by design: stdlib only, one `nvidia-smi` call per interval. If nvidia-smi is missing it
@@ -34,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from monitoring.allocation import allocated_from_env, job_gpu_indices
+from monitoring.allocation import Allocation, allocation_from_env, choose
+from monitoring.parse import SAMPLER_START
 from monitoring.records import QUERY_APPS_FIELDS, QUERY_GPU_FIELDS
 
 CSV_HEADER = ",".join(("time", "host", "job_id", *QUERY_GPU_FIELDS))
@@ -80,10 +85,22 @@ def run_query(nvidia_smi: str, kind: str, fields: Sequence[str], timeout: float)
     return QueryResult(proc.returncode, (proc.stdout + proc.stderr).splitlines())
 
 
-def split_sample_lines(
-    lines: Sequence[str], allocated: Sequence[int] | None
-) -> tuple[list[list[str]], list[str]]:
-    """Query output -> (cells of the job's GPU rows, lines that are not GPU rows)."""
+@dataclass(frozen=True)
+class Split:
+    """One query's output: the job's GPU rows, the lines that are not GPU rows, the GPUs
+    nvidia-smi listed, the ones kept, and why (see monitoring.allocation.choose)."""
+
+    rows: list[list[str]]
+    other: list[str]
+    seen: set[int]
+    kept: set[int]
+    why: str
+
+
+_UUID = QUERY_GPU_FIELDS.index("uuid")
+
+
+def split_sample_lines(lines: Sequence[str], allocation: Allocation | None) -> Split:
     rows: list[list[str]] = []
     other: list[str] = []
     for line in lines:
@@ -92,8 +109,18 @@ def split_sample_lines(
             rows.append(cells)
         elif line.strip():
             other.append(line.strip())
-    keep = job_gpu_indices([int(r[0]) for r in rows], allocated)
-    return [r for r in rows if int(r[0]) in keep], other
+    listed = [(int(r[0]), r[_UUID]) for r in rows]
+    kept, why = choose(listed, allocation)
+    rows = [r for r in rows if int(r[0]) in kept]
+    return Split(rows, other, {index for index, _ in listed}, kept, why)
+
+
+def restart_count() -> int | None:
+    """The leg of a requeued job; Slurm sets SLURM_RESTART_COUNT only from the first requeue."""
+    value = os.environ.get("SLURM_RESTART_COUNT", "").strip()
+    if value.isdigit():
+        return int(value)
+    return 0 if os.environ.get("SLURM_JOB_ID") else None
 
 
 class CsvSink:
@@ -105,11 +132,29 @@ class CsvSink:
         self.log = folder / f"{host}.log"
         self.host = host
         self.job_id = job_id
+        self.started = False
         if not self.csv.exists() or self.csv.stat().st_size == 0:
             self.csv.write_text(CSV_HEADER + "\n")
 
-    def write(self, now: float, result: QueryResult, allocated: Sequence[int] | None) -> None:
-        rows, other = split_sample_lines(result.lines, allocated)
+    def _log(self, now: float, lines: Sequence[str]) -> None:
+        with self.log.open("a") as f:
+            for line in lines:
+                f.write(f"{now:.1f}\t{self.job_id}\t{line}\n")
+
+    def write(self, now: float, result: QueryResult, allocation: Allocation | None) -> None:
+        split = split_sample_lines(result.lines, allocation)
+        rows, other = split.rows, split.other
+        if rows and not self.started:
+            # Once per start (per leg of a requeued job), with the first GPU list: the report
+            # reads the legs and the GPU choice from it.
+            self.started = True
+            start = {
+                "restart": restart_count(),
+                "gpus": sorted(split.kept) if allocation is not None else None,
+                "node_gpus": len(split.seen),
+                "rule": split.why,
+            }
+            self._log(now, [SAMPLER_START + json.dumps(start)])
         if rows:
             # One write per sample: a sampler killed at the end of a job (srun escalates to
             # SIGKILL) leaves whole samples, at worst a cut-off last line (ignored when read).
@@ -119,9 +164,7 @@ class CsvSink:
         if result.returncode and not other:
             other = [f"nvidia-smi exited with {result.returncode}"]
         if other:
-            with self.log.open("a") as f:
-                for line in other:
-                    f.write(f"{now:.1f}\t{self.job_id}\t{line}\n")
+            self._log(now, other)
 
 
 def _emit(stream: TextIO, record: dict[str, object]) -> None:
@@ -140,7 +183,7 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
         else:
             print(f"gpu sampler: {message}.", file=sys.stderr)
         return 0
-    allocated = allocated_from_env(os.environ)
+    allocation = allocation_from_env(os.environ)
     sink = None if to_stdout else CsvSink(Path(config.output), host, job_id)
     started = time.monotonic()
     taken = 0
@@ -149,10 +192,10 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
         result = run_query(config.nvidia_smi, "gpu", QUERY_GPU_FIELDS, config.timeout)
         taken += 1
         if sink is not None:
-            sink.write(now, result, allocated)
+            sink.write(now, result, allocation)
         else:
-            rows, other = split_sample_lines(result.lines, allocated)
-            lines = [", ".join(cells) for cells in rows] + other
+            split = split_sample_lines(result.lines, allocation)
+            lines = [", ".join(cells) for cells in split.rows] + split.other
             _emit(
                 out,
                 {

@@ -8,12 +8,13 @@ samples, memory the peak; a mean <= 15% is "very low", 15-25% "low", a GPU at 0%
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from monitoring.allocation import job_gpu_indices
+from monitoring.legs import Leg, covered_seconds
 from monitoring.records import GpuProcess, GpuSample, JobInfo, NodeError
 
 
@@ -45,6 +46,14 @@ class GpuStats:
     temp_peak_c: float | None
     timeline: tuple[float | None, ...] = ()  # mean utilisation per time bin
     processes: tuple[GpuProcess, ...] = ()
+    # Samples in which the GPU read as faulted (ERR!, ...), which cells, and since when.
+    fault_samples: int = 0
+    faults: tuple[str, ...] = ()
+    first_fault_time: float | None = None
+
+    @property
+    def faulted(self) -> bool:
+        return self.fault_samples > 0
 
     @property
     def mem_peak_fraction(self) -> float | None:
@@ -69,12 +78,19 @@ class JobSummary:
     first_time: float | None
     last_time: float | None
     samples_per_gpu: int
+    gpus_faulted: int = 0  # left out of the utilisation figures above
+    legs: tuple[Leg, ...] = ()  # more than one: a requeued (or resumed) run
 
     @property
     def span_s(self) -> float | None:
         if self.first_time is None or self.last_time is None:
             return None
         return self.last_time - self.first_time
+
+    @property
+    def covered_s(self) -> float | None:
+        """Time the samples cover: summed over the legs (queue waits between legs left out)."""
+        return covered_seconds(self.legs) if len(self.legs) > 1 else self.span_s
 
 
 @dataclass(frozen=True)
@@ -104,20 +120,6 @@ def _timeline(
     return tuple(_mean(slot) for slot in slots)
 
 
-def restrict_to_job(samples: Iterable[GpuSample], job: JobInfo | None) -> list[GpuSample]:
-    """Drop other jobs' GPUs on nodes without device cgroups (see monitoring.allocation)."""
-    samples = list(samples)
-    if job is None or not job.gpu_indices:
-        return samples
-    seen: dict[str, set[int]] = defaultdict(set)
-    for s in samples:
-        seen[s.host].add(s.index)
-    keep = {
-        host: job_gpu_indices(indices, job.gpu_indices.get(host)) for host, indices in seen.items()
-    }
-    return [s for s in samples if s.index in keep[s.host]]
-
-
 def summarize_gpus(
     samples: Iterable[GpuSample], processes: Iterable[GpuProcess] = (), bins: int = 0
 ) -> list[GpuStats]:
@@ -142,6 +144,7 @@ def summarize_gpus(
         used = _values(group, "memory_used_mib")
         totals = _values(group, "memory_total_mib")
         temps = _values(group, "temperature_c")
+        faulted = [s for s in group if s.faults]
         stats.append(
             GpuStats(
                 host=host,
@@ -159,17 +162,25 @@ def summarize_gpus(
                 temp_peak_c=max(temps) if temps else None,
                 timeline=_timeline(group, start, end, bins),
                 processes=tuple(by_gpu.get((host, index), ())),
+                fault_samples=len(faulted),
+                faults=tuple(dict.fromkeys(f for s in faulted for f in s.faults)),
+                first_fault_time=min((s.time for s in faulted if s.time is not None), default=None),
             )
         )
     return stats
 
 
 def summarize_job(
-    stats: Sequence[GpuStats], samples: Sequence[GpuSample], job: JobInfo | None
+    stats: Sequence[GpuStats],
+    samples: Sequence[GpuSample],
+    job: JobInfo | None,
+    legs: Sequence[Leg] = (),
 ) -> JobSummary:
-    means = [g.util_mean for g in stats if g.util_mean is not None]
+    # A faulted GPU's readings are not measurements of the job: they stay out of its figures.
+    healthy = [g for g in stats if not g.faulted]
+    means = [g.util_mean for g in healthy if g.util_mean is not None]
     fullest = max(
-        (g for g in stats if g.mem_used_peak_mib is not None),
+        (g for g in healthy if g.mem_used_peak_mib is not None),
         key=lambda g: g.mem_peak_fraction or 0.0,
         default=None,
     )
@@ -185,6 +196,8 @@ def summarize_job(
         first_time=min(times) if times else None,
         last_time=max(times) if times else None,
         samples_per_gpu=max((g.samples for g in stats), default=0),
+        gpus_faulted=len(stats) - len(healthy),
+        legs=tuple(legs),
     )
 
 
@@ -237,6 +250,32 @@ def _error_notes(errors: Iterable[NodeError]) -> list[Note]:
     return notes
 
 
+def _fault_notes(stats: Sequence[GpuStats]) -> list[Note]:
+    notes = []
+    for g in stats:
+        if not g.faulted:
+            continue
+        when = ""
+        if g.first_fault_time is not None:
+            when = ", first at " + time.strftime(
+                "%Y-%m-%d %H:%M", time.localtime(g.first_fault_time)
+            )
+        cells = "; ".join(g.faults)
+        uuid = f" ({g.uuid})" if g.uuid else ""
+        notes.append(
+            Note(
+                "error",
+                f"{g.label}{uuid} is in an error state: nvidia-smi read {cells} in "
+                f"{g.fault_samples} of {g.samples} sample{'s' if g.samples != 1 else ''}{when}. "
+                "This is a GPU fault (a GSP timeout, an Xid error, a GPU falling off the bus), "
+                "not your code, and its readings are left out of the job's figures. Resubmit "
+                f"avoiding the node: sbatch --exclude={g.host} slurm/finetune.sh, and tell your "
+                f"cluster's admins (node {g.host}, GPU {g.index}) so they can drain and reset it.",
+            )
+        )
+    return notes
+
+
 def _labels(gpus: Sequence[GpuStats]) -> str:
     return ", ".join(g.label for g in gpus)
 
@@ -248,8 +287,11 @@ def _listing(gpus: Sequence[GpuStats]) -> str:
     )
 
 
-def _utilisation_notes(stats: Sequence[GpuStats], t: Thresholds) -> list[Note]:
+def _utilisation_notes(
+    stats: Sequence[GpuStats], t: Thresholds, *, snapshot: bool = False
+) -> list[Note]:
     notes = []
+    stats = [g for g in stats if not g.faulted]  # a fault has its own note
     unused = [g for g in stats if g.util_peak == 0]
     very_low = [
         g
@@ -259,14 +301,25 @@ def _utilisation_notes(stats: Sequence[GpuStats], t: Thresholds) -> list[Note]:
     low = [
         g for g in stats if g.util_mean is not None and t.very_low_pct < g.util_mean <= t.low_pct
     ]
-    if unused:
+    fix = (
+        "Each GPU needs its own process: check that torchrun's --nproc_per_node equals "
+        "the GPUs per node (slurm/finetune.sh takes it from $SLURM_GPUS_ON_NODE), or "
+        "request fewer GPUs."
+    )
+    if unused and snapshot:
+        notes.append(
+            Note(
+                "warning",
+                f"GPUs at 0% in this snapshot: {_labels(unused)}. One reading cannot tell an "
+                "idle GPU from one between two steps; measure over time with "
+                "python monitoring/gpu_report.py <jobid>. If a job's GPU stays at 0%: " + fix,
+            )
+        )
+    elif unused:
         notes.append(
             Note(
                 "error",
-                f"GPUs allocated but not used (0% in every sample): {_labels(unused)}. "
-                "Each GPU needs its own process: check that torchrun's --nproc_per_node equals "
-                "the GPUs per node (slurm/finetune.sh takes it from $SLURM_GPUS_ON_NODE), or "
-                "request fewer GPUs.",
+                f"GPUs allocated but not used (0% in every sample): {_labels(unused)}. " + fix,
             )
         )
     causes = (
@@ -308,6 +361,9 @@ def _utilisation_notes(stats: Sequence[GpuStats], t: Thresholds) -> list[Note]:
 
 
 def _memory_notes(stats: Sequence[GpuStats], t: Thresholds) -> list[Note]:
+    stats = [g for g in stats if not g.faulted]
+    if not any(g.util_peak for g in stats):
+        return []  # nothing ran on these GPUs: their empty memory says nothing about the batch
     known = [g for g in stats if g.mem_peak_fraction is not None]
     if not known or len(known) < len(stats):
         return []
@@ -336,23 +392,43 @@ _REPORTED = {
 }
 
 
-def _missing_notes(stats: Sequence[GpuStats]) -> list[Note]:
+def _missing_notes(
+    stats: Sequence[GpuStats], fields_read: Collection[str] | None = None
+) -> list[Note]:
     parts = []
+    absent = []
     for field, attr in _REPORTED.items():
-        missing = [g for g in stats if getattr(g, attr) is None]
+        if fields_read is not None and field not in fields_read:
+            absent.append(field)  # the saved output never had this column
+            continue
+        # A faulted cell is a fault (its own note), not a value the GPU cannot report.
+        missing = [
+            g
+            for g in stats
+            if getattr(g, attr) is None and not any(f.startswith(field) for f in g.faults)
+        ]
         if missing:
             where = "all GPUs" if len(missing) == len(stats) else _labels(missing)
             parts.append(f"{field} on {where}")
-    if not parts:
-        return []
-    return [
-        Note(
-            "info",
-            "Not reported by the GPUs ([N/A]/[Not Supported]; shown as -, never as 0): "
-            + "; ".join(parts)
-            + ". MIG slices and some devices do not report utilisation.",
+    notes = []
+    if parts:
+        notes.append(
+            Note(
+                "info",
+                "Not reported by the GPUs ([N/A]/[Not Supported]; shown as -, never as 0): "
+                + "; ".join(parts)
+                + ". MIG slices do not report utilisation; unified-memory GPUs (GB10) do not "
+                "report their memory.",
+            )
         )
-    ]
+    if absent:
+        notes.append(
+            Note(
+                "info",
+                f"Not in the saved output (its columns do not include them): {', '.join(absent)}.",
+            )
+        )
+    return notes
 
 
 def make_notes(
@@ -361,10 +437,12 @@ def make_notes(
     job: JobInfo | None,
     errors: Iterable[NodeError] = (),
     thresholds: Thresholds | None = None,
+    *,
+    fields_read: Collection[str] | None = None,
 ) -> list[Note]:
     """Advice in jobstats' style; errors first, then utilisation, memory, missing data."""
     t = thresholds or Thresholds()
-    notes = _error_notes(errors)
+    notes = _error_notes(errors) + _fault_notes(stats)
     if job and job.gpus is not None and 0 < summary.gpus_measured < job.gpus:
         notes.append(
             Note(
@@ -373,7 +451,9 @@ def make_notes(
                 "the others' nodes did not answer (see the messages above).",
             )
         )
-    runtime = job.run_seconds if job and job.run_seconds is not None else summary.span_s
+    # A requeued job's RunTime is its last leg's: judge it by all the time its samples cover.
+    known = [x for x in (job.run_seconds if job else None, summary.covered_s) if x is not None]
+    runtime = max(known) if known else None
     if runtime is not None and job is not None and runtime < t.min_runtime_s:
         notes.append(
             Note(
@@ -385,7 +465,9 @@ def make_notes(
             )
         )
     else:
-        notes.extend(_utilisation_notes(stats, t))
+        # One saved reading outside a job (a pasted nvidia-smi) is not "every sample".
+        snapshot = job is None and summary.samples_per_gpu == 1
+        notes.extend(_utilisation_notes(stats, t, snapshot=snapshot))
     notes.extend(_memory_notes(stats, t))
-    notes.extend(_missing_notes(stats))
+    notes.extend(_missing_notes(stats, fields_read))
     return notes

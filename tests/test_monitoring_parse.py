@@ -11,6 +11,8 @@ from monitoring.parse import (
     expand_hostlist,
     expand_indices,
     gpus_in_tres,
+    is_fault,
+    looks_like_table,
     parse_bsc_load,
     parse_bytes,
     parse_compute_apps,
@@ -23,6 +25,7 @@ from monitoring.parse import (
     parse_sample_csv,
     parse_scontrol_job,
     parse_tres,
+    read_query_gpu,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -206,3 +209,86 @@ def test_scontrol_job_on_slurm_22_05() -> None:
     assert job.run_seconds is not None and job.run_seconds > 0
     assert (job.work_dir, job.stdout) == ("/tmp", "/tmp/slurm-4.out")
     assert job.is_running and not job.is_pending
+
+
+# A unified-memory GPU's table rows, in the shape NVIDIA's DGX Spark (GB10) prints them: the
+# memory cell reads `Not Supported` (docs.nvidia.com/dgx/dgx-spark/known-issues.html, "nvidia-smi
+# reports memory usage: Not Supported"; the same rows are quoted in public issue threads). Built
+# here, not recorded: we have no GB10; the readings (51C, 24W, 87%) are ours.
+GB10_TABLE = """\
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |
+|=========================================+========================+======================|
+|   0  NVIDIA GB10                    On  |   0000000F:01:00.0 Off |                  N/A |
+| N/A   51C    P0             24W /  N/A  | Not Supported          |     87%      Default |
+|                                         |                        |                  N/A |
++-----------------------------------------+------------------------+----------------------+
+"""
+
+
+def test_unified_memory_gpu_is_kept_with_its_memory_missing() -> None:
+    probe = parse_nvidia_smi_table(GB10_TABLE, "spark")
+    (gpu,) = probe.samples
+    assert (gpu.index, gpu.name, gpu.utilization_gpu) == (0, "NVIDIA GB10", 87.0)
+    assert (gpu.power_w, gpu.temperature_c) == (24.0, 51.0)
+    assert gpu.memory_used_mib is None and gpu.memory_total_mib is None
+    assert gpu.faults == ()  # not supported is not a fault
+    assert looks_like_table(GB10_TABLE)  # a fragment without the NVIDIA-SMI banner
+
+
+def _with_err(table: str, gpu_line: int, old: str, new: str) -> str:
+    """The seed's 4 x H100 table with one cell replaced (same width): what nvidia-smi prints
+    for a GPU in an error state (`ERR!`, e.g. after a GSP timeout), built from the recording."""
+    lines = table.splitlines()
+    assert old in lines[gpu_line] and len(old) == len(new)
+    lines[gpu_line] = lines[gpu_line].replace(old, new, 1)
+    return "\n".join(lines) + "\n"
+
+
+def test_err_cells_are_faults_not_missing_values() -> None:
+    table = fixture("nvidia_smi_table_mn5_4xH100.txt")
+    second_gpu = next(i for i, line in enumerate(table.splitlines()) if "|   1  " in line) + 1
+    broken = _with_err(table, second_gpu, "  49%", " ERR!")  # GPU 1 read 49% in the seed
+    samples = parse_nvidia_smi_table(broken, "as01").samples
+    assert [s.index for s in samples] == [0, 1, 2, 3]  # the faulted GPU is not dropped
+    assert samples[1].utilization_gpu is None
+    assert samples[1].faults == ("utilization.gpu: ERR!",)
+    assert [s.faults for s in samples if s.index != 1] == [(), (), ()]
+    # ERR! touching the border, in the fan column (a GPU that still computes): a fault too.
+    fan = _with_err(table, second_gpu, table.splitlines()[second_gpu][:5], "|ERR!")
+    assert parse_nvidia_smi_table(fan, "as01").samples[1].faults == ("fan: ERR!",)
+    # --query-gpu CSV: NVML errors come bracketed; [N/A] / [Not Supported] stay plain missing.
+    good = "0, GPU-1, NVIDIA H100, 97, 40, 30000, 81559, 350.1, 60"
+    bad = "1, GPU-2, NVIDIA H100, [Unknown Error], 40, 30000, 81559, [GPU is lost], 60"
+    samples, errors = parse_query_gpu(f"{good}\n{bad}\n", "n1")
+    assert errors == [] and [s.faults for s in samples] == [
+        (),
+        ("utilization.gpu: [Unknown Error]", "power.draw: [GPU is lost]"),
+    ]
+    assert not any(is_fault(c) for c in ("[N/A]", "[Not Supported]", "N/A", "0", "ERR"))
+
+
+def test_query_gpu_fields_come_from_a_pasted_command_line() -> None:
+    # samples.md's L40S runbook, both commands and their outputs exactly as pasted.
+    session = fixture("nvidia_smi_query_session_1xL40S.txt")
+    read = read_query_gpu(session, "l40s")
+    # One GPU: the processes below the second command are not GPUs.
+    assert [(s.index, s.name, s.memory_used_mib) for s in read.samples] == [
+        (0, "NVIDIA L40S", 9123.0)
+    ]
+    assert read.errors == [] and read.columns_from == "header"
+    # The same output saved with --format=csv,noheader (built from the recording: the command
+    # line says noheader, the header line is gone): the command line gives the fields.
+    lines = session.splitlines()
+    noheader = [lines[0].replace("--format=csv", "--format=csv,noheader"), lines[2]]
+    read = read_query_gpu("\n".join(noheader), "l40s")
+    assert read.columns_from == "command line"
+    assert read.columns == ("index", "name", "memory.total", "memory.used", "memory.free")
+    assert [(s.index, s.memory_total_mib, s.memory_used_mib) for s in read.samples] == [
+        (0, 46068.0, 9123.0)
+    ]
+    # Rows alone: our own field order is assumed, and said to be.
+    read = read_query_gpu(lines[2], "l40s")
+    assert read.columns_from == "assumed" and read.samples == []
+    assert read.errors[0].message == lines[2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,13 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from monitoring.allocation import allocated_from_env, job_gpu_indices
+from monitoring.allocation import (
+    Allocation,
+    allocation_from_env,
+    job_gpu_indices,
+    select_job_gpus,
+)
 from monitoring.cli import check_owner
 from monitoring.collect import ReportError, accounting_note
 from monitoring.parse import accounting_gpu_tres, parse_sacct
 from monitoring.records import GpuSample, JobInfo, NodeError
 from monitoring.report import Report, make_console, measure, render, to_json
-from monitoring.summary import Thresholds, make_notes, restrict_to_job
+from monitoring.summary import Thresholds, make_notes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -92,13 +98,21 @@ def test_error_notes_name_the_fix() -> None:
 
 def test_job_gpu_selection_without_device_cgroups() -> None:
     data = [GpuSample(host="n1", index=i, utilization_gpu=50.0) for i in range(8)]
-    restricted = restrict_to_job(data, job(gpu_indices={"n1": (2, 3)}))
-    assert [s.index for s in restricted] == [2, 3]
+    chosen = select_job_gpus(data, (), job(gpu_indices={"n1": (2, 3)}))
+    assert [s.index for s in chosen.samples] == [2, 3]
+    assert chosen.rules == ("n1: GPUs 2,3 of the 8 in the samples (scontrol GRES IDX:2,3)",)
     # Only two GPUs visible (device cgroups renumber them 0,1): nothing to choose.
     assert job_gpu_indices([0, 1], [4, 5]) == {0, 1}
-    assert allocated_from_env({"SLURM_JOB_GPUS": "0,2-3"}) == [0, 2, 3]
-    assert allocated_from_env({"SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "0,1"}) == [1]
-    assert allocated_from_env({}) is None
+    assert allocation_from_env({"SLURM_JOB_GPUS": "0,2-3"}) == Allocation(
+        (0, 2, 3), (), "SLURM_JOB_GPUS=0,2-3"
+    )
+    step = allocation_from_env({"SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "0,1"})
+    assert step is not None and step.indices == (1,)
+    # CUDA_VISIBLE_DEVICES last; NoDevFiles (GRES without device files) is no allocation.
+    cuda = allocation_from_env({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"})
+    assert cuda is not None and cuda.uuids == ("GPU-a", "GPU-b")
+    assert allocation_from_env({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) is None
+    assert allocation_from_env({}) is None
 
 
 def test_another_users_job_is_refused_with_the_command_to_give_them() -> None:
@@ -206,3 +220,64 @@ def test_thresholds_are_configurable() -> None:
     default = make_notes(m.gpus, m.summary, None)
     assert any("Low GPU utilisation" in n.text for n in strict)
     assert not any("Low GPU utilisation" in n.text for n in default)
+
+
+def test_faulted_gpu_is_flagged_and_left_out_of_the_means() -> None:
+    # GPU 2 turns to ERR! halfway (synthetic values: this is about the arithmetic and the note).
+    data = samples("n1", 0, [90, 90, 90, 90]) + samples("n1", 1, [80, 80, 80, 80])
+    data += [
+        GpuSample(
+            host="n1",
+            index=2,
+            utilization_gpu=None if i >= 2 else 0.0,
+            time=60.0 * i,
+            faults=("utilization.gpu: ERR!",) if i >= 2 else (),
+        )
+        for i in range(4)
+    ]
+    m = measure("Whole run", "test", data, job(run_seconds=3600, gpus=3), timeline_bins=4)
+    assert m.summary.gpus_faulted == 1
+    assert m.summary.util_mean == 85.0  # GPUs 0 and 1 only
+    assert m.summary.util_lowest == 80.0
+    notes = make_notes(m.gpus, m.summary, job(run_seconds=3600, gpus=3))
+    text = " | ".join(f"{n.level}: {n.text}" for n in notes)
+    assert "error: n1 GPU 2 is in an error state: nvidia-smi read utilization.gpu: ERR!" in text
+    assert "in 2 of 4 samples" in text
+    assert "sbatch --exclude=n1" in text and "admins" in text
+    assert "not used" not in text and "differs" not in text  # not mistaken for an idle GPU
+    assert "utilization.gpu on" not in text  # nor for a value it cannot report
+    console = make_console(plain=True, file=io.StringIO())
+    console.print(render(Report("7", None, (m,), ()), ascii_only=True))
+    plain = console.file.getvalue()
+    assert "FAULT" in plain and "1 faulted" in plain
+
+
+def test_saved_outputs_of_other_shapes(tmp_path: Path) -> None:
+    from tests.test_monitoring_parse import GB10_TABLE
+
+    gb10 = tmp_path / "spark.txt"
+    gb10.write_text(GB10_TABLE)
+    result = run_script("--json", "--from-file", str(gb10))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (gpu,) = data["measurements"][0]["gpus"]
+    assert (gpu["util_mean"], gpu["mem_used_peak_mib"]) == (87.0, None)
+    assert any("memory.used on all GPUs" in n["text"] for n in data["notes"])
+
+    # Rows without a header or a command line, in another field order than ours.
+    rows = (FIXTURES / "nvidia_smi_query_gpu_1xL40S.csv").read_text().splitlines()[1:]
+    bare = tmp_path / "noheader.csv"
+    bare.write_text("\n".join(rows) + "\n")
+    result = run_script("--from-file", str(bare))
+    assert result.returncode == 1
+    flat = " ".join(result.stderr.split())
+    assert "assumed its own field order: index,uuid,name,utilization.gpu" in flat
+    assert "Paste the command line above the rows" in flat
+
+    # Columns the saved output never had are not blamed on the GPUs.
+    result = run_script("--json", "--from-file", str(FIXTURES / "nvidia_smi_query_gpu_8xH200.csv"))
+    texts = [n["text"] for n in json.loads(result.stdout)["notes"]]
+    assert any("Not in the saved output" in t and "power.draw" in t for t in texts)
+    assert not any("Not reported by the GPUs" in t for t in texts)
+    # One reading is a snapshot: GPU 7 at 0% is worth a warning, not "0% in every sample".
+    assert any("GPUs at 0% in this snapshot" in t and "GPU 7" in t for t in texts)

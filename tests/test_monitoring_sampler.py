@@ -3,6 +3,7 @@ post-mortem report built from the files it writes."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -11,10 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from monitoring.parse import parse_sample_csv
-from monitoring.records import JobInfo
+import pytest
+
+from monitoring.cli import ReportOptions, load_history
+from monitoring.parse import parse_sample_csv, parse_sampler_log, parse_scontrol_job
+from monitoring.records import QUERY_GPU_FIELDS, JobInfo, SamplerStart
+from monitoring.report import Report, make_console, render
 from monitoring.rundir import find_samples
-from monitoring.sampler import CSV_HEADER
+from monitoring.sampler import CSV_HEADER, CsvSink, QueryResult
+from monitoring.summary import make_notes
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_BIN = REPO / "tests" / "fake_bin"
@@ -69,7 +75,9 @@ def test_sampler_appends_rows_and_a_requeued_job_continues_the_file(tmp_path: Pa
     assert {s.host for s in samples} == {"gpu-n1"}
     assert [s.utilization_gpu for s in samples[:8]] == [100.0] * 7 + [0.0]
     assert samples[0].name is None  # [N/A] in the replay: kept as missing
-    assert not (out / "gpu-n1.log").exists()
+    # The log holds no errors, only one start record per run (per leg of a requeued job).
+    logged = [record for _, record in parse_sampler_log((out / "gpu-n1.log").read_text(), "n")]
+    assert [type(r) for r in logged] == [SamplerStart, SamplerStart]
 
 
 def test_sampler_keeps_only_the_jobs_gpus(tmp_path: Path) -> None:
@@ -188,3 +196,98 @@ def test_finds_the_run_folder_named_in_the_job_log(tmp_path: Path) -> None:
     assert {s.job_id for s in found.samples} == {"31337"}
     other = JobInfo(job_id="31338", state="COMPLETED", source="sacct", work_dir=str(work))
     assert find_samples("31338", other, None)[0] is None
+
+
+def _starts(folder: Path, host: str) -> list[SamplerStart]:
+    logged = parse_sampler_log((folder / f"{host}.log").read_text(), host)
+    return [record for _, record in logged if isinstance(record, SamplerStart)]
+
+
+def test_sampler_keeps_the_jobs_gpus_by_cuda_visible_devices_and_says_so(tmp_path: Path) -> None:
+    # No SLURM_*_GPUS (a step that does not inherit them), only what CUDA sees.
+    env = env_with_fake(SLURM_JOB_ID="5", CUDA_VISIBLE_DEVICES="2,3", SLURMD_NODENAME="n")
+    assert sampler("--output", str(tmp_path / "a"), "--count", "1", env=env).returncode == 0
+    samples, _ = parse_sample_csv((tmp_path / "a" / "n.csv").read_text())
+    assert [s.index for s in samples] == [2, 3]
+    (start,) = _starts(tmp_path / "a", "n")
+    assert (start.gpus, start.node_gpus) == ((2, 3), 8)
+    assert start.rule == "GPUs 2,3 of the 8 GPUs nvidia-smi lists (CUDA_VISIBLE_DEVICES=2,3)"
+    # As UUIDs (GPU 7's in the recording), and with SLURM_RESTART_COUNT (a requeued leg).
+    uuid = "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72"
+    env = env_with_fake(SLURM_JOB_ID="5", CUDA_VISIBLE_DEVICES=uuid, SLURM_RESTART_COUNT="2")
+    assert sampler("--output", str(tmp_path / "b"), "--count", "1", env=env).returncode == 0
+    csv = next((tmp_path / "b").glob("*.csv"))
+    assert [s.index for s in parse_sample_csv(csv.read_text())[0]] == [7]
+    assert _starts(tmp_path / "b", csv.stem)[0].restart == 2
+
+
+def test_report_counts_only_the_jobs_gpus(tmp_path: Path) -> None:
+    # A sampler that found no allocation recorded all 8 GPUs the node's nvidia-smi lists ...
+    env = env_with_fake(SLURM_JOB_ID="4", SLURMD_NODENAME="vm")
+    out = tmp_path / "gpu_samples"
+    assert (
+        sampler("--output", str(out), "--count", "2", "--interval", "0.1", env=env).returncode == 0
+    )
+    assert _starts(out, "vm")[0].gpus is None
+    # ... while job 4 held GPUs 0-1 (scontrol, recorded on the local Slurm, while it ran).
+    running = parse_scontrol_job((FIXTURES / "scontrol_show_job_running_2gpu.txt").read_text())
+    options = ReportOptions(job_id="4", run_dir=tmp_path)
+    history, _ = load_history("4", running, options, "Run so far")
+    assert history is not None
+    m = history.measurement
+    assert [g.index for g in m.gpus] == [0, 1]
+    assert (m.summary.gpus_measured, m.summary.gpus_allocated) == (2, 2)
+    assert m.gpu_selection == ("vm: GPUs 0,1 of the 8 in the samples (scontrol GRES IDX:0,1)",)
+    notes = make_notes(m.gpus, m.summary, running)
+    assert not any("GPU 7" in n.text for n in notes)  # another job's idle GPU: not ours
+    # Long after the end only sacct's GPU count is known: all 8 are shown, with a warning.
+    finished = JobInfo(job_id="4", state="COMPLETED", source="sacct", nodes=("vm",), gpus=2)
+    history, _ = load_history("4", finished, options, "Whole run")
+    assert history is not None and len(history.measurement.gpus) == 8
+    (warning,) = history.warnings
+    assert "The samples of vm hold 8 GPUs but job 4 had 2 per node" in warning
+
+
+def test_requeued_job_is_judged_by_all_its_legs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four legs of job 55 through the sampler's own writer, at chosen times (waiting 9 minutes
+    # in a test is not an option): 3:00, 2:58, 2:25 and a last leg of 0:29, 8:52 in all.
+    rows = (FIXTURES / "nvidia_smi_query_gpu_8xH200.csv").read_text()
+    fake = subprocess.run(
+        [sys.executable, str(FAKE_BIN / "nvidia-smi"), f"--query-gpu={','.join(QUERY_GPU_FIELDS)}",
+         "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True, env=env_with_fake(),
+    ).stdout.splitlines()  # fmt: skip
+    assert len(fake) == len(rows.splitlines()) - 1
+    t0 = 1_760_000_000.0
+    durations = [180, 178, 145, 29]
+    for restart, seconds in enumerate(durations):
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        sink = CsvSink(tmp_path / "gpu_samples", "gpu-n1", "55")
+        start = t0 + 1000 * restart
+        for t in [*range(0, seconds, 30), seconds]:
+            sink.write(start + t, QueryResult(0, fake), None)
+    job = JobInfo(
+        job_id="55", state="COMPLETED", source="sacct", nodes=("gpu-n1",), gpus=8, run_seconds=29
+    )
+    options = ReportOptions(job_id="55", run_dir=tmp_path)
+    history, _ = load_history("55", job, options, "Whole run")
+    assert history is not None
+    summary = history.measurement.summary
+    assert [(leg.restart, leg.seconds) for leg in summary.legs] == list(enumerate(durations))
+    assert summary.covered_s == sum(durations) == 8 * 60 + 52
+    notes = make_notes(history.measurement.gpus, summary, job)
+    assert not any("has run for only" in n.text for n in notes)  # not judged by 0:29
+    assert any("not used" in n.text and "gpu-n1 GPU 7" in n.text for n in notes)
+    report = Report("55", job, (history.measurement,), tuple(notes))
+    console = make_console(plain=True, file=io.StringIO())
+    console.print(render(report, ascii_only=True))
+    text = console.file.getvalue()
+    assert "over 8:52 in 4 legs" in text
+    assert "Legs (restarts)" in text
+    for restart, seconds in enumerate(durations):
+        first = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0 + 1000 * restart))
+        line = next(ln for ln in text.splitlines() if first in ln)
+        assert f"| {restart} |" in " ".join(line.split()).replace("| ", "| ")
+        assert f"{seconds // 60}:{seconds % 60:02d}" in line

@@ -258,3 +258,46 @@ def test_watch_follows_a_sampled_job_to_its_post_mortem(
     assert result.returncode == 0, result.stderr
     assert "Whole run: sampler files in" in result.stdout
     assert "Util over time" in result.stdout
+
+
+REQUEUED_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:2
+#SBATCH --output={run}/logs/slurm-%j.out
+#SBATCH --open-mode=append
+# Two legs, as slurm/finetune.sh runs them: the sampler beside the work, then a requeue.
+# (--count ends the sampler by itself: srun would wait KillWait seconds after a kill.)
+srun --overlap --ntasks-per-node=1 -N "$SLURM_NNODES" {python} -m monitoring.sampler \\
+    --output {run}/gpu_samples --interval 0.25 --count 6
+if [ "${{SLURM_RESTART_COUNT:-0}}" -lt 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi
+"""
+
+
+def test_requeued_job_report_lists_its_legs_and_plots(
+    local_slurm: LocalSlurm,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    script = tmp_path / "job.sh"
+    script.write_text(REQUEUED_JOB.format(run=run, python=sys.executable))
+    env = report_env(local_slurm)
+    job_id = local_slurm.sbatch(*SMALL, str(script), cwd=tmp_path, env=env)
+    local_slurm.wait_until(
+        job_id, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "COMPLETED"
+    )
+    png = tmp_path / "gpu.png"
+    result = gpu_report(job_id, "--json", "--plot", str(png), env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (whole,) = data["measurements"]
+    legs = whole["summary"]["legs"]
+    assert [leg["restart"] for leg in legs] == [0, 1]
+    assert all(leg["job_id"] == job_id and leg["samples_per_gpu"] == 6 for leg in legs)
+    assert legs[0]["end"] < legs[1]["start"]
+    # The stand-in lists 8 GPUs; the sampler kept the job's 2, and the report says by which rule.
+    node = local_slurm.node_name
+    assert len(whole["gpus"]) == 2
+    (rule,) = whole["gpu_selection"]
+    assert rule.startswith(f"{node}: GPUs ") and "of the 8 GPUs nvidia-smi lists" in rule
+    assert "SLURM_STEP_GPUS=" in rule and rule.endswith("chosen by the sampler")
+    assert data["plot"] == str(png) and png.stat().st_size > 10_000
