@@ -12,7 +12,9 @@ Processes per node: one per GPU, found in SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVIC
 (gloo). Multi-node jobs rendezvous (torchrun's c10d) on the first node of SLURM_JOB_NODELIST, on a
 port derived from the job id so jobs sharing a node do not collide; the rendezvous id is the
 job id. The run folder is stable across requeues (it is named by the job id), so a requeued job
-resumes from its own checkpoints.
+resumes from its own checkpoints. Run folder and stop file are read from the TrainConfig the
+trainer builds from the same arguments (`parse_config`, --config file included), never re-parsed
+here, so the USR1 trap touches the file the trainer watches.
 """
 
 from __future__ import annotations
