@@ -105,6 +105,29 @@ def test_checkpoint_requeues_a_stopped_run_not_a_finished_one(tmp_path: Path) ->
         task.checkpoint()
 
 
+def test_a_leg_that_stopped_by_itself_is_counted_in_the_pickled_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer stopped before the signal (it reads the end time): rank 0 requeues through
+    submitit's local controller, which restarts the pickled task, so the leg is stored there."""
+    from submitit.core.utils import DelayedSubmission
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    local_task = {"EXECUTOR": "local", "FOLDER": str(tmp_path), "LOCAL_JOB_ID": "4012"}
+    local_task |= {"LOCAL_NTASKS": "1", "LOCAL_GLOBALID": "0", "LOCAL_LOCALID": "0"}
+    local_task |= {"LOCAL_NODEID": "0", "LOCAL_JOB_NUM_NODES": "1"}
+    for name, value in local_task.items():
+        monkeypatch.setenv(f"SUBMITIT_{name}", value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    task = make_task(SubmitOptions(), [], tmp_path / "run")
+    pickled = tmp_path / "4012_submitted.pkl"
+    DelayedSubmission(task).dump(pickled)
+    with pytest.raises(SystemExit) as exit_info:
+        task._maybe_requeue({"status": "interrupted", "step": 3}, 0)
+    assert exit_info.value.code == LOCAL_REQUEUE_RETURN_CODE
+    assert DelayedSubmission.load(pickled).function.leg == 1
+
+
 def write_metrics(run_dir: Path, step_times: list[float], peak_gib: float) -> None:
     run_dir.mkdir(parents=True)
     records = [{"kind": "start", "step": 0, "message": "training"}]
