@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.config import TrainConfig
+from fsdp_utils.job import JobLeg
 
 MARKER = "checkpoint.json"
 HF_SUBDIR = "hf"
@@ -124,6 +125,21 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
+def requeued_leg_checkpoint(root: Path, job: JobLeg, warn: Any = print) -> CheckpointInfo | None:
+    """On a requeued leg, the newest intact checkpoint this very job saved (its id is in
+    checkpoint.json): the leg continues its own job, whatever `--resume` said at submission."""
+    if not job.requeued:
+        return None
+    for candidate in reversed(list_checkpoints(root)):
+        if (candidate.meta.get("job") or {}).get("id") != job.job_id:
+            continue
+        try:
+            return read_checkpoint(candidate.path)
+        except CheckpointError as err:
+            warn(f"checkpoint: skipping {candidate.path}: {err}")
+    return None
+
+
 def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [
         f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}"
@@ -140,8 +156,11 @@ class Checkpointer:
         identity: dict[str, Any],
         is_main: bool,
         device: torch.device,
+        *,
+        job: JobLeg | None = None,
     ) -> None:
         self.root = root
+        self.job = job or JobLeg.from_env()  # recorded in checkpoint.json: whose save it is
         self.config = config
         self.identity = identity
         self.is_main = is_main
@@ -156,9 +175,20 @@ class Checkpointer:
 
     def to_resume(self, warn: Any = print) -> CheckpointInfo | None:
         """The checkpoint `--resume` asks for; with `auto`, the newest intact one (a damaged
-        newest checkpoint is reported and skipped, never deleted)."""
+        newest checkpoint is reported and skipped, never deleted). A requeued leg resumes its
+        own job's newest checkpoint instead: replaying `never` or a PATH on every leg would
+        start each leg over."""
         choice = self.config.resume
-        if choice == "never":
+        own = requeued_leg_checkpoint(self.root, self.job, warn)
+        if own is not None:
+            if choice != "auto":
+                warn(
+                    f"checkpoint: requeued leg ({self.job.describe()}): resuming this job's "
+                    f"newest checkpoint {own.path}, not --resume {choice} again"
+                )
+            self.check_identity(own)
+            return own
+        if choice == "never":  # the previous run was set aside (run_start.prepare_run_folder)
             return None
         if choice == "auto":
             for candidate in reversed(list_checkpoints(self.root)):
@@ -261,6 +291,7 @@ class Checkpointer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": round(seconds, 3),
             "world_size": dist_utils.world_size_from_env(),
+            "job": self.job.to_dict(),
             "identity": self.identity,
             "files": files,
             **extra,

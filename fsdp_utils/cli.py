@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
 
             world_size = args.world_size or world_size_from_env()
             print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
+            from fsdp_utils.run_start import storage_preflight  # after the plan: it must fit first
+
+            print(storage_preflight(config, world_size), flush=True)
             return 0
         run(config)
     except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError

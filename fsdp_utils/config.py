@@ -265,7 +265,8 @@ class TrainConfig:
         default="auto",
         metadata=_opt(
             "auto: continue from the newest complete checkpoint in output_dir if there is one; "
-            "never: start fresh; or a checkpoint folder."
+            "never: start fresh (the previous run moves to output_dir/previous-<time>/); or a "
+            "checkpoint folder. A requeued job's later legs always resume their own newest."
         ),
     )
     time_limit_margin_minutes: float | None = field(

@@ -68,3 +68,8 @@ class RunLayout:
     @property
     def default_stop_file(self) -> Path:
         return self.root / "STOP"
+
+    def stop_file(self, configured: str | None) -> Path:
+        """The file that asks the run to stop: `--stop_file`, else `<output_dir>/STOP`. The
+        trainer and both launchers call this, so they always watch and touch the same file."""
+        return Path(configured) if configured else self.default_stop_file

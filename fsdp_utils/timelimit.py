@@ -10,6 +10,12 @@ them agree, so all ranks save together and exit cleanly. Sources of a stop:
 - the job's end time (`squeue -o %e`, or `FSDP_UTILS_JOB_END_TIME` in epoch seconds) minus a
   margin estimated from the measured save and step times;
 - `--stop_after_steps` (a fixed budget of steps for this run).
+
+A stop does not always end the leg: when it comes at the last step, or when the work left
+(remaining steps, evaluations, the final save and export) fits in the time left before the
+trainer's own margin, the run finishes in this job instead of waiting in the queue again for
+a leg that would do only that (`choose_leg_end`). Requests by stop file or signal are then
+deferred; the job's end time still stops the run at the margin if the estimate was wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -26,10 +33,16 @@ from types import FrameType
 import torch
 
 from fsdp_utils import distributed as dist_utils
+from fsdp_utils.config import TrainConfig
 
 END_TIME_ENV = "FSDP_UTILS_JOB_END_TIME"
 MIN_MARGIN_SECONDS = 120.0
 END_TIME_REFRESH_SECONDS = 300.0  # the limit can be changed with `scontrol update`
+# Finishing in this leg must fit with room to spare: estimates come from a few steps and one
+# save, and an export (one process writes the whole model) is slower than a sharded save.
+FINISH_SAFETY = 1.5
+EXPORT_SAVES = 2.0  # an export is estimated at this many sharded saves
+RECENT_STEPS = 20  # the step time is the median of this many recent steps (the first excluded)
 
 
 def parse_slurm_time(text: str) -> float | None:
@@ -86,6 +99,117 @@ class Decision:
     save: bool  # periodic save due
 
 
+@dataclass(frozen=True)
+class RemainingWork:
+    """What is left to do in this run, with its estimated time."""
+
+    steps: int
+    step_seconds: float
+    evals: int
+    eval_seconds: float
+    saves: int
+    save_seconds: float
+    export: bool
+    export_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return (
+            self.steps * self.step_seconds
+            + self.evals * self.eval_seconds
+            + self.saves * self.save_seconds
+            + (self.export_seconds if self.export else 0.0)
+        )
+
+    def describe(self) -> str:
+        parts = [f"{self.steps} step(s)"] if self.steps else []
+        if self.evals:
+            parts.append(f"{self.evals} eval(s)")
+        if self.saves:
+            parts.append(f"{self.saves} save(s)")
+        if self.export:
+            parts.append("the final model")
+        return f"{', '.join(parts) or 'nothing'}: ~{self.seconds:.0f} s"
+
+
+def remaining_work(
+    config: TrainConfig,
+    *,
+    step: int,
+    step_seconds: float,
+    save_seconds: float,
+    eval_seconds: float | None,
+    has_eval: bool,
+    accumulation: int,
+) -> RemainingWork:
+    """The work between `step` and the end of the run, timed with what this leg measured
+    (an evaluation not yet measured: one step per `accumulation` eval batches, forward and
+    backward, which overestimates a forward-only pass)."""
+    last = config.max_training_steps
+    steps = max(last - step, 0)
+    evals = 0
+    if has_eval:
+        every = config.eval_every
+        evals = (last // every - step // every) if every else 0
+        evals += 1 if (not every or last % every) else 0  # the final evaluation
+    saves = 0
+    if steps:
+        every = config.save_every_steps
+        saves = (last // every - step // every) if every else 0
+        checkpointing = config.save_every_steps > 0 or config.save_every_minutes > 0
+        saves = max(saves, 1 if checkpointing else 0)  # the checkpoint at the end
+    if eval_seconds is None:
+        eval_seconds = step_seconds * max(1.0, config.eval_batches / max(accumulation, 1))
+    return RemainingWork(
+        steps=steps,
+        step_seconds=step_seconds,
+        evals=evals,
+        eval_seconds=eval_seconds,
+        saves=saves,
+        save_seconds=save_seconds,
+        export=not config.no_final_save,
+        export_seconds=EXPORT_SAVES * save_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class LegEnd:
+    finish: bool  # finish the run in this job; False: stop here (saved) and requeue
+    why: str
+
+
+def choose_leg_end(
+    reason: str, work: RemainingWork, time_left: float | None, margin: float
+) -> LegEnd:
+    """After a stop request (the checkpoint of this step is saved): finish the run in this
+    job, or stop and let the next leg continue. Before the last step, the rest must end before
+    the trainer's own margin (at which it would stop anyway); at the last step, the final
+    evaluation and export must end before the job does."""
+    if reason == "stop_after_steps" and work.steps:
+        return LegEnd(False, "this run's --stop_after_steps budget is used up")
+    if time_left is None:
+        if not work.steps:
+            why = (
+                "the stop came at the last step: the final evaluation and model are done now, "
+                "not in another leg"
+            )
+            return LegEnd(True, why)
+        why = (
+            f"the job's end time is unknown, so the remaining work ({work.describe()}) cannot "
+            "be planned in this job"
+        )
+        return LegEnd(False, why)
+    budget = time_left - (margin if work.steps else 0.0)
+    needed = FINISH_SAFETY * work.seconds
+    before = f" before the {margin:.0f} s margin" if work.steps else " before the job ends"
+    verdict = "fits" if needed <= budget else "does not fit"
+    why = (
+        f"the remaining work ({work.describe()}, x{FINISH_SAFETY:g} = {needed:.0f} s) "
+        f"{verdict} in the {max(budget, 0):.0f} s left{before}"
+    )
+    return LegEnd(needed <= budget, why)
+
+
 class StopController:
     def __init__(
         self,
@@ -112,6 +236,8 @@ class StopController:
         self.steps_this_run = 0
         self.save_seconds = 0.0
         self.step_seconds = 0.0
+        self.recent_steps: list[float] = []
+        self.deferred = False  # stop file and signals ignored: the run finishes in this job
         self.end_time: float | None = None
         self._end_time_checked = -float("inf")
         # A STOP file present at start is honoured, not taken for a stale one: the signal may
@@ -138,14 +264,34 @@ class StopController:
             self._end_time_checked = now
         return self.end_time
 
+    def time_left(self) -> float | None:
+        """Seconds until the job ends (rank 0 only; None elsewhere or without a limit)."""
+        end = self._end_time() if self.is_main else None
+        return end - time.time() if end is not None else None
+
+    def typical_step_seconds(self) -> float:
+        """The median of recent steps (the leg's first, with its warm-up, left out)."""
+        return statistics.median(self.recent_steps) if self.recent_steps else self.step_seconds
+
+    def leg_end(self, reason: str, work: RemainingWork) -> LegEnd:
+        """Collective: rank 0 decides (it alone knows the end time), every rank follows.
+        Finishing defers further stop-file and signal requests (the file is consumed)."""
+        decision = choose_leg_end(reason, work, self.time_left(), self.margin())
+        local = torch.tensor([int(decision.finish and self.is_main)], device=self.device)
+        finish = int(dist_utils.all_reduce_max(local).item()) == 1
+        if finish:
+            self.deferred = True
+            self.consume_stop_file()
+        return LegEnd(finish, decision.why)
+
     def _local_stop_code(self) -> int:
-        if self.flag.received is not None:
+        if self.flag.received is not None and not self.deferred:
             return 3
         if not self.is_main:
             return 0
         if self.stop_after_steps is not None and self.steps_this_run >= self.stop_after_steps:
             return 1
-        if self.stop_file.exists():
+        if self.stop_file.exists() and not self.deferred:
             return 2
         end = self._end_time()
         if end is not None and time.time() + self.margin() >= end:
@@ -156,6 +302,8 @@ class StopController:
         """Collective: every rank calls it after every optimizer step."""
         self.steps_this_run += 1
         self.step_seconds = max(self.step_seconds, step_seconds)
+        if self.steps_this_run > 1:
+            self.recent_steps = [*self.recent_steps[-(RECENT_STEPS - 1) :], step_seconds]
         save = (self.save_every_steps > 0 and step % self.save_every_steps == 0) or (
             self.save_every_seconds > 0
             and time.monotonic() - self.last_save >= self.save_every_seconds

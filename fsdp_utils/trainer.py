@@ -58,7 +58,8 @@ from fsdp_utils.parallelize import (
     wrap_ddp,
 )
 from fsdp_utils.preflight import check_batch_and_model
-from fsdp_utils.timelimit import StopController
+from fsdp_utils.run_start import prepare_run_folder
+from fsdp_utils.timelimit import LegEnd, StopController, remaining_work
 from fsdp_utils.trackers import open_trackers
 
 
@@ -96,8 +97,14 @@ class Trainer:
         self.state = TrainState()
         # Fail fast, before any model or data is loaded: the preflight's own checks.
         self.plan, self.model_dir, self.hf_config = check_batch_and_model(config, env.world_size)
+        notes: list[str] = []
         if env.is_main:
             check_output_dir(self.layout.root)
+            # Before anything is written: `--resume never` sets the previous run aside; fail
+            # now if not even one checkpoint fits on the disk.
+            notes = prepare_run_folder(
+                config, self.layout, self.hf_config, self.model_dir, world_size=env.world_size
+            )
         dist_utils.barrier()
         self.log = RunLogger(
             self.layout.metrics,
@@ -105,6 +112,8 @@ class Trainer:
             config.max_training_steps,
             sinks=open_trackers(config, self.layout, enabled=env.is_main),
         )
+        for note in notes:
+            self.log.info(note)
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -137,7 +146,7 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         self.stop = StopController(
-            Path(config.stop_file) if config.stop_file else self.layout.default_stop_file,
+            self.layout.stop_file(config.stop_file),
             save_every_steps=config.save_every_steps,
             save_every_minutes=config.save_every_minutes,
             stop_after_steps=config.stop_after_steps,
@@ -326,6 +335,7 @@ class Trainer:
             step=self.state.step,
         )
         self.last_saved_step = self.state.step if self.state.step else -1
+        self.eval_seconds: float | None = None
         watch = Stopwatch()
         started = time.perf_counter()
         last: dict[str, Any] = {}
@@ -341,20 +351,11 @@ class Trainer:
             ):
                 last = self._log_step(metrics, step_time)
             if config.eval_every and self.state.step % config.eval_every == 0:
-                self.evaluate()
+                self._timed_evaluate()
             if self.chess_eval:
                 self.chess_eval.maybe_run(self.model, self.state.step, autocast=self.autocast)
             decision = self.stop.poll(self.state.step, step_time)
-            if decision.stop:
-                self.log.event(
-                    "stopping",
-                    f"stopping at step {self.state.step}: {decision.stop}; saving a checkpoint "
-                    "(rerun the same command to resume)",
-                    step=self.state.step,
-                    reason=decision.stop,
-                )
-                if self.last_saved_step != self.state.step:
-                    self.save_checkpoint()
+            if decision.stop and not self._end_of_leg(decision.stop).finish:
                 self.stop.consume_stop_file()  # handled: the next run must not stop at once
                 return {
                     "status": "interrupted",
@@ -363,7 +364,7 @@ class Trainer:
                     "eval": None,
                     "seconds": time.perf_counter() - started,
                 }
-            if decision.save:
+            if decision.save and self.last_saved_step != self.state.step:
                 self._periodic_save()
             watch.lap()  # eval and save time is not step time
         final_eval = None
@@ -382,6 +383,44 @@ class Trainer:
             "eval": final_eval,
             "seconds": time.perf_counter() - started,
         }
+
+    def _timed_evaluate(self) -> None:
+        watch = Stopwatch()
+        self.evaluate()
+        self.eval_seconds = watch.lap()  # for the estimate of the work left (_end_of_leg)
+
+    def _end_of_leg(self, reason: str) -> LegEnd:
+        """Collective. A stop was requested: save this step, then either finish the run in this
+        job (the stop came at the last step, or the rest fits in the time left) or end the leg
+        so that the next one resumes. Saving first keeps the work if a preemption, not the
+        time limit, sent the request."""
+        step = self.state.step
+        if self.last_saved_step != step:
+            self.save_checkpoint()
+        work = remaining_work(
+            self.config,
+            step=step,
+            step_seconds=self.stop.typical_step_seconds(),
+            save_seconds=self.stop.save_seconds,
+            eval_seconds=self.eval_seconds,
+            has_eval=len(self.eval_blocks) > 0,
+            accumulation=self.plan.gradient_accumulation_steps,
+        )
+        leg = self.stop.leg_end(reason, work)
+        if leg.finish:
+            message = (
+                f"finishing in this job instead of requeueing (stop at step {step}: {reason}): "
+                f"{leg.why}"
+            )
+            self.log.event("finishing", message, step=step, reason=reason)
+        else:
+            message = (
+                f"stopping at step {step}: {reason}; not finishing in this job: {leg.why}; "
+                "the checkpoint is saved "
+                "(rerun the same command to resume; a requeued job does)"
+            )
+            self.log.event("stopping", message, step=step, reason=reason)
+        return leg
 
     def _periodic_save(self) -> None:
         try:

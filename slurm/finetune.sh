@@ -27,7 +27,8 @@
 #                          "source .venv/bin/activate" or "module load cuda; conda activate env"
 #                          (default: the environment sbatch was called from, which it exports)
 #   MODEL, DATASET         hub id cached by download_models.py, or a local folder
-#   OUTPUT_DIR             run folder (default: runs/<job name>-<job id>; the same after requeue)
+#   OUTPUT_DIR             run folder (default: output_dir of the --config file, else
+#                          runs/<job name>-<job id>; the same after a requeue)
 #   TOTAL_BATCH_SIZE       sequences per optimizer step, fixed whatever the GPU count
 #   BATCH_SIZE_PER_DEVICE  sequences per forward/backward pass on each GPU
 #   CONFIG                 a YAML/JSON file of chess_finetune.py options
@@ -84,16 +85,18 @@ train_args=()
 [ -n "${CONFIG:-}" ] && train_args+=(--config "$CONFIG")
 [ -n "${MODEL:-}" ] && train_args+=(--model "$MODEL")
 [ -n "${DATASET:-}" ] && train_args+=(--dataset "$DATASET")
+[ -n "${OUTPUT_DIR:-}" ] && train_args+=(--output_dir "$OUTPUT_DIR")
 [ -n "${TOTAL_BATCH_SIZE:-}" ] && train_args+=(--total_batch_size "$TOTAL_BATCH_SIZE")
 [ -n "${BATCH_SIZE_PER_DEVICE:-}" ] && train_args+=(--batch_size_per_device "$BATCH_SIZE_PER_DEVICE")
 train_args+=("$@")
 
 # --- plan: processes per node, rendezvous, run folder -------------------------------------------
 # Sets NNODES NPROC_PER_NODE WORLD_SIZE RDZV_ENDPOINT RDZV_ID RUN_DIR STOP_FILE, exports
-# OMP_NUM_THREADS (the node's CPUs shared among its processes).
+# OMP_NUM_THREADS (the node's CPUs shared among its processes). RUN_DIR and STOP_FILE come from
+# the trainer's own config (flags and --config file), so the trap touches the file it watches.
 launch_plan=$("$PYTHON" -m fsdp_utils.slurm.launch plan -- "${train_args[@]}") || exit 2
 eval "$launch_plan"
-train_args=(--output_dir "$RUN_DIR" "${train_args[@]}")
+train_args+=(--output_dir "$RUN_DIR")  # last, so the trainer uses exactly this folder
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/gpu_samples"
 slurm_log=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p')
 [ -f "$slurm_log" ] && ln -sf "$(realpath "$slurm_log")" "$RUN_DIR/logs/"
@@ -129,8 +132,14 @@ stop_sampler() {
     # and print errors into this log.
     local step
     step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk '$2 == "gpu-sampler" {print $1}')
-    if [ -n "$step" ]; then scancel --signal=INT "$step"; else kill -TERM "$sampler_pid"; fi
+    # A sampler that already ended (no nvidia-smi on the node) is not an error to report.
+    if [ -n "$step" ]; then
+        scancel --signal=INT "$step"
+    elif kill -0 "$sampler_pid" 2>/dev/null; then
+        kill -TERM "$sampler_pid" 2>/dev/null
+    fi
     wait "$sampler_pid" 2>/dev/null
+    return 0
 }
 
 # --- train: one torchrun per node ---------------------------------------------------------------
@@ -156,7 +165,8 @@ stop_sampler
 # --- after: requeue a run that saved before the time limit ------------------------------------
 decision=$("$PYTHON" -m fsdp_utils.slurm.launch after-run "$RUN_DIR" "$exit_code")
 if [ "$decision" = requeue ]; then
-    # The requeued job keeps its id, so it resumes from RUN_DIR/checkpoints (--resume auto).
+    # The requeued job keeps its id, so it resumes from RUN_DIR/checkpoints: the trainer picks
+    # this job's own newest checkpoint (SLURM_RESTART_COUNT > 0), whatever --resume said.
     scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$exit_code"

@@ -23,7 +23,9 @@ from fsdp_utils.checkpoint import (
     list_checkpoints,
     read_checkpoint,
 )
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config import TrainConfig, parse_config
+from fsdp_utils.model import load_model_config
+from fsdp_utils.storage import plan_storage
 from fsdp_utils.synthetic import save_tiny_model
 from fsdp_utils.timelimit import END_TIME_ENV, job_end_time, parse_slurm_time
 from tests.train_helpers import (
@@ -126,9 +128,15 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
     assert _status(split) == {**_status(split), "status": "interrupted", "step": 3}
     check_ok(run_finetune(2, _ckpt_args(tiny_assets, split, data_cache, stop_after_steps=3)))
     assert _status(split)["step"] == 6
-    result = run_finetune(1, _ckpt_args(tiny_assets, split, data_cache, batch_size_per_device=4))
+    # The last leg's step budget ends at the last step: it finishes (final eval and model)
+    # instead of stopping for a leg that would do only that.
+    last_leg = _ckpt_args(
+        tiny_assets, split, data_cache, batch_size_per_device=4, stop_after_steps=2
+    )
+    result = run_finetune(1, last_leg)
     check_ok(result)
     assert "resumed from step 6" in result.stdout and _status(split)["status"] == "completed"
+    assert "finishing in this job instead of requeueing (stop at step 8" in result.stdout
 
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == list(range(1, 9))
@@ -153,6 +161,17 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
     assert AutoTokenizer.from_pretrained(exported).eos_token == "</s>"
     # keep_last=3: steps 3 and 6 (stops) + 6 again... oldest pruned, newest kept
     assert [c.step for c in list_checkpoints(split / "checkpoints")][-1] == 8
+
+    # The storage check's size of a checkpoint is what real ones (2 processes, 1) hold.
+    config, _ = parse_config(_ckpt_args(tiny_assets, split, data_cache))
+    hf_config = load_model_config(tiny_assets["model"])
+    for saved in list_checkpoints(split / "checkpoints")[-2:]:
+        world_size = saved.meta["world_size"]
+        plan = plan_storage(
+            config, hf_config, tiny_assets["model"], existing=0, world_size=world_size
+        )
+        on_disk = sum(f.stat().st_size for f in saved.path.rglob("*") if f.is_file())
+        assert plan.size.total == pytest.approx(on_disk, rel=0.03), (world_size, on_disk)
 
 
 def _worker_pids(parent: int) -> list[int]:
@@ -300,6 +319,14 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, tiny_as
         assert kept.step == 2
         assert not list((out / "checkpoints").glob("*.tmp"))
         assert "Traceback" not in result.stderr
+        assert "warning: storage: a checkpoint is" in result.stdout  # one fits, not two
+
+        # The kept checkpoint leaves less than one on this disk: a new run there fails at once.
+        args = _ckpt_args(tiny_assets, out / "another", data_cache, max_training_steps=4)
+        result = run_finetune(1, args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert "Not even one checkpoint of this run fits" in result.stderr
+        assert not (out / "another" / "metrics.jsonl").exists()
     finally:
         subprocess.run(["umount", str(out)], check=False)
 

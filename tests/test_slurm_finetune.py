@@ -138,24 +138,33 @@ def test_run_that_does_not_fit_fails_in_preflight(
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_time_limit_saves_requeues_and_resumes(
+def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """A 1-minute job: the trainer stops 45 s before the end (it reads the end time; USR1 from
-    Slurm at 40 s before is the second line of defence), every rank saves, the script requeues
-    the job, and the same job id resumes from the checkpoint in the same run folder. The test
-    gives the requeued job a longer limit so that it finishes in one more leg, not many."""
-    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    """One job, several checks. Leg 1 (1-minute limit): the trainer stops 45 s before the end
+    (it reads the end time; USR1 at 40 s before is the second line of defence) with too much
+    left to finish, every rank saves, the script requeues. Leg 2 (the test raises the limit to
+    5 min) resumes its own checkpoint although the command says `--resume never`; then Slurm's
+    signal (sent by the test as `--signal=B:USR1@...` would) arrives with little work left: the
+    run finishes in this leg instead of requeueing one more. Also: `--resume never` set the
+    abandoned run in the folder aside; the stop file and run folder come from a --config file;
+    the GPU sampler, which ends at once without nvidia-smi, is stopped without noise."""
+    run_dir, log, halt = tmp_path / "run", tmp_path / "slurm.out", tmp_path / "HALT"
+    abandoned = run_dir / "checkpoints" / "step_00005000"  # a higher step than this run reaches
+    abandoned.mkdir(parents=True)
+    (abandoned / "checkpoint.json").write_text(json.dumps({"step": 5000, "files": {}}))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {run_dir}\nstop_file: {halt}\n")
     env = job_env(
         MODEL=str(tiny_assets["model"]),
         DATASET=str(tiny_assets["data"]),
-        OUTPUT_DIR=str(run_dir),
         TOTAL_BATCH_SIZE="8",
-        GPU_SAMPLE_INTERVAL="0",
+        GPU_SAMPLE_INTERVAL="1",
+        PATH=os.environ["PATH"],  # no nvidia-smi: the sampler says so and ends at once
     )
     sbatch = (*RESOURCES[:-1], "--time=1", "--signal=B:USR1@40")
     job = submit(
-        local_slurm, log, env, *TINY_RUN,
+        local_slurm, log, env, *TINY_RUN, "--config", str(config), "--resume", "never",
         "--max_training_steps", "60", "--time_limit_margin_minutes", "0.75",
         "--save_every_minutes", "0",
         sbatch=sbatch,
@@ -166,13 +175,38 @@ def test_time_limit_saves_requeues_and_resumes(
     )  # fmt: skip
     assert requeued.get("Restarts") == "1", (requeued, log.read_text())
     local_slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
+
+    def resumed_and_stepping() -> bool:
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        resumed = [r["step"] for r in records if r.get("kind") == "resumed"]
+        steps = [r["step"] for r in records if r.get("kind") == "train"]
+        return bool(resumed) and max(steps) >= resumed[-1] + 2  # type: ignore[operator]
+
+    deadline = time.monotonic() + 120
+    while not resumed_and_stepping():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    local_slurm.run("scancel", "--batch", "--signal=USR1", job)
     info = local_slurm.wait(job, timeout=240)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    # Leg 1: too much left to finish before the margin: saved and requeued.
+    assert "not finishing in this job: the remaining work" in text
     assert "requeueing to resume" in text and f"job {job} (restart 1)" in text
+    # Leg 2: its own checkpoint, not `--resume never` again; then the signal, and the end.
+    assert f"requeued leg (job {job}, restart 1): resuming this job's newest checkpoint" in text
+    assert "not --resume never again" in text
+    assert "Slurm signalled the coming time limit" in text
+    assert "finishing in this job instead of requeueing (stop at step" in text
+    assert "stop file): the remaining work" in text and "fits in the" in text
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["step"]) == ("completed", 60)
+    assert (run_dir / "final" / "config.json").is_file() and not halt.exists()
     steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
     assert steps.count(1) == 1, "the second leg started again from step 1"
     assert max(steps) == 60 and len(set(steps)) == len(steps)
-    assert any((run_dir / "checkpoints").iterdir())
+    # The abandoned run's checkpoint was set aside, never resumed nor kept among the new ones.
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] != []
+    assert not (run_dir / "checkpoints" / abandoned.name).exists()
+    assert list(run_dir.glob(f"previous-*/checkpoints/{abandoned.name}"))
+    assert "gpu sampler: nvidia-smi not found" in text and "No such process" not in text

@@ -97,26 +97,46 @@ def test_single_node_cpu_plan_and_overrides(tmp_path: Path) -> None:
     assert (plan.nproc_per_node, plan.omp_num_threads) == (2, 1)
     with pytest.raises(ValueError, match="NPROC_PER_NODE must be a positive integer"):
         plan_launch({**env, "NPROC_PER_NODE": "two"}, ["vm"], GpuCount(0, ""), [])
-    # Run folder: OUTPUT_DIR, else --output_dir (flag or config file), else per job.
-    config = tmp_path / "run.yaml"
-    config.write_text("output_dir: runs/from-config\nmax_training_steps: 5\n")
-    choose = lambda env, args: plan_launch(env, ["vm"], GpuCount(1, ""), args).run_dir  # noqa: E731
-    assert choose(env, ["--config", str(config)]) == Path("runs/from-config")
-    assert choose(env, ["--config", str(config), "--output_dir=flag"]) == Path("flag")
-    assert choose({**env, "OUTPUT_DIR": "/scratch/x"}, ["--output_dir", "flag"]) == Path(
-        "/scratch/x"
-    )
     array = {**env, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "3"}
-    assert choose(array, []) == Path("runs/chess-finetune-4240_3")
-    stop = plan_launch(env, ["vm"], GpuCount(1, ""), ["--stop_file", "/tmp/halt"]).stop_file
-    assert stop == Path("/tmp/halt")
+    assert plan_launch(array, ["vm"], GpuCount(1, ""), []).run_dir == Path(
+        "runs/chess-finetune-4240_3"
+    )
+
+
+def test_run_paths_are_the_trainers_own(tmp_path: Path) -> None:
+    """Run folder and stop file come from the TrainConfig chess_finetune.py builds from the same
+    arguments (defaults < --config file < flags; finetune.sh passes OUTPUT_DIR as a flag before
+    the user's own), so the USR1 trap touches the very file the trainer watches."""
+    env = slurm_env(SLURM_NNODES="1")
+
+    def paths(*args: str) -> tuple[Path, Path]:
+        plan = plan_launch(env, ["vm"], GpuCount(1, ""), list(args))
+        return plan.run_dir, plan.stop_file
+
+    config = tmp_path / "run.yaml"
+    config.write_text("output_dir: runs/from-config\nstop_file: /tmp/halt-from-config\n")
+    assert paths("--config", str(config)) == (
+        Path("runs/from-config"),
+        Path("/tmp/halt-from-config"),
+    )
+    flags = ("--config", str(config), "--output_dir=flag", "--stop_file", "/tmp/halt")
+    assert paths(*flags) == (Path("flag"), Path("/tmp/halt"))
+    # OUTPUT_DIR is a flag put before the user's arguments: theirs win, as for every variable.
+    assert paths("--output_dir", "/scratch/x", "--output_dir", "flag")[0] == Path("flag")
+    assert paths() == (Path("runs/chess-finetune-4242"), Path("runs/chess-finetune-4242/STOP"))
+    config.write_text("output_dir: runs/from-config\n")
+    assert paths("--config", str(config))[1] == Path("runs/from-config/STOP")
+    # A mistake in the arguments is the trainer's own error, before anything starts.
+    config.write_text("stop_fle: /tmp/halt\n")
+    with pytest.raises(ValueError, match="did you mean 'stop_file'"):
+        paths("--config", str(config))
 
 
 def test_shell_assignments_survive_bash_eval() -> None:
     """Values with spaces and quotes come through `eval` unchanged; only OMP_NUM_THREADS is
     exported to the trainer's environment."""
-    env = slurm_env(SLURM_NNODES="1", OUTPUT_DIR="runs/it's a run")
-    plan = plan_launch(env, ["vm"], GpuCount(2, ""), [])
+    env = slurm_env(SLURM_NNODES="1")
+    plan = plan_launch(env, ["vm"], GpuCount(2, ""), ["--output_dir", "runs/it's a run"])
     script = plan.shell_assignments() + 'echo "$RUN_DIR|$WORLD_SIZE"; env | grep -c WORLD_SIZE'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout
     assert out.splitlines() == ["runs/it's a run|2", "0"]

@@ -16,7 +16,9 @@ import pytest
 
 from fsdp_utils.slurm.submitit_launcher import (
     SubmitOptions,
+    _RunFinished,
     choose_run_dir,
+    make_task,
     parse_time_minutes,
     sbatch_preview,
 )
@@ -79,6 +81,51 @@ def test_run_dir_is_fixed_at_submission(tmp_path: Path) -> None:
     now = datetime(2025, 3, 1, 14, 5, 9)
     assert choose_run_dir(SubmitOptions(), [], now) == Path("runs/chess-finetune-20250301-140509")
     assert choose_run_dir(SubmitOptions(), ["--output_dir", "x"], now) == Path("x")
+
+
+def test_checkpoint_requeues_a_stopped_run_not_a_finished_one(tmp_path: Path) -> None:
+    """submitit's checkpoint() (rank 0, on the preemption/time-limit signal) touches the stop
+    file of the trainer's own config, waits, and requeues the next leg (counted, so that it
+    resumes its own checkpoint), unless the trainer finished the run instead of stopping."""
+    run_dir, halt = tmp_path / "run", tmp_path / "HALT"
+    run_dir.mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(f"stop_file: {halt}\n")
+    task = make_task(SubmitOptions(), ["--config", str(config)], run_dir)
+    assert task.command[-2:] == ["--output_dir", str(run_dir.resolve())]
+    with subprocess.Popen(["true"]) as process:  # the trainer, already exited
+        process.wait()
+    task._process = process
+    (run_dir / "status.json").write_text(json.dumps({"status": "interrupted", "step": 7}))
+    delayed = task.checkpoint()
+    assert halt.exists() and delayed.function.leg == 1
+    assert delayed.function.checkpoint().function.leg == 2
+    (run_dir / "status.json").write_text(json.dumps({"status": "completed", "step": 8}))
+    with pytest.raises(_RunFinished, match=r"finished the run \(step 8\).*not requeueing"):
+        task.checkpoint()
+
+
+def test_a_leg_that_stopped_by_itself_is_counted_in_the_pickled_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer stopped before the signal (it reads the end time): rank 0 requeues through
+    submitit's local controller, which restarts the pickled task, so the leg is stored there."""
+    from submitit.core.utils import DelayedSubmission
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    local_task = {"EXECUTOR": "local", "FOLDER": str(tmp_path), "LOCAL_JOB_ID": "4012"}
+    local_task |= {"LOCAL_NTASKS": "1", "LOCAL_GLOBALID": "0", "LOCAL_LOCALID": "0"}
+    local_task |= {"LOCAL_NODEID": "0", "LOCAL_JOB_NUM_NODES": "1"}
+    for name, value in local_task.items():
+        monkeypatch.setenv(f"SUBMITIT_{name}", value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    task = make_task(SubmitOptions(), [], tmp_path / "run")
+    pickled = tmp_path / "4012_submitted.pkl"
+    DelayedSubmission(task).dump(pickled)
+    with pytest.raises(SystemExit) as exit_info:
+        task._maybe_requeue({"status": "interrupted", "step": 3}, 0)
+    assert exit_info.value.code == LOCAL_REQUEUE_RETURN_CODE
+    assert DelayedSubmission.load(pickled).function.leg == 1
 
 
 def write_metrics(run_dir: Path, step_times: list[float], peak_gib: float) -> None:
@@ -179,14 +226,15 @@ def test_submitit_preemption_checkpoints_every_rank(
     """The submitit path on this machine (local executor, one task per process), interrupted:
     the time-limit / preemption signal (USR2, which Slurm and submitit's local executor send to
     every task) makes submitit call checkpoint() on rank 0 only; the stop file makes both ranks
-    save their shards, and the requeued job resumes from them and completes."""
+    save their shards, and the requeued job resumes from them (not from scratch, although the
+    command says `--resume never`) and completes."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     command = [
         sys.executable, "slurm/submit.py", "--local", "--gpus-per-node", "2", "--time", "10",
         "--log-dir", str(logs),
         "--", "--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
         *TINY_RUN[:4], "--max_training_steps", "40", *TINY_RUN[6:],
-        "--save_every_minutes", "0", "--output_dir", str(run_dir),
+        "--save_every_minutes", "0", "--output_dir", str(run_dir), "--resume", "never",
     ]  # fmt: skip
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True) as submit:
         metrics = run_dir / "metrics.jsonl"
@@ -204,6 +252,9 @@ def test_submitit_preemption_checkpoints_every_rank(
     assert sorted(p.name.split("_")[1] for p in logs.glob("*_log.out")) == ["0", "1"]
     rank0 = next(logs.glob("*_0_log.out")).read_text()
     assert "asking all ranks to save" in rank0 and "Requeued job" in rank0
+    # The requeued leg resumed its own checkpoint instead of replaying `--resume never`.
+    assert "rank 0/2 (leg 1)" in rank0 and "not --resume never again" in rank0
+    assert not list(run_dir.glob("previous-*"))
     # The checkpoint saved on the signal (before step 40) holds a shard from each rank.
     saved = {
         json.loads((folder / "checkpoint.json").read_text())["step"]: folder

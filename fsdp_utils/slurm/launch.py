@@ -12,7 +12,9 @@ Processes per node: one per GPU, found in SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVIC
 (gloo). Multi-node jobs rendezvous (torchrun's c10d) on the first node of SLURM_JOB_NODELIST, on a
 port derived from the job id so jobs sharing a node do not collide; the rendezvous id is the
 job id. The run folder is stable across requeues (it is named by the job id), so a requeued job
-resumes from its own checkpoints.
+resumes from its own checkpoints. Run folder and stop file are read from the TrainConfig the
+trainer builds from the same arguments (`parse_config`, --config file included), never re-parsed
+here, so the USR1 trap touches the file the trainer watches.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_utils.config import TrainConfig
 from fsdp_utils.layout import RunLayout
 
 # Below Linux's ephemeral range (32768-60999) so an outgoing connection never holds our port,
@@ -163,27 +166,27 @@ def check_rendezvous_host(host: str, nnodes: int, resolve: Resolver = resolve_ad
         )
 
 
-def given_output_dir(train_args: Sequence[str]) -> str | None:
-    """--output_dir from the trainer's arguments or from its --config file, if given."""
-    from fsdp_utils.config import load_config_file
+@dataclass(frozen=True)
+class RunPaths:
+    """The run folder and stop file the trainer will use, derived from its own TrainConfig."""
 
-    found: str | None = None
-    for i, arg in enumerate(train_args):
-        if arg.startswith("--output_dir="):
-            found = arg.split("=", 1)[1]
-        elif arg == "--output_dir" and i + 1 < len(train_args):
-            found = train_args[i + 1]
-    if found is not None:
-        return found
-    for i, arg in enumerate(train_args):
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if arg == "--config" and i + 1 < len(train_args):
-            path = train_args[i + 1]
-        if path:
-            value = load_config_file(path).get("output_dir")
-            if value:
-                return str(value)
-    return None
+    run_dir: Path
+    stop_file: Path
+
+
+def parse_train_args(train_args: Sequence[str]) -> tuple[TrainConfig, set[str]]:
+    """The TrainConfig chess_finetune.py will build from these arguments (its own parser:
+    defaults < --config file < flags), and the names of the options set explicitly."""
+    from fsdp_utils.cli import make_parser
+    from fsdp_utils.config import load_config_file, parse_config
+
+    parser = make_parser()
+    parser.prog = "chess_finetune.py"  # argparse errors name the script the arguments are for
+    config, args = parse_config(list(train_args), parser)
+    explicit = set(vars(args))
+    if args.config:
+        explicit |= set(load_config_file(args.config))
+    return config, explicit
 
 
 def job_run_name(env: Mapping[str, str]) -> str:
@@ -194,22 +197,13 @@ def job_run_name(env: Mapping[str, str]) -> str:
     return f"{name}-{env.get('SLURM_JOB_ID', 'local')}"
 
 
-def choose_run_dir(env: Mapping[str, str], train_args: Sequence[str]) -> Path:
-    """OUTPUT_DIR, else the trainer's --output_dir (flag or config file), else
-    runs/<job name>-<job id>: one folder per job, the same after a requeue."""
-    explicit = env.get("OUTPUT_DIR") or given_output_dir(train_args)
-    if explicit:
-        return Path(explicit)
-    return Path("runs") / job_run_name(env)
-
-
-def stop_file_for(train_args: Sequence[str], run_dir: Path) -> Path:
-    for i, arg in enumerate(train_args):
-        if arg.startswith("--stop_file="):
-            return Path(arg.split("=", 1)[1])
-        if arg == "--stop_file" and i + 1 < len(train_args):
-            return Path(train_args[i + 1])
-    return RunLayout.of(run_dir).default_stop_file
+def run_paths(train_args: Sequence[str], default_run_dir: Path) -> RunPaths:
+    """`output_dir` if given (flag or --config file; finetune.sh turns OUTPUT_DIR into a
+    flag), else `default_run_dir`; the stop file as the trainer derives it (`--stop_file`,
+    flag or config file, else `<run folder>/STOP`)."""
+    config, explicit = parse_train_args(train_args)
+    run_dir = Path(config.output_dir) if "output_dir" in explicit else default_run_dir
+    return RunPaths(run_dir, RunLayout.of(run_dir).stop_file(config.stop_file))
 
 
 def plan_launch(
@@ -235,7 +229,8 @@ def plan_launch(
         check_rendezvous_host(host, nnodes, resolve)
     job_id = env.get("SLURM_JOB_ID", "0")
     port = int(env["RDZV_PORT"]) if env.get("RDZV_PORT") else rendezvous_port(job_id)
-    run_dir = choose_run_dir(env, train_args)
+    # One folder per job, the same after a requeue, unless the arguments name one.
+    paths = run_paths(train_args, Path("runs") / job_run_name(env))
     cpus = int(env.get("SLURM_CPUS_PER_TASK") or env.get("SLURM_CPUS_ON_NODE") or nproc)
     return LaunchPlan(
         nnodes=nnodes,
@@ -244,8 +239,8 @@ def plan_launch(
         rdzv_host=host,
         rdzv_port=port,
         rdzv_id=job_id,
-        run_dir=run_dir,
-        stop_file=stop_file_for(train_args, run_dir),
+        run_dir=paths.run_dir,
+        stop_file=paths.stop_file,
         omp_num_threads=int(env.get("OMP_NUM_THREADS") or max(1, cpus // nproc)),
     )
 

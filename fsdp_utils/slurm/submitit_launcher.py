@@ -14,7 +14,11 @@ task's `checkpoint()` on global rank 0 only. A sharded checkpoint needs every ra
 agree, save their shards and exit; rank 0's `checkpoint()` waits for that and returns the same
 task, which submitit requeues. The trainer may also stop by itself before the time limit (it
 reads the job's end time): rank 0 then requeues the job the same way the sbatch script does.
-The run folder is fixed at submission, so the requeued job resumes from its checkpoints.
+The run folder is fixed at submission, so the requeued job resumes from its checkpoints; the
+task counts its legs and tells the trainer (FSDP_UTILS_JOB_ID, FSDP_UTILS_RESTART_COUNT), so a
+requeued leg resumes its own newest checkpoint instead of replaying `--resume never`/PATH. When
+the trainer finishes the run instead of stopping (the stop came at the last step, or the rest
+fits in the time left), the job ends there: no requeue.
 """
 
 from __future__ import annotations
@@ -34,14 +38,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.job import JOB_ID_ENV, RESTART_COUNT_ENV
 from fsdp_utils.offline import OFFLINE_VARIABLES
-from fsdp_utils.slurm.launch import (
-    decide_after_run,
-    given_output_dir,
-    read_status,
-    rendezvous_port,
-    stop_file_for,
-)
+from fsdp_utils.slurm.launch import decide_after_run, read_status, rendezvous_port, run_paths
 from fsdp_utils.slurm.sweep import RunSummary, SweepSpec, format_sweep_table, summarise_run
 
 DEFAULT_TRAIN_SCRIPT = "chess_finetune.py"
@@ -49,6 +48,12 @@ DEFAULT_TRAIN_SCRIPT = "chess_finetune.py"
 
 class TrainingFailed(RuntimeError):
     """The training process of one task exited with an error."""
+
+
+class _RunFinished(Exception):
+    """Raised by `checkpoint()` (inside submitit's signal handler) when the trainer finished
+    the run instead of stopping: unwinds into `__call__`, which returns normally, so submitit
+    does not requeue a finished job."""
 
 
 class PreflightFailed(ValueError):
@@ -220,13 +225,22 @@ class TrainingTask:
     python: str
     max_requeues: int
     save_timeout_s: float
+    leg: int = 0  # requeues of this task so far (submitit's local executor does not count them)
     _process: subprocess.Popen[bytes] | None = field(
         default=None, init=False, repr=False, compare=False
     )
 
     @property
     def command(self) -> list[str]:
-        return [self.python, self.train_script, "--output_dir", self.run_dir, *self.train_args]
+        # --output_dir last: the trainer uses exactly the folder fixed at submission.
+        return [self.python, self.train_script, *self.train_args, "--output_dir", self.run_dir]
+
+    @property
+    def stop_file(self) -> Path:
+        return run_paths(self.command[2:], Path(self.run_dir)).stop_file
+
+    def restarts(self) -> int:
+        return max(int(os.environ.get("SLURM_RESTART_COUNT") or 0), self.leg)
 
     def __call__(self) -> dict[str, Any]:
         import submitit
@@ -237,15 +251,24 @@ class TrainingTask:
         os.environ.setdefault("MASTER_PORT", str(rendezvous_port(job.job_id)))
         # All GPUs of the node stay visible: the trainer picks cuda:LOCAL_RANK itself.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        env = {**os.environ, **OFFLINE_VARIABLES}
+        # Which job and which leg: a requeued leg resumes this job's own checkpoints.
+        leg = {JOB_ID_ENV: str(job.job_id), RESTART_COUNT_ENV: str(self.restarts())}
+        env = {**os.environ, **OFFLINE_VARIABLES, **leg}
         if job.global_rank == 0:  # a stop request of an earlier leg is not for this one
-            stop_file_for(self.train_args, Path(self.run_dir)).unlink(missing_ok=True)
-        print(f"rank {job.global_rank}/{job.num_tasks}: {shlex.join(self.command)}", flush=True)
+            self.stop_file.unlink(missing_ok=True)
+        print(
+            f"rank {job.global_rank}/{job.num_tasks} (leg {self.restarts()}): "
+            f"{shlex.join(self.command)}",
+            flush=True,
+        )
         self._process = subprocess.Popen(self.command, env=env, preexec_fn=_supervised_child_setup)
         # Poll rather than Popen.wait(): submitit's signal handler runs in this thread and
         # calls checkpoint(), which must be able to poll the same process.
-        while self._process.poll() is None:
-            time.sleep(0.5)
+        try:
+            while self._process.poll() is None:
+                time.sleep(0.5)
+        except _RunFinished as finished:
+            print(finished, flush=True)
         exit_code = self._process.returncode
         status = read_status(Path(self.run_dir))
         if job.global_rank == 0:
@@ -260,16 +283,15 @@ class TrainingTask:
         from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
         decision = decide_after_run(
-            status,
-            exit_code,
-            restarts=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-            max_requeues=self.max_requeues,
+            status, exit_code, restarts=self.restarts(), max_requeues=self.max_requeues
         )
         if not decision.requeue:
             return
         print(decision.reason, flush=True)
         if os.environ.get("SUBMITIT_EXECUTOR") == "local":
-            sys.exit(LOCAL_REQUEUE_RETURN_CODE)  # submitit's local controller restarts the tasks
+            # submitit's local controller restarts the tasks from the pickled task: count the leg.
+            self._store_next_leg()
+            sys.exit(LOCAL_REQUEUE_RETURN_CODE)
         subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
         sys.exit(0)  # like submitit's own requeue: no result file for a job that continues
 
@@ -278,7 +300,7 @@ class TrainingTask:
         rank, so ask the trainer (all ranks) through the stop file and wait for it to finish."""
         from submitit.helpers import DelayedSubmission
 
-        stop_file = stop_file_for(self.train_args, Path(self.run_dir))
+        stop_file = self.stop_file
         stop_file.parent.mkdir(parents=True, exist_ok=True)
         print(f"time limit or preemption: asking all ranks to save ({stop_file})", flush=True)
         stop_file.touch()  # the trainer consumes it once it has saved
@@ -288,8 +310,26 @@ class TrainingTask:
                 print("the trainer did not finish saving in time: requeueing anyway", flush=True)
                 break
             time.sleep(0.5)
+        status = read_status(Path(self.run_dir)) or {}
+        finished = self._process is not None and self._process.returncode == 0
+        if finished and status.get("status") == "completed":
+            raise _RunFinished(
+                f"the trainer finished the run (step {status.get('step')}) instead of "
+                "stopping: not requeueing"
+            )
         # A fresh task (without the finished process) resumes from the run folder.
-        return DelayedSubmission(dataclasses.replace(self))
+        return DelayedSubmission(dataclasses.replace(self, leg=self.leg + 1))
+
+    def _store_next_leg(self) -> None:
+        """Rewrite the job's pickled task with the next leg number, as submitit does with the
+        task `checkpoint()` returns."""
+        import submitit
+        from submitit.core.utils import DelayedSubmission
+
+        path = submitit.JobEnvironment().paths.submitted_pickle
+        delayed = DelayedSubmission.load(path)
+        delayed.function = dataclasses.replace(self, leg=self.leg + 1)
+        delayed.dump(path)
 
 
 # --- submission ------------------------------------------------------------------------------
@@ -298,29 +338,13 @@ class TrainingTask:
 def choose_run_dir(options: SubmitOptions, train_args: Sequence[str], now: datetime) -> Path:
     """--output_dir (flag or config file) if given, else runs/<job name>-<date-time>: fixed at
     submission so that requeued jobs find their checkpoints."""
-    given = given_output_dir(train_args)
-    if given:
-        return Path(given)
-    return Path("runs") / f"{options.job_name}-{now:%Y%m%d-%H%M%S}"
-
-
-def _strip_output_dir(train_args: Sequence[str]) -> tuple[str, ...]:
-    out: list[str] = []
-    skip = False
-    for arg in train_args:
-        if skip:
-            skip = False
-        elif arg == "--output_dir":
-            skip = True
-        elif not arg.startswith("--output_dir="):
-            out.append(arg)
-    return tuple(out)
+    return run_paths(train_args, Path("runs") / f"{options.job_name}-{now:%Y%m%d-%H%M%S}").run_dir
 
 
 def make_task(options: SubmitOptions, train_args: Sequence[str], run_dir: Path) -> TrainingTask:
     return TrainingTask(
         train_script=str(Path(options.train_script).resolve()),
-        train_args=_strip_output_dir(train_args),
+        train_args=tuple(train_args),
         run_dir=str(run_dir.resolve()),
         python=options.python,
         max_requeues=options.max_requeues,
