@@ -57,6 +57,8 @@ format: setup
 bench: setup
 	$(PY) bench/throughput.py
 	$(PY) bench/plan_table.py
+	$(PY) bench/lora.py
+	$(PY) bench/lora_plan_table.py
 
 clean:
 	rm -rf $(STAMPS) runs demo_assets bench/results

@@ -2,6 +2,7 @@
 
     <output_dir>/checkpoints/step_00000120/
         __0_0.distcp ...     every rank writes its own shards of model and optimizer state
+                             (with --lora: of the adapters only; the base is the pretrained model)
         .metadata            DCP's index: lets any world size load (resharding)
         hf/                  model config + tokenizer files (what export needs)
         checkpoint.json      written last: step, scheduler, scaler, file sizes, identity

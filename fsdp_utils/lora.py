@@ -289,6 +289,13 @@ def state_dict_options(*, lora: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
+def flops_per_token(full: float, info: Any, model: nn.Module) -> float:
+    """Training FLOPs per token of a LoRA run, from full fine-tuning's 6N + attention: the frozen
+    weights (N, counted before the adapters) still take forward and input-gradient matmuls (4N)
+    but no weight gradients (2N); the adapters take all three (6 per trainable parameter)."""
+    return full - 2.0 * info.non_embedding_parameters + 6.0 * trainable_parameters(model)
+
+
 def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
     targets = config.lora_target_modules or "every linear layer of the decoder layers"
     text = (

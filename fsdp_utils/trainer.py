@@ -137,6 +137,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(
             self.hf_config, self.model_info.non_embedding_parameters, config.max_seq_length
         )
+        if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
+            self.flops_per_token = lora.flops_per_token(
+                self.flops_per_token, self.model_info, self.model
+            )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config()
 
