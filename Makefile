@@ -58,6 +58,8 @@ format: setup
 bench: setup
 	$(PY) bench/throughput.py
 	$(PY) bench/plan_table.py
+	$(PY) bench/lora.py
+	$(PY) bench/lora_plan_table.py
 
 # On a GPU node (srun ... make gpu-check): random-weight Llama models, several configurations,
 # measured against the planner. Without a CUDA device it says so and exits 2.

@@ -2,6 +2,7 @@
 
     <output_dir>/checkpoints/step_00000120/
         __0_0.distcp ...     every rank writes its own shards of model and optimizer state
+                             (with --lora: of the adapters only; the base is the pretrained model)
         .metadata            DCP's index: lets any world size load (resharding)
         hf/                  model config + tokenizer files (what export needs)
         checkpoint.json      written last: step, scheduler, scaler, file sizes, identity
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.job import JobLeg
+from fsdp_utils.lora import checkpoint_kind_mismatch, lora_identity, state_dict_options
 
 MARKER = "checkpoint.json"
 HF_SUBDIR = "hf"
@@ -69,6 +71,7 @@ def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
     identity = {name: getattr(config, name) for name in IDENTITY_FIELDS}
     identity["dataset_include"] = config.resolved_dataset_include
     identity["total_batch_size"] = total_batch_size
+    identity.update(lora_identity(config))  # LoRA runs only: full fine-tunes' stays as it was
     return identity
 
 
@@ -211,6 +214,9 @@ class Checkpointer:
         return info
 
     def check_identity(self, info: CheckpointInfo) -> None:
+        mismatch = checkpoint_kind_mismatch(info.path, info.meta.get("identity", {}), self.identity)
+        if mismatch:
+            raise CheckpointError(mismatch)
         differences = _describe_differences(info.meta.get("identity", {}), self.identity)
         if differences:
             raise CheckpointError(
@@ -242,7 +248,9 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             dist_utils.barrier()
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(
+                model, optimizer, options=state_dict_options(lora=self.config.lora)
+            )
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
         # Any failure must reach all ranks (below), not leave some of them in a collective.
@@ -310,7 +318,8 @@ class Checkpointer:
         self, info: CheckpointInfo, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
         """Collective: load model and optimizer shards (resharding to this world size)."""
-        model_state, optim_state = get_state_dict(model, optimizer)
+        options = state_dict_options(lora=self.config.lora)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         try:
             dcp.load(state, checkpoint_id=str(info.path))
@@ -320,7 +329,11 @@ class Checkpointer:
                 "to resume from the previous one."
             ) from err
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
 
     def _prune(self, keep: int) -> None:

@@ -73,6 +73,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         summary = trainer.train()
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
+        summary["lora"] = config.lora
         summary["output_dir"] = str(trainer.layout.root)
         trainer.write_status(summary["status"], summary["reason"])
         if env.is_main:
@@ -109,7 +110,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if ev:
         lines.append(f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}")
     lines.append(f"  run folder: {summary['output_dir']}")
-    if summary.get("final_model"):
+    if summary.get("final_model") and summary.get("lora"):
+        lines.append(f"  LoRA adapters (PeftModel.from_pretrained): {summary['final_model']}")
+    elif summary.get("final_model"):
         lines.append(f"  model (from_pretrained): {summary['final_model']}")
     print("\n".join(lines), flush=True)
 

@@ -294,6 +294,37 @@ class TrainConfig:
         default=False, metadata=_opt("Do not write the Hugging Face model at the end.")
     )
 
+    # --- LoRA (fsdp_utils/lora.py) -----------------------------------------------------------
+    lora: bool = field(
+        default=False,
+        metadata=_opt(
+            "Train LoRA adapters (peft) instead of the whole model: the base stays frozen in the "
+            "compute dtype; checkpoints hold the adapters only; the final model is a PEFT "
+            "adapter folder."
+        ),
+    )
+    lora_r: int = field(default=8, metadata=_opt("LoRA rank."))
+    lora_alpha: int = field(
+        default=16, metadata=_opt("LoRA alpha: the update is scaled by alpha / r.")
+    )
+    lora_dropout: float = field(
+        default=0.05, metadata=_opt("Dropout on the adapters' input (0: none).")
+    )
+    lora_target_modules: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
+            "(default: every linear layer of the decoder layers)."
+        ),
+    )
+    merge: bool = field(
+        default=False,
+        metadata=_opt(
+            "With --lora: also write the base model with the adapters merged in "
+            "(output_dir/final_merged), loadable without peft."
+        ),
+    )
+
     @property
     def resolved_dataset_include(self) -> str | None:
         """The file glob to use; None means all files."""
@@ -466,9 +497,25 @@ def validate_config(config: TrainConfig) -> None:
         raise ValueError(
             f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
         )
+    _validate_lora(config)
     for field_name in ("{moves}",):
         if field_name not in config.template:
             raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")
+
+
+def _validate_lora(config: TrainConfig) -> None:
+    if config.merge and not config.lora:
+        raise ValueError(
+            "--merge writes the base model with the LoRA adapters merged in: it needs --lora "
+            "(a full fine-tune's final model is already a complete model)."
+        )
+    if config.lora and (config.lora_r < 1 or config.lora_alpha <= 0):
+        raise ValueError(
+            f"--lora_r must be at least 1 and --lora_alpha positive, got {config.lora_r} and "
+            f"{config.lora_alpha}."
+        )
+    if config.lora and not 0.0 <= config.lora_dropout < 1.0:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {config.lora_dropout}.")
 
 
 def parse_config(

@@ -94,9 +94,12 @@ def save_hf_model(
     return destination
 
 
-def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
+def export_checkpoint(
+    checkpoint: Path, destination: Path, *, merge: bool = False, base: Path | None = None
+) -> Path:
     """Consolidate a sharded DCP checkpoint (any world size) into a Hugging Face folder, in one
-    process on CPU. The checkpoint carries the model config and tokenizer (`hf/`)."""
+    process on CPU. The checkpoint carries the model config and tokenizer (`hf/`). A LoRA
+    checkpoint becomes a PEFT adapter folder, or with `merge` a full model (`lora_export`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -105,6 +108,15 @@ def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
     from fsdp_utils.model import build_meta_model, load_model_config, materialize
 
     info = read_checkpoint(Path(checkpoint))
+    from fsdp_utils.lora_export import export_lora_checkpoint, is_lora_checkpoint
+
+    if is_lora_checkpoint(info):
+        return export_lora_checkpoint(info, Path(destination), merge=merge, base=base)
+    if merge:
+        raise ValueError(
+            f"--merge merges LoRA adapters into their base model, and {checkpoint} is a full "
+            "fine-tune's checkpoint (already a complete model): export it without --merge."
+        )
     hf_dir = info.path / HF_SUBDIR
     hf_config = load_model_config(hf_dir)
     model = build_meta_model(hf_config, info.meta["identity"]["precision"])
@@ -123,13 +135,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_utils.export",
         description="Write a sharded training checkpoint as a Hugging Face model folder "
-        "(safetensors + config + tokenizer), loadable with from_pretrained.",
+        "(safetensors + config + tokenizer), loadable with from_pretrained; a LoRA checkpoint as "
+        "a PEFT adapter folder (PeftModel.from_pretrained), or with --merge as a full model.",
     )
     parser.add_argument("checkpoint", type=Path, help="e.g. runs/chess/checkpoints/step_00000100")
     parser.add_argument("output", type=Path, help="folder to create (replaced if it exists)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA checkpoint: write the base model with the adapters merged in (a full model; "
+        "without it, a PEFT adapter folder).",
+    )
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="With --merge: the base model folder (default: the run's --model from the offline "
+        "cache).",
+    )
     args = parser.parse_args(argv)
     try:
-        path = export_checkpoint(args.checkpoint, args.output)
+        path = export_checkpoint(args.checkpoint, args.output, merge=args.merge, base=args.base)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@
     config.json        resolved TrainConfig (+ world size, batch plan, versions)
     metrics.jsonl      one JSON object per logged step / eval / event
     checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
-    final/             Hugging Face model + tokenizer (safetensors) at the end
+    final/             Hugging Face model + tokenizer (safetensors) at the end; with --lora
+                       a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
+    final_merged/      with --lora --merge: the base model with the adapters merged in
     gpu_samples/       per-node GPU samples written by the sbatch sampler (CSV)
     logs/              Slurm and launcher logs
     tensorboard/       TensorBoard event files (--tensorboard)
@@ -42,6 +44,10 @@ class RunLayout:
     @property
     def final_model(self) -> Path:
         return self.root / "final"
+
+    @property
+    def merged_model(self) -> Path:
+        return self.root / "final_merged"
 
     @property
     def gpu_samples(self) -> Path:

@@ -121,15 +121,20 @@ class ModelInfo:
 def build_parallel_model(
     hf_config: Any, config: TrainConfig, env: DistEnv
 ) -> tuple[nn.Module, ModelInfo]:
-    """Build on meta, find the decoder layers, parallelize (activation checkpointing, then FSDP2
-    per layer and root). Still on meta: `materialize` next, then load weights. The trainer and
-    the memory planner (which materialises on fake tensors) share this."""
+    """Build on meta, find the decoder layers, add LoRA adapters if asked (`fsdp_utils.lora`),
+    parallelize (activation checkpointing, then FSDP2 per layer and root). Still on meta:
+    `materialize` next, then load weights. The trainer and the memory planner (which
+    materialises on fake tensors) share this."""
     model = build_meta_model(hf_config, config.precision)
     layers = find_decoder_layers(model)
     total, non_embedding = count_parameters(model)
     info = ModelInfo(
         hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
     )
+    if config.lora:  # a model transform: before parallelize, as torchtitan's converters
+        from fsdp_utils.lora import apply_lora
+
+        apply_lora(model, layers, config)
     mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
     return parallelize(model, layers, mesh, config), info
 

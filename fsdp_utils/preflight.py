@@ -53,6 +53,10 @@ def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPl
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     hf_config = load_model_config(model_dir)
     check_seq_length(hf_config, config.max_seq_length)
+    if config.lora:  # an unknown --lora_target_modules fails here, before any data work
+        from fsdp_utils.lora import check_target_modules
+
+        check_target_modules(hf_config, config)
     return plan, model_dir, hf_config
 
 

@@ -92,6 +92,9 @@ def checkpoint_size(
     parameters = model_bytes = entries = 0
     trainable: dict[int, int] = {}
     for tensor in model.state_dict(keep_vars=True).values():
+        frozen = isinstance(tensor, nn.Parameter) and not tensor.requires_grad
+        if config.lora and frozen:  # a LoRA checkpoint holds the adapters, not the base
+            continue
         size = tensor.numel() * tensor.element_size()
         parameters += tensor.numel()
         model_bytes += size
@@ -188,13 +191,23 @@ def plan_storage(
         from fsdp_utils.model import build_meta_model
 
         model = build_meta_model(hf_config, config.precision)
+        if config.lora:
+            from fsdp_utils.lora import apply_lora
+            from fsdp_utils.model import find_decoder_layers
+
+            apply_lora(model, find_decoder_layers(model), config)
     size = checkpoint_size(model, config, model_dir, world_size)
+    # The end of the run writes the model (LoRA: the adapter folder, and with --merge the
+    # merged model too, as large as the base in the checkpoint's weight dtype).
+    final = size.model_bytes
+    if config.lora and config.merge:
+        final += sum(t.numel() * t.element_size() for t in model.state_dict().values())
     free, folder = free_bytes(RunLayout.of(config.output_dir).checkpoints)
     return StoragePlan(
         size=size,
         keep_last=config.keep_last,
         existing=existing,
-        final_bytes=0 if config.no_final_save else size.model_bytes,
+        final_bytes=0 if config.no_final_save else final,
         free=free,
         folder=folder,
     )

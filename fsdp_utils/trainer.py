@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_utils import distributed as dist_utils
+from fsdp_utils import lora
 from fsdp_utils.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, run_identity
 from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config import TrainConfig
@@ -162,6 +163,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(
             self.hf_config, self.model_info.non_embedding_parameters, config.max_seq_length
         )
+        if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
+            self.flops_per_token = lora.flops_per_token(
+                self.flops_per_token, self.model_info, self.model
+            )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config()
 
@@ -257,7 +262,9 @@ class Trainer:
         )
         model, self.model_info = build_parallel_model(self.hf_config, config, env)
         materialize(model, env.device)
-        if load_weights:  # a resumed run gets its weights from the checkpoint instead
+        if config.lora:  # adapters from the seed; the base always loads (checkpoints lack it)
+            key_map = lora.init_adapters_and_key_map(model, key_map, seed=config.seed)
+        if load_weights or config.lora:  # a resumed run gets its weights from the checkpoint
             load_pretrained_weights(model, self.model_dir, key_map)
         if config.no_fsdp:
             model = wrap_ddp(model, env.device)
@@ -268,6 +275,7 @@ class Trainer:
             f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
             f"{info.decoder_layers} x {info.decoder_layer_class}; "
             f"{len(self.fsdp_groups)} FSDP shard group(s)"
+            + (f"\nlora: {lora.describe(config, model)}" if config.lora else "")
         )
         model.train()
         return model
@@ -585,9 +593,16 @@ class Trainer:
 
         watch = Stopwatch()
         model = cast(nn.Module, self.model.module) if self.config.no_fsdp else self.model
-        path = save_hf_model(
-            model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main
-        )
+        if self.config.lora:  # a PEFT adapter folder (+ the merged model with --merge)
+            from fsdp_utils.lora_export import save_lora_model
+
+            path = save_lora_model(
+                model, self.config, self.hf_config, self.layout, self.model_dir, self.env.is_main
+            )
+        else:
+            path = save_hf_model(
+                model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main
+            )
         dist_utils.barrier()
         self.log.event(
             "final_model", f"model: saved to {path} in {watch.lap():.1f}s", path=str(path)

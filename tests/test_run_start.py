@@ -18,7 +18,7 @@ from fsdp_utils.job import JobLeg
 from fsdp_utils.layout import RunLayout
 from fsdp_utils.model import build_meta_model, load_model_config
 from fsdp_utils.run_start import SET_ASIDE_PREFIX, set_aside_previous_run, starts_fresh
-from fsdp_utils.storage import CheckpointSize, StoragePlan, checkpoint_size
+from fsdp_utils.storage import CheckpointSize, StoragePlan, checkpoint_size, plan_storage
 from fsdp_utils.timelimit import RemainingWork, choose_leg_end, remaining_work
 
 CODELLAMA_7B = Path(__file__).parent / "fixtures" / "configs" / "codellama-7b"
@@ -210,3 +210,19 @@ def test_remaining_work_counts_evals_saves_and_the_export() -> None:
         save_seconds=3.0, eval_seconds=1.0, has_eval=True, accumulation=4,
     )  # fmt: skip
     assert (done.steps, done.evals, done.saves, done.seconds) == (0, 1, 0, 1.0)
+
+
+def test_a_lora_checkpoint_is_counted_as_adapters_only(tmp_path: Path) -> None:
+    """LoRA saves the adapters and their AdamW state, not the frozen base (megabytes for 7B);
+    the final folder is the adapters, plus the whole model with --merge."""
+    hf_config = load_model_config(CODELLAMA_7B)
+    config = TrainConfig(lora=True, output_dir=str(tmp_path / "run"))
+    plan = plan_storage(config, hf_config, CODELLAMA_7B, existing=0)
+    # r=8 on every linear layer of the 32 blocks: 8 x (in + out) fp32 values per layer.
+    h, m = hf_config.hidden_size, hf_config.intermediate_size
+    per_block = 4 * 8 * (h + h) + 3 * 8 * (h + m)
+    assert plan.size.model_bytes == 4 * hf_config.num_hidden_layers * per_block  # 80 MB
+    assert plan.size.optimizer_bytes == 2 * plan.size.model_bytes
+    assert plan.final_bytes == plan.size.model_bytes
+    merged = plan_storage(config.replace(merge=True), hf_config, CODELLAMA_7B, existing=0)
+    assert merged.final_bytes > 13e9  # the merged model (7B in bf16) beside the adapters

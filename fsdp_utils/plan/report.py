@@ -193,6 +193,8 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
     else:
         wrap = f"FSDP2 ({config.sharding}) per decoder layer"
     extras: list[str] = [config.precision, config.optimizer]
+    if config.lora:
+        extras.append(f"LoRA r={config.lora_r} (frozen base)")
     if config.gradient_checkpointing:
         every = config.checkpoint_every_n_layers
         extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
@@ -208,6 +210,10 @@ def format_plan(plan: MemoryPlan) -> str:
     m, b = plan.model, plan.batch
     where = "the optimizer step" if plan.peak_in_optimizer_step else "forward/backward"
     dtype = "bf16" if plan.config.precision == "bf16-true" else "fp32"
+    if plan.config.lora:
+        from fsdp_utils.lora import dtype_name, frozen_dtype
+
+        dtype = f"{dtype_name(frozen_dtype(plan.config.precision))} frozen base + {dtype} adapters"
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"

@@ -1,0 +1,56 @@
+"""A real training run that also records what the test cannot read from its outputs.
+
+    torchrun --nproc_per_node 2 tests/lora_probe.py --probe_out probe.pt [chess_finetune.py flags]
+
+Runs the real `Trainer` exactly as `chess_finetune.py` does (setup, train, final save), then,
+with the trained (sharded) model still in memory: the logits of the first two held-out blocks
+(a collective forward) and the whole state dict, frozen base included, gathered to rank 0, which
+writes them to `--probe_out`. The test compares them with the PEFT adapter folder, the merged
+model and the pretrained weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+# Run as a script (tests/ is then sys.path[0]): import this checkout's package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    from fsdp_utils import distributed as dist_utils
+    from fsdp_utils.config import build_parser, parse_config
+    from fsdp_utils.export import gather_full_state_dict
+    from fsdp_utils.trainer import Trainer
+
+    parser = build_parser()
+    parser.add_argument("--probe_out", type=Path, required=True)
+    config, args = parse_config(sys.argv[1:], parser)
+    env = dist_utils.init_distributed(config.device)
+    try:
+        trainer = Trainer(config, env)
+        trainer.setup()
+        summary = trainer.train()
+        assert summary["status"] == "completed", summary
+        trainer.save_final_model()
+        input_ids = trainer.eval_blocks.batch([0, 1])["input_ids"].to(env.device)
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(input_ids=input_ids, use_cache=False).logits
+        state = gather_full_state_dict(trainer.model)
+        if env.is_main:
+            torch.save(
+                {"input_ids": input_ids.cpu(), "logits": logits.float().cpu(), "state": state},
+                args.probe_out,
+            )
+        trainer.close()
+    finally:
+        dist_utils.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
