@@ -140,6 +140,10 @@ def load_model_and_tokenizer(
             "Pass --tokenizer <folder of the tokenizer the model was trained with> (a run's "
             "final/ folder and an exported checkpoint carry theirs)."
         )
+    from transformers.utils import logging as hf_logging
+
+    # A per-tensor progress bar per load is noise in a job log (and in the demo's summary).
+    hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     lm = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto")
     if adapter.is_file():
