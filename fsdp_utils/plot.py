@@ -3,8 +3,9 @@ optimizer step in one PNG, headless (matplotlib's Agg backend: no display), and 
 in a CSV beside it (`runs.csv`: panel, run, series, step, value).
 
 Panels: train loss, raw and smoothed, with the eval loss; learning rate; tokens/s; memory;
-gradient norm; and one per numeric field of the chess evaluation (records of kind
-`chess_eval`) when the run has one. Several runs overlay, one colour each, with their names in
+gradient norm; and the chess evaluation's skill measures (records of kind `chess_eval`:
+legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
+move, full-length continuations) when the run has them. Several runs overlay, one colour each, with their names in
 the legend: run folders given one by one, or `--sweep DIR` for every run folder in DIR (what
 `slurm/submit.py --sweep` writes). A run resumed after a requeue is one folder and one curve
 (`fsdp_utils.metrics.latest_history`); dotted vertical lines mark where it resumed.
@@ -108,13 +109,21 @@ class DrawnLine:
         ]
 
 
-def smooth(values: Sequence[float], weight: float) -> list[float]:
-    """TensorBoard's smoothing: an exponential moving average, debiased so that the first points
-    are not pulled towards zero. weight 0 returns the values; 0.9 averages over ~10 points."""
-    out, last = [], 0.0
-    for count, value in enumerate(values, start=1):
-        last = last * weight + (1.0 - weight) * value
-        out.append(last / (1.0 - weight**count) if weight > 0 else value)
+def smooth(steps: Sequence[int], values: Sequence[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing, per optimizer step: an exponential moving average, debiased so
+    that the first points are not pulled towards zero. With a value logged every step it is
+    exactly TensorBoard's; with --log_every N a point N steps on decays the past by weight**N,
+    so the curve averages over the same ~1/(1-weight) steps whatever the logging interval
+    (per point, a run logged every 20 steps would average over 200). weight 0: the values."""
+    if weight <= 0:
+        return list(values)
+    out, last, norm, previous = [], 0.0, 0.0, None
+    for step, value in zip(steps, values, strict=True):
+        decay = weight ** (1 if previous is None else max(step - previous, 1))
+        last = last * decay + (1.0 - decay) * value
+        norm = norm * decay + (1.0 - decay)
+        out.append(last / norm)
+        previous = step
     return out
 
 
@@ -128,12 +137,32 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _chess_fields(runs: Sequence[RunCurves]) -> list[str]:
-    fields: dict[str, None] = {}  # first-seen order
+# The chess evaluation's skill measures, one panel each (fsdp_utils.chess_eval.evaluator): the
+# counts beside them (games, moves judged, failures by kind, seconds) are for the log's table,
+# and a panel per count would bury the four curves that say whether the model learnt chess.
+CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("chess eval: legal-move rate", "share of generated moves",
+     ("legal_move_rate", "legal_move_rate_opening", "legal_move_rate_middlegame",
+      "legal_move_rate_ending")),
+    ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
+    ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
+    ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
+)  # fmt: skip
+CHESS_STYLES = ("-", "--", ":", "-.")
+
+
+def _chess_panels(runs: Sequence[RunCurves]) -> list[tuple[str, str, list[str]]]:
+    """The chess panels whose fields some run logged: (title, y label, fields)."""
+    logged: set[str] = set()
     for run in runs:
         for record in run.chess:
-            fields.update(dict.fromkeys(scalar_fields(record)))
-    return list(fields)
+            logged.update(scalar_fields(record))
+    panels = []
+    for title, ylabel, fields in CHESS_PANELS:
+        present = [f for f in fields if f in logged]
+        if present:
+            panels.append((title, ylabel, present))
+    return panels
 
 
 def _natural_key(text: str) -> list[Any]:
@@ -176,14 +205,14 @@ def plot_runs(
 
     cuda = any(r.get("cuda_peak_allocated_gib") is not None for run in runs for r in run.train)
     memory = CUDA_MEMORY if cuda else HOST_MEMORY
-    chess_fields = _chess_fields(runs)
+    chess_panels = _chess_panels(runs)
     panels: list[tuple[str, str]] = [  # (title, y label)
         ("loss", "cross-entropy (nats/token)"),
         ("learning rate", "learning rate"),
         ("throughput", "tokens/s (all processes)"),
         ("memory", "GiB"),
         ("gradient norm", "global L2 norm (before clipping)"),
-        *[(f"chess eval: {name.replace('_', ' ')}", name) for name in chess_fields],
+        *[(title_, ylabel) for title_, ylabel, _ in chess_panels],
     ]
     columns = 2
     rows = -(-len(panels) // columns)
@@ -215,7 +244,7 @@ def plot_runs(
         color = f"C{index % 10}"
         steps, losses = _series(run.train, "loss")
         draw("loss", run.name, "train loss", steps, losses, color=color, lw=0.8, alpha=0.35)
-        draw("loss", run.name, "train loss (smoothed)", steps, smooth(losses, smoothing),
+        draw("loss", run.name, "train loss (smoothed)", steps, smooth(steps, losses, smoothing),
              color=color, lw=1.8)  # fmt: skip
         draw("loss", run.name, "eval loss", *_series(run.evals, "eval_loss"), color=color,
              lw=1.2, ls="--", marker="o", ms=4)  # fmt: skip
@@ -226,9 +255,10 @@ def plot_runs(
             draw("memory", run.name, series, *_series(run.train, key), color=color, lw=1.5, ls=ls)
         draw("gradient norm", run.name, "grad norm", *_series(run.train, "grad_norm"),
              color=color, lw=1.2)  # fmt: skip
-        for name in chess_fields:
-            draw(f"chess eval: {name.replace('_', ' ')}", run.name, name,
-                 *_series(run.chess, name), color=color, lw=1.5, marker="o", ms=4)  # fmt: skip
+        for title_, _, fields in chess_panels:
+            for name, ls in zip(fields, CHESS_STYLES, strict=False):
+                draw(title_, run.name, name, *_series(run.chess, name), color=color,
+                     lw=1.5 if ls == "-" else 1.0, ls=ls, marker="o", ms=4)  # fmt: skip
         for step in run.resumed_at:
             for ax in axes.values():
                 ax.axvline(step, color=color, ls=":", lw=1.0, alpha=0.8)
@@ -250,6 +280,15 @@ def plot_runs(
         )  # fmt: skip
     else:
         axes["memory"].set_title("memory: host RSS of rank 0 (no CUDA)")
+    for title_, _, fields in chess_panels:
+        axes[title_].set_ylim(bottom=0)
+        if len(fields) > 1:  # which line style is which game phase
+            axes[title_].legend(
+                handles=[Line2D([], [], color="0.3", ls=ls,
+                                                label="all" if name == "legal_move_rate" else name.rsplit("_", 1)[1])
+                         for name, ls in zip(fields, CHESS_STYLES, strict=False)],
+                fontsize="small",
+            )  # fmt: skip
     axes["memory"].set_ylim(bottom=0)  # from 0: how much of the memory is in use, at a glance
     for extra in range(len(panels), rows * columns):  # an empty cell in the last row
         fig.add_subplot(rows, columns, extra + 1).set_visible(False)

@@ -123,12 +123,13 @@ def test_plot_draws_the_metrics_of_a_resumed_run(tmp_path: Path) -> None:
     assert _drawn(drawn, "my-run", "CUDA peak reserved") == expected(
         "train", "cuda_peak_reserved_gib"
     )
-    # Every numeric field of the chess evaluation gets a panel; text and booleans do not.
-    for name in ("legal_move_rate", "next_move_accuracy", "games"):
+    # The chess evaluation's skill measures get panels; its counts, text and booleans do not.
+    for name in ("legal_move_rate", "next_move_accuracy"):
         assert _drawn(drawn, "my-run", name) == expected("chess_eval", name)
+    assert not [d for d in drawn if d.series == "games"]
     titles = {ax.get_title() for ax in fig.axes if ax.get_visible()}
-    assert {"chess eval: legal move rate", "chess eval: games"} <= titles
-    assert not {"chess eval: opening", "chess eval: strict"} & titles
+    assert {"chess eval: legal-move rate", "chess eval: next-move accuracy"} <= titles
+    assert not [t for t in titles if "games" in t or "opening" in t or "strict" in t]
     # Smoothed: TensorBoard's debiased EMA of the raw values.
     raw = [v for _, v in expected("train", "loss")]
     ema, smoothed = 0.0, []
@@ -191,3 +192,18 @@ def test_not_a_run_folder_is_one_paragraph_and_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "x.png").exists()
     assert plot.main(["--sweep", str(tmp_path / "empty")]) == 2
     assert plot.main([]) == 2
+
+
+def test_smoothing_is_per_step_whatever_the_logging_interval() -> None:
+    """Logged every 10 steps, a point decays the past by weight**10: the smoothed curve of a
+    loss that jumps stays the curve of the same loss logged every step, at the logged steps."""
+    every_step = list(range(1, 101))
+    values = [5.0 if s <= 50 else 1.0 for s in every_step]
+    dense = plot.smooth(every_step, values, 0.9)
+    sparse_steps = every_step[9::10]
+    sparse = plot.smooth(sparse_steps, [values[s - 1] for s in sparse_steps], 0.9)
+    # Not equal (the sparse curve never saw the steps in between), but it has caught up with the
+    # jump as the dense one has: per point it would still be far above 1 after 5 points.
+    assert abs(sparse[-1] - dense[-1]) < 0.02
+    assert sparse[-1] < 1.05
+    assert plot.smooth([1, 2, 3], [1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
