@@ -50,6 +50,7 @@ from fsdp_utils.parallelize import (
     wrap_ddp,
 )
 from fsdp_utils.preflight import check_batch_and_model
+from fsdp_utils.shared_paths import check_shared_paths
 from fsdp_utils.timelimit import StopController
 
 
@@ -85,6 +86,8 @@ class Trainer:
         self.env = env
         self.layout = RunLayout.of(config.output_dir)
         self.state = TrainState()
+        # Before any path is read: every node must see the run folder and the caches.
+        check_shared_paths(config, env)
         # Fail fast, before any model or data is loaded: the preflight's own checks.
         self.plan, self.model_dir, self.hf_config = check_batch_and_model(config, env.world_size)
         if env.is_main:
