@@ -42,7 +42,7 @@ from fsdp_utils.slurm.local_multinode import (
 )
 from tests import local_slurm as slurm_fixture
 from tests.local_slurm import FINISHED_STATES, LocalSlurm
-from tests.train_helpers import check_ok, run_finetune
+from tests.train_helpers import finetune_command
 
 multinode_slurm = slurm_fixture.multinode_slurm  # the module fixture, under its own name
 
@@ -132,17 +132,41 @@ def shared(multinode_slurm: LocalSlurm, tiny_assets: dict[str, Path]) -> Iterato
     shutil.rmtree(root, ignore_errors=True)
 
 
+class Reference:
+    """Losses of one process (no Slurm) at the same total batch: 2 per pass x 4 accumulation.
+    It runs in the background from the first test that asks for it: the cluster jobs leave
+    the CPUs idle at times (scheduling, requeue hold), and the reference fills them."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.output_dir = shared.root / "reference"
+        args = [
+            "--model", str(shared.model), "--dataset", str(shared.data),
+            "--output_dir", str(self.output_dir), *TRAIN,
+            "--max_training_steps", str(REFERENCE_STEPS), "--no_final_save",
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(shared.hf_home)}
+        self.process = subprocess.Popen(
+            finetune_command(1, args), cwd=REPO, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self._losses: list[float] | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        if self._losses is None:
+            output, _ = self.process.communicate(timeout=600)
+            assert self.process.returncode == 0, output[-3000:]
+            self._losses = [loss for _, loss in sorted(losses_by_step(self.output_dir).items())]
+        return self._losses
+
+
 @pytest.fixture(scope="module")
-def reference(shared: Shared) -> list[float]:
-    """Losses of one process (no Slurm) at the same total batch: 2 per pass x 4 accumulation."""
-    out = shared.root / "reference"
-    args = [
-        "--model", str(shared.model), "--dataset", str(shared.data), "--output_dir", str(out),
-        *TRAIN, "--max_training_steps", str(REFERENCE_STEPS), "--no_final_save",
-    ]  # fmt: skip
-    result = run_finetune(1, args, env={"HF_HOME": str(shared.hf_home)})
-    check_ok(result)
-    return [loss for _, loss in sorted(losses_by_step(out).items())]
+def reference(shared: Shared) -> Iterator[Reference]:
+    ref = Reference(shared)
+    yield ref
+    if ref.process.poll() is None:
+        ref.process.kill()
+        ref.process.wait()
 
 
 def job_env(shared: Shared, **overrides: str) -> dict[str, str]:
@@ -176,14 +200,15 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def assert_same_losses(run_dir: Path, reference: list[float], steps: int) -> None:
+def assert_same_losses(run_dir: Path, reference: Reference, steps: int) -> None:
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, steps + 1)), losses
+    expected = reference.losses
     for step, loss in losses.items():
-        assert loss == pytest.approx(reference[step - 1], rel=LOSS_TOLERANCE, abs=0), (
+        assert loss == pytest.approx(expected[step - 1], rel=LOSS_TOLERANCE, abs=0), (
             step,
             losses,
-            reference[:steps],
+            expected[:steps],
         )
 
 
@@ -202,7 +227,7 @@ def hosts_measured(report: dict[str, Any]) -> list[set[str]]:
 
 
 def test_time_limit_across_two_nodes_requeues_and_matches_one_process(
-    multinode_slurm: LocalSlurm, shared: Shared, reference: list[float]
+    multinode_slurm: LocalSlurm, shared: Shared, reference: Reference
 ) -> None:
     """2 nodes x 2 processes, full sharding, a 1-minute job: the trainer sees the time limit
     coming after step 1, every rank of both nodes saves, the job requeues and finishes from the
@@ -247,7 +272,7 @@ def test_time_limit_across_two_nodes_requeues_and_matches_one_process(
 
 
 def test_node_dies_job_ends_and_resumes_on_one_node(
-    multinode_slurm: LocalSlurm, shared: Shared, reference: list[float]
+    multinode_slurm: LocalSlurm, shared: Shared, reference: Reference
 ) -> None:
     """--sharding hybrid (shard within a node, replicate across): while it trains, one
     `srun --overlap` step of gpu_report measures both nodes; then node2's training processes
@@ -351,7 +376,7 @@ def test_node_local_run_folder_and_cache_are_refused(
 
 
 def test_submitit_two_nodes(
-    multinode_slurm: LocalSlurm, shared: Shared, reference: list[float]
+    multinode_slurm: LocalSlurm, shared: Shared, reference: Reference
 ) -> None:
     """`slurm/submit.py --nodes 2`: 2 tasks per node, one training process each, MASTER_ADDR the
     first node: the same losses."""

@@ -19,7 +19,12 @@ from fsdp_utils.slurm.local_conf import (
     render_multi_slurm_conf,
     render_nsswitch,
 )
-from fsdp_utils.slurm.node_failure import describe, parse_failures
+from fsdp_utils.slurm.node_failure import (
+    COLLECTIVE_TIMEOUT_NOTE,
+    collective_timed_out,
+    describe,
+    parse_failures,
+)
 from tests.test_slurm_conf import SLURMD_C, check_golden
 
 
@@ -130,3 +135,31 @@ def test_node_local_message_names_paths_nodes_and_fix() -> None:
     assert "/scratch/m" not in text
     assert "put them on shared project or scratch storage" in text
     assert describe_mismatch(checks, "node1", [("node1", []), ("node2", [])]) is None
+
+
+# node2 frozen (SIGSTOP) in a 2-node job run with --collective_timeout_minutes 0.25 (job 25 on
+# the local cluster): copied from its log.
+GLOO_TIMEOUT = (
+    "[rank1]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+    "unbound_buffer.cc:129] Timed out waiting 15000ms for send operation to complete\n"
+    "srun: error: node1: task 0: Exited with exit code 1\n"
+    "srun: error: node2: task 1: Exited with exit code 1\n"
+)
+# No GPU here: NCCL's watchdog line written in the format of ProcessGroupNCCL.cpp's message
+# ("[Rank N] Watchdog caught collective operation timeout: <work> ran for <ms> milliseconds
+# before timing out."), not a recording.
+NCCL_TIMEOUT = (
+    "[rank3]:[E0101 00:00:00.000000000 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=2, NumelOut=2, "
+    "Timeout(ms)=1800000) ran for 1800042 milliseconds before timing out.\n"
+)
+
+
+def test_a_collective_timeout_points_at_another_node() -> None:
+    """A frozen node makes the others time out in a collective and fail first: the summary says
+    so instead of blaming the node that noticed."""
+    assert collective_timed_out(GLOO_TIMEOUT) and collective_timed_out(NCCL_TIMEOUT)
+    assert not collective_timed_out(KILLED_LOG)
+    text = describe(parse_failures(GLOO_TIMEOUT), None, timed_out=True) or ""
+    assert text.startswith("first failure: node1 (task 0) exited with code 1")
+    assert COLLECTIVE_TIMEOUT_NOTE in text and "most likely on another node" in text

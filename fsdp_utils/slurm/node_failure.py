@@ -28,6 +28,17 @@ _TASK_ERROR = re.compile(
 )
 # Slurm noticed that a node stopped answering.
 _NODE_FAIL = re.compile(r"^srun: error: Node failure on (?P<node>\S+)")
+# A collective ran into the process-group timeout (--collective_timeout_minutes): gloo's and
+# NCCL's (ProcessGroupNCCL's watchdog) wording.
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"gloo/transport/tcp/\S+\] Timed out waiting \d+ms for (?:send|recv) operation"
+    r"|Watchdog caught collective operation timeout"
+)
+COLLECTIVE_TIMEOUT_NOTE = (
+    "A collective timed out (--collective_timeout_minutes): a rank stopped answering without "
+    "exiting, most likely on another node (frozen, or its network went); the node named first "
+    "only noticed it."
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,13 @@ def parse_failures(log_text: str) -> list[TaskFailure]:
     return failures
 
 
-def describe(failures: list[TaskFailure], checkpoint: str | None) -> str | None:
+def collective_timed_out(log_text: str) -> bool:
+    return _COLLECTIVE_TIMEOUT.search(log_text) is not None
+
+
+def describe(
+    failures: list[TaskFailure], checkpoint: str | None, *, timed_out: bool = False
+) -> str | None:
     """One paragraph for the log, or None if srun reported no failed task."""
     if not failures:
         return None
@@ -84,6 +101,8 @@ def describe(failures: list[TaskFailure], checkpoint: str | None) -> str | None:
     if others:
         text += f"; srun then stopped {', '.join(others)}"
     text += ". "
+    if timed_out:
+        text += COLLECTIVE_TIMEOUT_NOTE + " "
     if checkpoint:
         text += (
             f"Newest complete checkpoint: {checkpoint}. Resubmit the same command (same run "
@@ -120,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             text = handle.read().decode(errors="replace")
     except OSError:
         return 0  # no log to read: nothing to add
-    message = describe(parse_failures(text), newest_complete_checkpoint(args.run_dir))
+    message = describe(
+        parse_failures(text),
+        newest_complete_checkpoint(args.run_dir),
+        timed_out=collective_timed_out(text),
+    )
     if message:
         print(message, flush=True)
     return 0
