@@ -33,10 +33,11 @@ from typing import Any
 import pytest
 
 from fsdp_utils.checkpoint import list_checkpoints, read_checkpoint
-from fsdp_utils.slurm.local_cluster import acquire, release
+from fsdp_utils.slurm.local_cluster import LocalClusterError, acquire, release
 from fsdp_utils.slurm.local_multinode import (
     DEFAULT_MULTI_STATE_DIR,
     default_multi_cluster,
+    is_up,
     leftovers,
     node_pids,
 )
@@ -72,8 +73,9 @@ LOSS_TOLERANCE = 1e-5
 
 def test_two_node_cluster_comes_up_and_leaves_nothing() -> None:
     """Each node has its own host name and address, resolvable from the others (never
-    loopback), its GPUs, and a private /tmp, while the scratch folder is shared; down.sh leaves
-    no namespace, link, mount or daemon behind. Runs first, before the module's cluster."""
+    loopback), its GPUs, and a private /tmp, while the scratch folder is shared; another size
+    is refused while it runs; down leaves no namespace, link, mount or daemon behind. Runs
+    first, before the module's cluster."""
     cluster = default_multi_cluster(DEFAULT_MULTI_STATE_DIR, nodes=2)
     lease = acquire(cluster)
     try:
@@ -91,6 +93,10 @@ def test_two_node_cluster_comes_up_and_leaves_nothing() -> None:
             env=env, capture_output=True, text=True, timeout=60, check=True,
         ).stdout  # fmt: skip
         shutil.rmtree(shared)
+        # One size at a time; asking for another is refused and leaves this one running.
+        with pytest.raises(LocalClusterError, match="is up with 2 nodes; bring it down first"):
+            acquire(default_multi_cluster(DEFAULT_MULTI_STATE_DIR, nodes=3))
+        assert is_up(cluster)
     finally:
         stopped = release(cluster, lease)
     assert sorted(out.split("\n")[:2]) == [

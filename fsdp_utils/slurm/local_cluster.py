@@ -326,6 +326,11 @@ def _live_leases(cluster: AnyCluster) -> list[Path]:
 def acquire(cluster: AnyCluster, owner: str | None = None) -> Path:
     """Bring the cluster up if needed and register `owner` as a user. Returns the lease."""
     with _locked(cluster):
+        if isinstance(cluster, MultiNodeCluster):
+            from fsdp_utils.slurm import local_multinode
+
+            # Before the try: a refused start must not stop the cluster that runs.
+            local_multinode.refuse_other_sizes(cluster)
         if not _is_up(cluster):
             try:
                 _start(cluster)
@@ -513,4 +518,8 @@ def _main_multi(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this `__main__` copy's: local_multinode imports
+    # fsdp_utils.slurm.local_cluster, and its errors must be the classes main() catches.
+    from fsdp_utils.slurm.local_cluster import main as imported_main
+
+    sys.exit(imported_main())

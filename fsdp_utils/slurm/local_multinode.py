@@ -319,7 +319,8 @@ def _log_tail(cluster: MultiNodeCluster, lines: int = 12) -> str:
     return "\n".join(parts)
 
 
-def _refuse_other_sizes(cluster: MultiNodeCluster) -> None:
+def refuse_other_sizes(cluster: MultiNodeCluster) -> None:
+    """One size at a time: the running cluster's node count is in its state folder."""
     running = recorded_nodes(cluster.state_dir)
     if (
         running is not None
@@ -338,7 +339,7 @@ def start(cluster: MultiNodeCluster) -> None:
             "The local multi-node Slurm needs root (namespaces, and slurmd starts jobs as their "
             f"users): run `sudo slurm/local/up.sh --nodes {cluster.nodes}`."
         )
-    _refuse_other_sizes(cluster)
+    refuse_other_sizes(cluster)
     write_config(cluster)
     start_munge(cluster)
     network_up(cluster)
