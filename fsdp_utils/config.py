@@ -388,7 +388,8 @@ def validate_config(config: TrainConfig) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
     if config.collective_timeout_minutes <= 0:
         raise ValueError(
-            f"--collective_timeout_minutes must be positive, got {config.collective_timeout_minutes}."
+            "--collective_timeout_minutes must be positive, got "
+            f"{config.collective_timeout_minutes}."
         )
     if config.learning_rate <= 0:
         raise ValueError(f"--learning_rate must be positive, got {config.learning_rate}.")
