@@ -65,7 +65,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     from fsdp_utils import distributed as dist_utils
     from fsdp_utils.trainer import Trainer
 
-    env = dist_utils.init_distributed(config.device)
+    env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
     try:
         trainer = Trainer(config, env)

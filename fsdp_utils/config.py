@@ -168,6 +168,14 @@ class TrainConfig:
     device: DeviceName = field(
         default="auto", metadata=_opt("cuda if available, else cpu (gloo backend).")
     )
+    collective_timeout_minutes: float = field(
+        default=30.0,
+        metadata=_opt(
+            "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
+            "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
+            "the final save of a very large model takes longer (ranks wait for rank 0)."
+        ),
+    )
 
     # --- data ----------------------------------------------------------------------------
     template: str = field(
@@ -463,6 +471,11 @@ def validate_config(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
+    if config.collective_timeout_minutes <= 0:
+        raise ValueError(
+            "--collective_timeout_minutes must be positive, got "
+            f"{config.collective_timeout_minutes}."
+        )
     if config.learning_rate <= 0:
         raise ValueError(f"--learning_rate must be positive, got {config.learning_rate}.")
     warmup = config.warmup_steps

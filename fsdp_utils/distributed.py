@@ -50,7 +50,11 @@ def _free_port() -> int:
 
 
 def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30) -> DistEnv:
-    """Initialise the default process group for this process and pick its device."""
+    """Initialise the default process group for this process and pick its device.
+
+    `timeout_minutes` (--collective_timeout_minutes) bounds every collective: a rank that waits
+    longer for a dead or frozen peer fails (gloo raises; NCCL's watchdog aborts the process), so
+    torchrun and srun end the job instead of leaving it hanging until the time limit."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = world_size_from_env()

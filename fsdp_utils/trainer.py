@@ -60,6 +60,7 @@ from fsdp_utils.parallelize import (
 )
 from fsdp_utils.preflight import check_batch_and_model
 from fsdp_utils.run_start import prepare_run_folder
+from fsdp_utils.shared_paths import check_shared_paths
 from fsdp_utils.timelimit import LegEnd, StopController, remaining_work
 from fsdp_utils.trackers import open_trackers
 
@@ -96,6 +97,8 @@ class Trainer:
         self.env = env
         self.layout = RunLayout.of(config.output_dir)
         self.state = TrainState()
+        # Before any path is read: every node must see the run folder and the caches.
+        check_shared_paths(config, env)
         # Fail fast, before any model or data is loaded: the preflight's own checks.
         self.plan, self.model_dir, self.hf_config = check_batch_and_model(config, env.world_size)
         notes: list[str] = []

@@ -48,7 +48,10 @@
 #   NCCL_DEBUG=INFO                                log the transport NCCL picked (IB or sockets)
 #   TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800          how long a hung collective may block before
 #                                                  the watchdog aborts the job (default 480 s)
-# torchrun waits up to 600 s for all nodes to join the rendezvous (--rdzv-conf join_timeout).
+# Timeouts, so that a job with a dead or frozen node ends instead of hanging until its limit:
+#   torchrun waits up to 600 s for all nodes to join the rendezvous (--rdzv-conf join_timeout);
+#   srun --kill-on-bad-exit=1 stops every node as soon as one node's torchrun fails;
+#   a collective waits at most 30 min for a rank (chess_finetune.py --collective_timeout_minutes).
 
 # --- time limit: save, then requeue -------------------------------------------------------------
 # Trapped first: an untrapped USR1 would kill this script. torchrun does not pass SIGUSR1 on to
@@ -146,11 +149,23 @@ stop_sampler() {
 # `python -m torch.distributed.run` is torchrun with the interpreter SETUP chose. srun runs in
 # the background so that `wait` returns when USR1 arrives and the trap runs at once.
 # --cpus-per-task is repeated because srun in Slurm 22.05 does not inherit it from sbatch.
+# Several nodes: this script hosts the rendezvous store (on the first node) instead of node 1's
+# torchrun, so every node can still close the rendezvous when the others have exited (else:
+# "failed to shutdown the rendezvous ... RendezvousConnectionError", harmless but alarming).
+rdzv_conf=join_timeout=600
+store_pid=""
+if [ "$NNODES" -gt 1 ]; then
+    "$PYTHON" -m fsdp_utils.slurm.rdzv_store "${RDZV_ENDPOINT##*:}" &
+    store_pid=$!
+    rdzv_conf+=,is_host=false
+fi
+log_offset=$(stat -c %s "$slurm_log" 2>/dev/null || echo 0)
 srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
     --kill-on-bad-exit=1 \
     "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
+    --rdzv-conf="$rdzv_conf" \
     "$TRAIN_SCRIPT" "${train_args[@]}" &
 train_pid=$!
 while kill -0 "$train_pid" 2>/dev/null; do
@@ -159,6 +174,11 @@ while kill -0 "$train_pid" 2>/dev/null; do
 done
 wait "$train_pid"
 exit_code=$?
+[ -z "$store_pid" ] || { kill "$store_pid" && wait "$store_pid"; } 2>/dev/null
+if [ "$exit_code" != 0 ] && [ "$NNODES" -gt 1 ] && [ -f "$slurm_log" ]; then
+    # Which node failed first and how (srun's line), and the checkpoint to resume from.
+    "$PYTHON" -m fsdp_utils.slurm.node_failure "$slurm_log" "$log_offset" "$RUN_DIR"
+fi
 
 stop_sampler
 

@@ -32,7 +32,8 @@ from fsdp_utils.slurm.local_cluster import (
     release,
     which,
 )
-from fsdp_utils.slurm.local_conf import LocalCluster
+from fsdp_utils.slurm.local_conf import LocalCluster, MultiNodeCluster
+from fsdp_utils.slurm.local_multinode import DEFAULT_MULTI_STATE_DIR, default_multi_cluster
 
 # The checkout's git-ignored state folder, shared with `slurm/local/up.sh`.
 STATE_DIR = Path(__file__).resolve().parent.parent / "slurm" / "local" / "state"
@@ -67,7 +68,7 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
 class LocalSlurm:
     """Handle on the running local cluster, with small helpers for tests."""
 
-    cluster: LocalCluster
+    cluster: LocalCluster | MultiNodeCluster
 
     @property
     def env(self) -> dict[str, str]:
@@ -80,10 +81,18 @@ class LocalSlurm:
 
     @property
     def node_name(self) -> str:
+        assert isinstance(self.cluster, LocalCluster), "one-node cluster only: see node_names"
         return self.cluster.node.name
 
     @property
+    def node_names(self) -> list[str]:
+        if isinstance(self.cluster, MultiNodeCluster):
+            return self.cluster.node_names
+        return [self.cluster.node.name]
+
+    @property
     def cpus(self) -> int:
+        assert isinstance(self.cluster, LocalCluster), "one-node cluster only"
         return self.cluster.node.cpus
 
     @property
@@ -158,6 +167,29 @@ def local_slurm() -> Iterator[LocalSlurm]:
         lease = acquire(cluster)
     except (LocalClusterError, OSError, subprocess.CalledProcessError) as error:
         pytest.fail(f"Could not bring up the local Slurm: {error}\nTry: make setup-system")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLURM_CONF", str(cluster.conf_file))
+        yield LocalSlurm(cluster)
+    release(cluster, lease)
+
+
+@pytest.fixture(scope="module")
+def multinode_slurm() -> Iterator[LocalSlurm]:
+    """A running 2-node Slurm for one test module: node1 and node2, each in its own network,
+    UTS and mount namespace with a private /tmp (see fsdp_utils.slurm.local_multinode). It has
+    its own ports, munged and state folder (slurm/local/state-multi), so the one-node cluster
+    of other test sessions is never touched. Shared storage for jobs: `cluster.scratch_dir`."""
+    if os.geteuid() != 0:
+        pytest.fail("The local Slurm tests need root (namespaces, slurmd): run them as root.")
+    try:
+        cluster = default_multi_cluster(DEFAULT_MULTI_STATE_DIR, nodes=2)
+        lease = acquire(cluster)
+    except (LocalClusterError, OSError, subprocess.CalledProcessError) as error:
+        pytest.fail(
+            f"Could not bring up the local 2-node Slurm: {error}\nIt needs root, Debian's "
+            "slurm-wlm and munge (make setup-system), iproute2 and util-linux (ip, nsenter, "
+            "unshare), and a kernel that allows network, UTS and mount namespaces."
+        )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SLURM_CONF", str(cluster.conf_file))
         yield LocalSlurm(cluster)

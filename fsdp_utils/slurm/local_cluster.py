@@ -1,4 +1,5 @@
 """A one-node Slurm on localhost: try `sbatch slurm/finetune.sh` on a workstation, test against it.
+(`--nodes N` brings up the multi-node cluster of `local_multinode` instead, beside this one.)
 
 Debian's slurm-wlm and munge run a real slurmctld and slurmd (as root: slurmd starts jobs as
 their users). The node advertises exactly the CPUs and memory `slurmd -C` detects, plus GPUs
@@ -37,10 +38,16 @@ from pathlib import Path
 
 from fsdp_utils.slurm.local_conf import (
     LocalCluster,
+    MultiNodeCluster,
     NodeHardware,
     render_gres_conf,
+    render_multi_gres_conf,
+    render_multi_slurm_conf,
     render_slurm_conf,
 )
+
+# Leases, locks and the command line serve both clusters; starting and stopping differ.
+AnyCluster = LocalCluster | MultiNodeCluster
 
 DEFAULT_STATE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "local" / "state"
 MANUAL_LEASE = "manual"
@@ -92,9 +99,13 @@ def write_config(cluster: LocalCluster) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     cluster.conf_file.write_text(render_slurm_conf(cluster))
     cluster.gres_conf_file.write_text(render_gres_conf(cluster))
-    gpu_dir = cluster.state_dir / "gpus"
-    gpu_dir.mkdir(exist_ok=True)
-    for path in cluster.gpu_files:
+    make_gpu_files(cluster.gpu_files)
+
+
+def make_gpu_files(paths: list[Path]) -> None:
+    """The emulated GPUs: character devices with /dev/null's numbers."""
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() and not stat.S_ISCHR(path.stat().st_mode):
             path.unlink()
         if not path.exists():
@@ -256,7 +267,7 @@ def stop(cluster: LocalCluster) -> None:
             subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
             # Give slurmstepd a moment to kill the job processes (KillWait is 5 s).
             with contextlib.suppress(LocalClusterError):
-                _wait_for(lambda: _no_job_steps(cluster), timeout=15, what="jobs to end")
+                _wait_for(lambda: no_job_steps(env), timeout=15, what="jobs to end")
     _terminate(cluster.slurmd_pid_file)
     _terminate(cluster.ctld_pid_file)
     stop_munge(cluster)
@@ -272,12 +283,13 @@ def _terminate(pid_file: Path, timeout: float = 15) -> None:
     _wait_for(lambda: not _running(pid), timeout=timeout, what=f"pid {pid} ({pid_file.stem})")
 
 
-def _no_job_steps(cluster: LocalCluster) -> bool:
+def no_job_steps(env: dict[str, str]) -> bool:
+    """No job runs or completes on the cluster `env` (its SLURM_CONF) points at."""
     out = subprocess.run(
         [which("squeue"), "-h", "-t", "RUNNING,COMPLETING", "-o", "%A"],
         capture_output=True,
         text=True,
-        env=cluster.env(),
+        env=env,
     ).stdout
     return not out.strip()
 
@@ -286,7 +298,7 @@ def _no_job_steps(cluster: LocalCluster) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(cluster: LocalCluster) -> Iterator[None]:
+def _locked(cluster: AnyCluster) -> Iterator[None]:
     cluster.state_dir.mkdir(parents=True, exist_ok=True)
     with cluster.lock_file.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -296,7 +308,7 @@ def _locked(cluster: LocalCluster) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _live_leases(cluster: LocalCluster) -> list[Path]:
+def _live_leases(cluster: AnyCluster) -> list[Path]:
     """Leases whose owner still runs (a crashed test session leaves a stale one behind)."""
     live = []
     for lease in sorted(cluster.lease_dir.glob("*")):
@@ -311,14 +323,19 @@ def _live_leases(cluster: LocalCluster) -> list[Path]:
     return live
 
 
-def acquire(cluster: LocalCluster, owner: str | None = None) -> Path:
+def acquire(cluster: AnyCluster, owner: str | None = None) -> Path:
     """Bring the cluster up if needed and register `owner` as a user. Returns the lease."""
     with _locked(cluster):
-        if not is_up(cluster):
+        if isinstance(cluster, MultiNodeCluster):
+            from fsdp_utils.slurm import local_multinode
+
+            # Before the try: a refused start must not stop the cluster that runs.
+            local_multinode.refuse_other_sizes(cluster)
+        if not _is_up(cluster):
             try:
-                start(cluster)
+                _start(cluster)
             except BaseException:
-                stop(cluster)  # leave nothing half-started behind
+                _stop(cluster)  # leave nothing half-started behind
                 raise
         cluster.lease_dir.mkdir(parents=True, exist_ok=True)
         lease = cluster.lease_dir / (owner or f"{os.getpid()}-{time.time_ns()}")
@@ -326,22 +343,22 @@ def acquire(cluster: LocalCluster, owner: str | None = None) -> Path:
         return lease
 
 
-def release(cluster: LocalCluster, lease: Path) -> bool:
+def release(cluster: AnyCluster, lease: Path) -> bool:
     """Drop a lease; stop the cluster if nobody else uses it. Returns True if it was stopped."""
     with _locked(cluster):
         lease.unlink(missing_ok=True)
         if _live_leases(cluster):
             return False
-        stop(cluster)
+        _stop(cluster)
         return True
 
 
-def up(cluster: LocalCluster) -> None:
+def up(cluster: AnyCluster) -> None:
     """For a person: bring the cluster up and keep it up until `down`."""
     acquire(cluster, owner=MANUAL_LEASE)
 
 
-def down(cluster: LocalCluster, force: bool = False) -> list[str]:
+def down(cluster: AnyCluster, force: bool = False) -> list[str]:
     """For a person: drop the `up` lease and stop the cluster, unless a running test session
     still uses it (`force` stops it anyway). Returns the leases that kept it running."""
     with _locked(cluster):
@@ -354,8 +371,34 @@ def down(cluster: LocalCluster, force: bool = False) -> list[str]:
             return others
         for lease in cluster.lease_dir.glob("*"):
             lease.unlink()
-        stop(cluster)
+        _stop(cluster)
         return []
+
+
+def _is_up(cluster: AnyCluster) -> bool:
+    if isinstance(cluster, MultiNodeCluster):
+        from fsdp_utils.slurm import local_multinode
+
+        return local_multinode.is_up(cluster)
+    return is_up(cluster)
+
+
+def _start(cluster: AnyCluster) -> None:
+    if isinstance(cluster, MultiNodeCluster):
+        from fsdp_utils.slurm import local_multinode
+
+        local_multinode.start(cluster)
+    else:
+        start(cluster)
+
+
+def _stop(cluster: AnyCluster) -> None:
+    if isinstance(cluster, MultiNodeCluster):
+        from fsdp_utils.slurm import local_multinode
+
+        local_multinode.stop(cluster)
+    else:
+        stop(cluster)
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -364,16 +407,27 @@ def down(cluster: LocalCluster, force: bool = False) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_utils.slurm.local_cluster",
-        description="A one-node Slurm on localhost with emulated GPUs (needs root).",
+        description="A local Slurm with emulated GPUs (needs root): one node on localhost, or "
+        "with --nodes N (2-9) N nodes in their own network namespaces, beside the one-node "
+        "cluster (own ports, munged and state folder).",
     )
     parser.add_argument("command", choices=["up", "down", "status", "env", "config"])
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    parser.add_argument("--gpus", type=int, default=4, help="emulated GPUs on the node")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="1: the one-node cluster (slurm/local/state); 2 or more: the multi-node cluster "
+        "(slurm/local/state-multi); down/status/env: any number above 1 means the multi-node one",
+    )
+    parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument("--gpus", type=int, default=4, help="emulated GPUs per node")
     parser.add_argument(
         "--force", action="store_true", help="down: stop even while test sessions use it"
     )
     args = parser.parse_args(argv)
-    state_dir = args.state_dir.resolve()
+    if args.nodes > 1:
+        return _main_multi(args)
+    state_dir = (args.state_dir or DEFAULT_STATE_DIR).resolve()
     conf = state_dir / "etc" / "slurm.conf"
     if args.command == "env":
         # `eval "$(python -m fsdp_utils.slurm.local_cluster env)"`
@@ -393,14 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Use it from this shell with:  export SLURM_CONF={conf}"
             )
         elif args.command == "down":
-            users = down(cluster, force=args.force)
-            if users:
-                print(
-                    f"Slurm left running: still used by test session(s) {', '.join(users)}; "
-                    "it stops when they end (or: down.sh --force)."
-                )
-            else:
-                print("Slurm is down.")
+            _print_down(down(cluster, force=args.force), "")
         else:
             state = node_state(cluster) if is_up(cluster) else None
             print(f"up: node {cluster.node.name} {state}" if state else "down")
@@ -411,5 +458,68 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _print_down(users: list[str], option: str) -> None:
+    if users:
+        print(
+            f"Slurm left running: still used by test session(s) {', '.join(users)}; "
+            f"it stops when they end (or: down.sh{option} --force)."
+        )
+    else:
+        print("Slurm is down.")
+
+
+def _main_multi(args: argparse.Namespace) -> int:
+    from fsdp_utils.slurm import local_multinode as multi
+
+    state_dir = (args.state_dir or multi.DEFAULT_MULTI_STATE_DIR).resolve()
+    conf = state_dir / "etc" / "slurm.conf"
+    if args.command == "env":
+        print(f"export SLURM_CONF={conf}")
+        return 0
+    # down and status act on the cluster as it was brought up, whatever --nodes says.
+    nodes = args.nodes
+    if args.command in ("down", "status"):
+        nodes = multi.recorded_nodes(state_dir) or nodes
+    try:
+        cluster = multi.default_multi_cluster(state_dir, nodes=nodes, gpus=args.gpus)
+        if args.command == "config":
+            print(
+                render_multi_slurm_conf(cluster)
+                + "\n# gres.conf\n"
+                + render_multi_gres_conf(cluster)
+            )
+        elif args.command == "up":
+            up(cluster)
+            print(
+                f"Slurm is up: {cluster.nodes} nodes {cluster.nodelist} "
+                f"({', '.join(map(cluster.address, cluster.node_names))}), each with "
+                f"{cluster.machine.cpus} CPUs (shared), {cluster.real_memory_per_node_mb} MB, "
+                f"{cluster.gpus} emulated GPUs and a private /tmp (partition {cluster.partition}).\n"
+                f"Shared scratch for runs and caches: {cluster.scratch_dir}\n"
+                f"Use it from this shell with:  export SLURM_CONF={conf}\n"
+                f"Stop it with:  slurm/local/down.sh --nodes {cluster.nodes}"
+            )
+        elif args.command == "down":
+            _print_down(down(cluster, force=args.force), f" --nodes {cluster.nodes}")
+            left = multi.leftovers(cluster)
+            if left:
+                print(f"warning: still there: {', '.join(left)}", file=sys.stderr)
+                return 1
+        else:
+            if not multi.is_up(cluster):
+                print("down")
+                return 1
+            states = multi.node_states(cluster)
+            print("up: " + ", ".join(f"{n} {states.get(n)}" for n in cluster.node_names))
+    except (LocalClusterError, subprocess.CalledProcessError, PermissionError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this `__main__` copy's: local_multinode imports
+    # fsdp_utils.slurm.local_cluster, and its errors must be the classes main() catches.
+    from fsdp_utils.slurm.local_cluster import main as imported_main
+
+    sys.exit(imported_main())

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Install Debian's Slurm (slurmctld, slurmd, client commands) and munge, only if missing, and
-# make sure munge has a key. Idempotent: `make setup-system` runs it; rerunning changes nothing.
+# Install Debian's Slurm (slurmctld, slurmd, client commands), munge and iproute2, only if
+# missing, and make sure munge has a key. Idempotent: `make setup-system` runs it; rerunning
+# changes nothing.
 set -euo pipefail
 
-packages=(slurm-wlm munge)
+packages=(slurm-wlm munge iproute2)  # iproute2: `ip` for the multi-node cluster
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" \
