@@ -126,10 +126,14 @@ def finetune(
     assert last["step"] - first["step"] == args.steps, (first["step"], last["step"])
     seconds = last["time"] - first["time"]
     # tokens_seen counts non-pad tokens over all ranks: useful tokens.
-    return {
+    figures = {
         "useful_tokens_per_s": (last["tokens_seen"] - first["tokens_seen"]) / seconds,
         "seconds_per_step": seconds / args.steps,
     }
+    if "process_cpu_s" in last:  # not in checkouts older than this benchmark
+        cpu = last["process_cpu_s"] - first["process_cpu_s"]
+        figures["cpu_seconds_per_step"] = cpu / args.steps
+    return figures
 
 
 def bare(
@@ -147,7 +151,8 @@ def bare(
     ]  # fmt: skip
     stdout = run_child(command, f"bare_fsdp2.py --mode {mode}", reruns)
     result = json.loads(stdout.strip().splitlines()[-1])
-    return {k: float(result[k]) for k in ("useful_tokens_per_s", "seconds_per_step")}
+    keys = ("useful_tokens_per_s", "seconds_per_step", "cpu_seconds_per_step")
+    return {k: float(result[k]) for k in keys}
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -183,18 +188,17 @@ def main() -> None:
     prepared = prepare_dataset(config, log=lambda _: None)
 
     reruns: list[dict[str, Any]] = []
-    measures: dict[str, Callable[[], dict[str, float]]] = {
-        OURS: lambda: finetune(paths, args, reruns),
-        BARE: lambda: bare(paths, prepared, "packed", args, reruns),
-        PAD: lambda: bare(paths, prepared, "pad_per_batch", args, reruns),
-        NO_PACKING: lambda: finetune(paths, args, reruns, "--no_packing"),
-    }
+    measures: dict[str, Callable[[], dict[str, float]]] = {}
     ratio_pairs = dict(RATIOS)
-    if args.baseline:
+    if args.baseline:  # next to OURS in either order, so that (e) compares neighbours
         baseline = args.baseline.resolve()
         measures[BASELINE] = lambda: finetune(paths, args, reruns, checkout=baseline)
         ratio_pairs["(d) baseline checkout / bare FSDP2 loop"] = (BASELINE, BARE)
         ratio_pairs["(e) chess_finetune.py / baseline checkout"] = (OURS, BASELINE)
+    measures[OURS] = lambda: finetune(paths, args, reruns)
+    measures[BARE] = lambda: bare(paths, prepared, "packed", args, reruns)
+    measures[PAD] = lambda: bare(paths, prepared, "pad_per_batch", args, reruns)
+    measures[NO_PACKING] = lambda: finetune(paths, args, reruns, "--no_packing")
     rounds: list[dict[str, dict[str, float]]] = []
     try:
         for index in range(args.pairs + 1):
@@ -215,6 +219,15 @@ def main() -> None:
         name: [r[a]["useful_tokens_per_s"] / r[b]["useful_tokens_per_s"] for r in rounds]
         for name, (a, b) in ratio_pairs.items()
     }
+    # The same comparisons in rank 0's CPU seconds per step (higher is better, as above):
+    # other processes on a shared machine hardly move it. Only for runs that report it.
+    cpu_ratios = {
+        name: [r[b]["cpu_seconds_per_step"] / r[a]["cpu_seconds_per_step"] for r in rounds]
+        for name, (a, b) in ratio_pairs.items()
+        if all("cpu_seconds_per_step" in r[a] and "cpu_seconds_per_step" in r[b] for r in rounds)
+        and a.endswith("(packed)")
+        and b.endswith("(packed)")
+    }
     setup = (
         f"{NPROC} CPU processes (gloo), Llama 4 layers x 256 hidden, seq {SEQ}, "
         f"{PER_DEVICE}/device, total batch {TOTAL}, fp32; {args.pairs} interleaved rounds "
@@ -225,6 +238,7 @@ def main() -> None:
         "baseline": str(args.baseline) if args.baseline else None,
         "rounds": rounds,
         "ratios_per_round": ratios,
+        "cpu_time_ratios_per_round": cpu_ratios,
         "median_useful_tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
         "median_ratios": {n: statistics.median(v) for n, v in ratios.items()},
         "reruns": reruns,
@@ -234,9 +248,10 @@ def main() -> None:
     print("| run | useful tokens/s |\n|---|---:|")
     for name, values in rates.items():
         print(f"| {name} | {spread(values, ',.0f')} |")
-    print("\n| ratio, pair by pair | median (min - max) |\n|---|---:|")
+    print("\n| ratio, pair by pair | tokens/s (wall clock) | rank 0 CPU s/step, inverse |")
+    print("|---|---:|---:|")
     for name, values in ratios.items():
-        print(f"| {name} | {spread(values, '.3f')} |")
+        print(f"| {name} | {spread(values, '.3f')} | {spread(cpu_ratios.get(name, []), '.3f')} |")
     for rerun in reruns:
         passed = "passed on the rerun" if rerun.get("rerun_passed") else "failed again"
         print(f"\nnote: {rerun['run']} failed once (exit code {rerun['exit_code']}); {passed}")

@@ -622,6 +622,9 @@ class Trainer:
             "tokens_per_s_per_device": per_device,
             "mfu_pct": mfu,
             "step_time_s": step_time,
+            # Rank 0's CPU seconds so far: against the step time, how host-bound the loop is
+            # (and a load-independent figure for bench/throughput.py).
+            "process_cpu_s": time.process_time(),
             "tokens_seen": self.state.tokens_seen,
             "batch_id": metrics["batch_id"],
             **memory_snapshot(self.env.device),
