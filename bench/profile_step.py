@@ -65,6 +65,8 @@ def _summarise(stats: pstats.Stats, steps: int, cpu_seconds: float) -> dict[str,
     reads = 0
     for (f, _, fn), v in raw.items():
         if f == "~" and any(f"method '{m}' of 'torch._C.TensorBase'" in fn for m in HOST_READS):
+            if not v[4]:  # called from the loop's own frame, entered before profiling began
+                reads += v[0]
             for (caller, _, _), counts in v[4].items():
                 if "fsdp_utils" in caller or caller.endswith("bare_fsdp2.py"):
                     reads += counts[0]
