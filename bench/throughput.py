@@ -35,6 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,15 +78,27 @@ def run_child(
                 print(f"  {label}: passed on the rerun", flush=True)
                 reruns[-1]["rerun_passed"] = True
             return result.stdout
-        stderr = "\n".join(result.stderr.strip().splitlines()[-40:])
+        # torchrun ends with its own report; the worker's error comes before it: show both
+        # ends, and keep all of it.
+        lines = result.stderr.strip().splitlines()
+        shown = lines if len(lines) <= 70 else [*lines[:30], "[...]", *lines[-40:]]
+        stderr = "\n".join(shown)
+        log = RESULTS / "failures" / f"{time.strftime('%Y%m%d-%H%M%S')}-attempt{attempt}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"{shlex.join(command)}\nexit code {result.returncode}\n{result.stderr}")
         report = (
             f"{label} failed (attempt {attempt} of 2) with exit code {result.returncode}\n"
-            f"command: {shlex.join(command)}\n--- stderr (last 40 lines) ---\n{stderr}"
+            f"command: {shlex.join(command)}\n--- stderr (all of it in {log}) ---\n{stderr}"
         )
         print(report, file=sys.stderr, flush=True)
         if attempt == 1:
             reruns.append(
-                {"run": label, "exit_code": result.returncode, "stderr_tail": stderr[-4000:]}
+                {
+                    "run": label,
+                    "exit_code": result.returncode,
+                    "stderr": stderr[-6000:],
+                    "log": str(log),
+                }
             )
             print(f"  {label}: rerunning once", flush=True)
     raise ChildFailed(f"{label} failed twice; see the stderr above.")
