@@ -177,6 +177,15 @@ class TrainConfig:
         ),
     )
 
+    # --- compilation (step) --------------------------------------------------------------
+    compile: bool = field(
+        default=False,
+        metadata=_opt(
+            "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
+            "as torchtitan does; the first step is slower while it compiles."
+        ),
+    )
+
     # --- data ----------------------------------------------------------------------------
     template: str = field(
         default=DEFAULT_TEMPLATE,

@@ -1,4 +1,5 @@
-"""Process group and device setup: nccl on CUDA, gloo on CPU, or a plain single process.
+"""Process group and device setup: nccl on CUDA (with gloo beside it for host tensors), gloo on
+CPU, or a plain single process.
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we run as one process
 (still with a process group, so the same code path is exercised).
@@ -49,6 +50,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_group_backend(device_type: str) -> str:
+    """The backend string for `init_process_group` on `device_type` ("cuda" or "cpu").
+
+    On CUDA a device-mapped backend, as torchtitan and torchtune use: collectives on CUDA tensors
+    go to nccl, those on CPU tensors to gloo. Two things need the CPU half. With --cpu_offload,
+    FSDP2 keeps the sharded gradients in host memory, so the gradient-norm all-reduce meets CPU
+    tensors, which nccl alone refuses ("No backend type associated with device type cpu",
+    pytorch #148532). And the step's host-side scalars (target counts, the stop decision)
+    travel over gloo without entering the GPU's queue, so they cost no host-device sync.
+    """
+    if device_type == "cuda":
+        return "cuda:nccl,cpu:gloo"
+    if device_type == "cpu":
+        return "gloo"
+    raise ValueError(f"No process-group backend for device type {device_type!r}: use cuda or cpu.")
+
+
 def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30) -> DistEnv:
     """Initialise the default process group for this process and pick its device.
 
@@ -73,10 +91,9 @@ def init_distributed(device_preference: str = "auto", timeout_minutes: float = 3
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    backend = process_group_backend(device.type)
 
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python chess_finetune.py`
@@ -124,6 +141,14 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def all_reduce_host_sum(values: list[float]) -> list[float]:
+    """Sum host scalars over all ranks, as a CPU tensor: gloo on CPU, and on CUDA the gloo half
+    of the device-mapped backend, so the GPU's queue is neither waited for nor entered. float64
+    keeps integer counts exact (up to 2**53)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return [float(v) for v in all_reduce_sum(tensor).tolist()]
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:

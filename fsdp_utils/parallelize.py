@@ -1,9 +1,11 @@
 """Apply activation checkpointing and FSDP2 (or DDP) to a model, in torchtitan's fixed order:
 
 1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked);
-2. `fully_shard` on each decoder layer: one shard group per layer, so only one layer's full
+2. `torch.compile` on each decoder layer (`--compile`): identical layers share one compiled
+   graph, and FSDP2's hooks stay outside it;
+3. `fully_shard` on each decoder layer: one shard group per layer, so only one layer's full
    parameters exist at a time;
-3. `fully_shard` on the root, which takes everything else (embeddings, final norm, lm_head).
+4. `fully_shard` on the root, which takes everything else (embeddings, final norm, lm_head).
    Tied input/output embeddings must stay in one group (torch 2.13 fails at the first forward
    if they are split), and the root holds both.
 
@@ -73,6 +75,19 @@ def apply_activation_checkpointing(
     return result
 
 
+def compile_layers(layers: list[nn.Module]) -> None:
+    """`torch.compile` each decoder layer in place, torchtitan's way: per block (the blocks are
+    identical, so they share one compiled graph and compile once), after activation
+    checkpointing (the checkpoint is traced into the graph) and before `fully_shard`.
+
+    `Module.compile` keeps the module and its parameter names (no `_orig_mod.` wrapper), so
+    checkpoints, weight loading and export see the same model. FSDP2's hooks are excluded from
+    tracing (`_dynamo_disable`): they run eagerly around the compiled layer.
+    """
+    for layer in layers:
+        layer.compile()
+
+
 def parallelize(
     model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh | None, config: TrainConfig
 ) -> nn.Module:
@@ -83,6 +98,8 @@ def parallelize(
     """
     if config.gradient_checkpointing:
         layers = apply_activation_checkpointing(model, layers, config.checkpoint_every_n_layers)
+    if config.compile:
+        compile_layers(layers)
     if config.no_fsdp:
         return model
     assert mesh is not None

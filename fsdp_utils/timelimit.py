@@ -1,7 +1,8 @@
 """Knowing when to stop: the Slurm time limit, a signal, a stop file, or a step budget.
 
 Every rank calls `StopController.poll()` at each optimizer-step boundary; one all-reduce makes
-them agree, so all ranks save together and exit cleanly. Sources of a stop:
+them agree, so all ranks save together and exit cleanly. The trainer sends the next step's target
+counts with it, so a step costs one scalar all-reduce in all, on host tensors. Sources of a stop:
 
 - the stop file (default `<output_dir>/STOP`): `slurm/finetune.sh` creates it when Slurm sends
   `#SBATCH --signal=B:USR1@...` to the batch shell, because torchrun does not forward
@@ -26,7 +27,8 @@ import signal
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -97,6 +99,7 @@ REASONS = {1: "stop_after_steps", 2: "stop file", 3: "signal", 4: "time limit"}
 class Decision:
     stop: str | None  # reason, or None to go on
     save: bool  # periodic save due
+    sums: list[float] = field(default_factory=list)  # `poll(add=...)` summed over all ranks
 
 
 @dataclass(frozen=True)
@@ -298,8 +301,14 @@ class StopController:
             return 4
         return 0
 
-    def poll(self, step: int, step_seconds: float) -> Decision:
-        """Collective: every rank calls it after every optimizer step."""
+    def poll(self, step: int, step_seconds: float, *, add: Sequence[float] = ()) -> Decision:
+        """Collective: every rank calls it after every optimizer step.
+
+        `add`: host scalars to sum over all ranks in the same all-reduce (`Decision.sums`). It
+        is one sum of host (CPU) values: each rank votes for the reasons it sees, and the
+        decision is the highest-ranked reason any rank voted for. On CUDA the tensor goes over
+        the gloo half of the device-mapped backend: no wait for the GPU.
+        """
         self.steps_this_run += 1
         self.step_seconds = max(self.step_seconds, step_seconds)
         if self.steps_this_run > 1:
@@ -308,11 +317,17 @@ class StopController:
             self.save_every_seconds > 0
             and time.monotonic() - self.last_save >= self.save_every_seconds
         )
-        local = torch.tensor(
-            [self._local_stop_code(), int(save and self.is_main)], device=self.device
+        votes = [0.0] * len(REASONS)
+        code = self._local_stop_code()
+        if code:
+            votes[code - 1] = 1.0
+        summed = dist_utils.all_reduce_host_sum([*votes, float(save and self.is_main), *add])
+        agreed = max((c for c in REASONS if summed[c - 1] > 0), default=0)
+        return Decision(
+            stop=REASONS.get(agreed),
+            save=summed[len(REASONS)] > 0,
+            sums=summed[len(REASONS) + 1 :],
         )
-        code, save_flag = (int(v) for v in dist_utils.all_reduce_max(local).tolist())
-        return Decision(stop=REASONS.get(code), save=bool(save_flag))
 
     def consume_stop_file(self) -> None:
         if self.is_main:

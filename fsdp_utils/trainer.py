@@ -50,7 +50,14 @@ from fsdp_utils.model import (
     load_pretrained_weights,
     materialize,
 )
-from fsdp_utils.optim import build_optimizer, build_scheduler
+from fsdp_utils.optim import (
+    apply_settings,
+    build_optimizer,
+    build_scheduler,
+    describe_changes,
+    optimizer_settings,
+    settings_in_optimizer,
+)
 from fsdp_utils.parallelize import (
     autocast_context,
     build_parallel_model,
@@ -66,7 +73,7 @@ from fsdp_utils.trackers import open_trackers
 
 
 class TrainingDivergedError(RuntimeError):
-    """The loss became NaN or infinite."""
+    """The loss or the gradient norm became NaN or infinite."""
 
 
 @dataclass
@@ -89,6 +96,13 @@ def check_output_dir(path: Path) -> None:
             f"The output folder {path} is not writable ({err.strerror}). Choose another "
             "--output_dir, e.g. on project or scratch storage."
         ) from err
+
+
+def _local_counts(batches: list[dict[str, torch.Tensor]]) -> list[float]:
+    """[target tokens, non-pad tokens] of this rank's micro-batches (host tensors: no sync)."""
+    targets = sum(count_targets(b["labels"]) for b in batches)
+    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    return [float(targets), float(tokens)]
 
 
 class Trainer:
@@ -223,7 +237,11 @@ class Trainer:
         watch = Stopwatch()
         self.checkpointer.load(info, self.model, self.optimizer)
         meta = info.meta
-        self.scheduler.load_state_dict(meta["scheduler"])
+        # The loaded param groups carry the checkpoint's learning rate, weight decay and betas;
+        # the current config decides them, and the schedule, from this step on.
+        saved = meta.get("optimizer_settings") or settings_in_optimizer(self.optimizer)
+        apply_settings(self.optimizer, self.config)
+        self.scheduler = build_scheduler(self.optimizer, self.config, start_step=info.step)
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         self.state.step = info.step
@@ -235,12 +253,21 @@ class Trainer:
             step=info.step,
             path=str(info.path),
         )
+        changes = describe_changes(saved, self.config, info.step)
+        if changes:
+            self.log.event(
+                "resume_changes",
+                "resume: changed since the checkpoint:\n  " + "\n  ".join(changes),
+                step=info.step,
+                changes=changes,
+            )
 
     def save_checkpoint(self) -> None:
         """Collective. A failed save is reported; the previous checkpoint stays usable."""
+        self.check_weights_finite("saving a checkpoint")
         extra = {
             "tokens_seen": self.state.tokens_seen,
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer_settings": optimizer_settings(self.config),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
         path, seconds = self.checkpointer.save(
@@ -350,22 +377,26 @@ class Trainer:
         watch = Stopwatch()
         started = time.perf_counter()
         last: dict[str, Any] = {}
+        batches = self.step_batches(self.state.step)
+        global_counts: list[float] | None = None  # the first step reduces its own
         while self.state.step < config.max_training_steps:
             self._seed_step()
-            metrics = self.train_step()
-            step_time = watch.lap()
+            log_now = self._is_log_step(self.state.step + 1)
+            metrics = self.train_step(batches, global_counts=global_counts, check=log_now)
             self.state.step += 1
             self.state.tokens_seen += metrics["tokens"]
-            if (
-                self.state.step % config.log_every == 0
-                or self.state.step == config.max_training_steps
-            ):
+            more = self.state.step < config.max_training_steps
+            batches = self.step_batches(self.state.step) if more else []
+            step_time = watch.lap()
+            # The next step's target counts ride on the stop decision's all-reduce.
+            decision = self.stop.poll(self.state.step, step_time, add=_local_counts(batches))
+            global_counts = decision.sums
+            if log_now:
                 last = self._log_step(metrics, step_time)
             if config.eval_every and self.state.step % config.eval_every == 0:
                 self._timed_evaluate()
             if self.chess_eval:
                 self.chess_eval.maybe_run(self.model, self.state.step, autocast=self.autocast)
-            decision = self.stop.poll(self.state.step, step_time)
             if decision.stop and not self._end_of_leg(decision.stop).finish:
                 self.stop.consume_stop_file()  # handled: the next run must not stop at once
                 return {
@@ -445,21 +476,38 @@ class Trainer:
         seed = np.random.SeedSequence([self.config.seed, self.state.step, self.env.rank])
         torch.manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches."""
-        micro = self.sampler.micro_batches(self.state.step, self.env.rank)
-        batches = [self.train_blocks.batch(indices) for indices in micro]
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.config.log_every == 0 or step == self.config.max_training_steps
+
+    def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of optimizer step `step` (counted from 0), on the host."""
+        micro = self.sampler.micro_batches(step, self.env.rank)
+        return [self.train_blocks.batch(indices) for indices in micro]
+
+    def train_step(
+        self,
+        micro_batches: list[dict[str, torch.Tensor]] | None = None,
+        *,
+        global_counts: list[float] | None = None,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches.
+
+        micro_batches: this rank's batches (default: those of the current step).
+        global_counts: [target tokens, non-pad tokens] of the step summed over all ranks, when
+        the caller has reduced them already (`train` does, with the stop decision); else one
+        all-reduce of host scalars here.
+        check: read the step's loss and gradient norm on the host and check them before the
+        update (one host-device sync: log steps). Otherwise nothing waits for the device; a
+        non-finite gradient norm is recorded on the device and found on the next checked step
+        or before any save (`check_weights_finite`), so no non-finite weights are ever saved.
+        """
+        batches = self.step_batches(self.state.step) if micro_batches is None else micro_batches
         # Normalise by the target tokens of the whole step (all micro-batches, all ranks), so
         # any split of the same total batch gives the same update (torchtitan does the same).
-        counts = torch.tensor(
-            [
-                sum(count_targets(b["labels"]) for b in batches),
-                sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
-            ],
-            dtype=torch.float64,
-            device=self.env.device,
-        )
-        global_targets, global_tokens = dist_utils.all_reduce_sum(counts).tolist()
+        if global_counts is None:
+            global_counts = dist_utils.all_reduce_host_sum(_local_counts(batches))
+        global_targets, global_tokens = global_counts
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for index, batch in enumerate(batches):
@@ -467,15 +515,13 @@ class Trainer:
             with gradient_sync_context(self.model, sync):
                 loss_sum += self.forward_backward_step(batch, global_targets)
 
-        loss = dist_utils.all_reduce_sum(loss_sum).item() / max(global_targets, 1)
-        if not math.isfinite(loss):
-            raise TrainingDivergedError(
-                f"The loss is {loss} at step {self.state.step + 1} (before the update, so the "
-                "weights are still finite). Lower --learning_rate, use bf16-mixed instead of "
-                "fp16-mixed, or check the data."
-            )
         grad_norm = self._clip_gradients()
-        if self.scaler is not None:
+        loss = norm = None
+        if check:
+            loss, norm = self._check_step(loss_sum, grad_norm, global_targets)
+        elif grad_norm is not None and self.scaler is None:
+            self._record_nonfinite(grad_norm)
+        if self.scaler is not None:  # skips steps with inf/NaN gradients itself
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
@@ -485,10 +531,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {
             "loss": loss,
-            "grad_norm": grad_norm,
+            "grad_norm": norm,
             "lr": lr,
             "tokens": int(global_tokens),
-            "batch_id": self.sampler.batch_fingerprint(self.state.step),
+            "batch_id": self.sampler.batch_fingerprint(self.state.step) if check else None,
         }
 
     def forward_backward_step(
@@ -512,7 +558,8 @@ class Trainer:
         loss.backward()
         return loss_sum.detach().to(torch.float64)
 
-    def _clip_gradients(self) -> float | None:
+    def _clip_gradients(self) -> torch.Tensor | None:
+        """Clip to --grad_clip and return the global gradient norm, on the device (no sync)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -522,7 +569,84 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): combine the shards' norms
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
+
+    # --- non-finite loss and gradients ----------------------------------------------------
+
+    # Step (1-based) of the first non-finite gradient norm among the steps not checked on the
+    # host, as a 0-d float64 tensor on the device (inf: none); None before the first such step.
+    _nonfinite_step: torch.Tensor | None = None
+    last_saved_step: int = -1
+
+    def _check_step(
+        self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None, global_targets: float
+    ) -> tuple[float, float | None]:
+        """The checked step's scalars, before the update: one all-reduce (the loss) and one
+        host-device sync for the loss, the gradient norm and the record of unchecked steps."""
+        loss_sum = dist_utils.all_reduce_sum(loss_sum)
+        device = loss_sum.device
+        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        parts = [
+            loss_sum,
+            nan if grad_norm is None else grad_norm.to(device, torch.float64),
+            nan if self._nonfinite_step is None else self._nonfinite_step.to(device),
+        ]
+        total, norm, unchecked_bad = torch.stack(parts).tolist()
+        step = self.state.step + 1
+        if self._nonfinite_step is not None and math.isfinite(unchecked_bad):
+            raise self._diverged_earlier(int(unchecked_bad), f"at step {step}")
+        loss = total / max(global_targets, 1)
+        if not math.isfinite(loss):
+            raise TrainingDivergedError(
+                f"The loss is {loss} at step {step} (before the update, so the weights are "
+                "still finite). Lower --learning_rate, use bf16-mixed instead of fp16-mixed, "
+                "or check the data."
+            )
+        if grad_norm is None:
+            return loss, None
+        if not math.isfinite(norm) and self.scaler is None:
+            raise TrainingDivergedError(
+                f"The gradient norm is {norm} at step {step}, with a finite loss ({loss:.4f}). "
+                "The update was not applied, so the weights are still finite"
+                + self._last_checkpoint_note()
+                + ". Lower --learning_rate, keep --grad_clip on, use bf16-mixed instead of "
+                "bf16-true, or check the data."
+            )
+        return loss, norm
+
+    def _record_nonfinite(self, grad_norm: torch.Tensor) -> None:
+        """Remember the first unchecked step whose gradient norm is not finite, on the device:
+        no sync. The norm is global, so every rank records the same step."""
+        if self._nonfinite_step is None:
+            self._nonfinite_step = torch.full(
+                (), math.inf, dtype=torch.float64, device=grad_norm.device
+            )
+        seen = self._nonfinite_step
+        clean = torch.isfinite(grad_norm) | torch.isfinite(seen)
+        self._nonfinite_step = torch.where(clean, seen, float(self.state.step + 1))
+
+    def check_weights_finite(self, before: str) -> None:
+        """Collective-safe guard (every rank holds the same record): raise before `before`
+        (a save, the final model) if an unchecked step had a non-finite gradient norm."""
+        if self._nonfinite_step is None:
+            return
+        first = float(self._nonfinite_step)  # a host-device sync, but saves are rare
+        if math.isfinite(first):
+            raise self._diverged_earlier(int(first), f"before {before} at step {self.state.step}")
+
+    def _diverged_earlier(self, first: int, found: str) -> TrainingDivergedError:
+        return TrainingDivergedError(
+            f"The gradient norm was not finite at step {first} (found {found}: steps between "
+            f"log steps are checked without waiting for the device; --log_every "
+            f"{self.config.log_every}). The weights are not finite since that update and were "
+            f"not saved{self._last_checkpoint_note()}. Resume with a lower --learning_rate, "
+            "keep --grad_clip on, or use --log_every 1 to check every step before its update."
+        )
+
+    def _last_checkpoint_note(self) -> str:
+        if self.last_saved_step > 0:
+            return f"; the last checkpoint (step {self.last_saved_step}) is good"
+        return ""
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
@@ -580,6 +704,9 @@ class Trainer:
             "tokens_per_s_per_device": per_device,
             "mfu_pct": mfu,
             "step_time_s": step_time,
+            # Rank 0's CPU seconds so far: against the step time, how host-bound the loop is
+            # (and a load-independent figure for bench/throughput.py).
+            "process_cpu_s": time.process_time(),
             "tokens_seen": self.state.tokens_seen,
             "batch_id": metrics["batch_id"],
             **memory_snapshot(self.env.device),
@@ -594,6 +721,7 @@ class Trainer:
             return None
         from fsdp_utils.export import save_hf_model
 
+        self.check_weights_finite("writing the final model")
         watch = Stopwatch()
         model = cast(nn.Module, self.model.module) if self.config.no_fsdp else self.model
         if self.config.lora:  # a PEFT adapter folder (+ the merged model with --merge)

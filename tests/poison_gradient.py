@@ -1,0 +1,58 @@
+"""chess_finetune.py with one step's gradients made non-finite while its loss stays finite.
+
+    POISON_GRADIENT_AT_STEP=3 python tests/poison_gradient.py <chess_finetune.py options>
+
+What a bf16/fp32 run without a gradient scaler can meet: a finite loss whose backward
+overflows. A forward hook on `lm_head` passes the logits through unchanged but multiplies their
+gradient by infinity at that step (1-based, as logged); nothing else differs from a real run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fsdp_utils.offline import enable_offline_mode
+
+enable_offline_mode()
+
+import torch  # noqa: E402
+
+from fsdp_utils import cli  # noqa: E402
+from fsdp_utils.trainer import Trainer  # noqa: E402
+
+POISON_STEP = int(os.environ["POISON_GRADIENT_AT_STEP"])
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf
+
+
+def _build_poisoned(self: Trainer, load_weights: bool = True) -> torch.nn.Module:
+    model = _build_model(self, load_weights)
+
+    def poison(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> Any:
+        if module.training and self.state.step + 1 == POISON_STEP:
+            return _InfiniteGradient.apply(output)
+        return None
+
+    model.get_submodule("lm_head").register_forward_hook(poison)
+    return model
+
+
+_build_model = Trainer._build_model
+Trainer._build_model = _build_poisoned  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    sys.exit(cli.main())
