@@ -127,10 +127,12 @@ def read_plan(returncode: int, stdout: str, stderr: str, *, rerun: str) -> str:
         title = "the planner's traceback (a bug in fsdp_utils.plan: please report it)"
         return _skipped(f"the planner crashed ({exception})", details=tb, title=title)
     if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else ""
-        killed = f"the planner was killed by signal {-returncode} {name}".rstrip()
-        hint = " (SIGKILL: often out of host memory)" if name == "SIGKILL" else ""
-        return _skipped(killed + hint, details=stderr)
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (often: out of host memory)" if name == "SIGKILL" else ""
+        return _skipped(f"the planner was killed by {name}{hint}", details=stderr)
     return _skipped(f"the planner exited with status {returncode}", details=stderr or stdout)
 
 

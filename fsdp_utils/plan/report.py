@@ -75,6 +75,7 @@ class MemoryPlan:
     margin: Margin
     gpu: Gpu | None
     trace_seconds: float
+    trace_method: str = ""  # extrapolated from which depths, or every layer traced and why
     fixes: tuple[Fix, ...] = ()
 
     @property
@@ -176,6 +177,7 @@ class MemoryPlan:
             "verdict": self.verdict,
             "fixes": [dataclasses.asdict(fix) for fix in self.fixes],
             "trace_seconds": self.trace_seconds,
+            "trace_method": self.trace_method,
             "config": self.config.to_dict(),
         }
 
@@ -247,7 +249,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"verdict: {plan.verdict}",
         f"(state between steps: {plan.state_bytes / GIB:.2f} GiB = "
         f"{plan.state_bytes_per_parameter:.1f} bytes/parameter over {shards} GPU(s); "
-        f"traced in {plan.trace_seconds:.0f} s)",
+        f"planned in {plan.trace_seconds:.1f} s, {plan.trace_method or 'traced'})",
     ]
     if plan.fixes:
         lines += ["", *format_fixes(plan.fixes)]
