@@ -14,12 +14,13 @@ import traceback
 from dataclasses import dataclass
 
 from fsdp_utils.config import TrainConfig, build_parser, parse_config
-from fsdp_utils.plan.hardware import Gpu, detect_gpu, parse_gpu_memory, parse_size
+from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan
 from fsdp_utils.plan.search import batch_candidates, resolved_total_batch
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_CANNOT_PLAN, EXIT_CRASHED = 0, 1, 2, 3
+DEFAULT_MARGIN = Margin()  # its defaults live in report.Margin, the one place to calibrate
 
 DESCRIPTION = """Plan the per-GPU memory of a chess_finetune.py run without a GPU: the model is
 built from its config.json only (no weights) and one training step of the exact configuration
@@ -61,18 +62,20 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="When it does not fit, do not plan the changes that would make it fit.",
     )
+    runtime = f"{DEFAULT_MARGIN.runtime_bytes / GIB:g}GiB"
     what.add_argument(
         "--margin-runtime",
-        default="2GiB",
+        default=runtime,
         metavar="SIZE",
-        help="Memory outside PyTorch's allocator: CUDA context, NCCL buffers (2GiB).",
+        help=f"Memory outside PyTorch's allocator: CUDA context, NCCL buffers ({runtime}).",
     )
     what.add_argument(
         "--margin-allocator",
         type=float,
-        default=0.10,
+        default=DEFAULT_MARGIN.allocator_fraction,
         metavar="FRACTION",
-        help="Allocator overhead (rounding, fragmentation) as a fraction of the peak (0.10).",
+        help="Allocator overhead (rounding, fragmentation) as a fraction of the peak "
+        f"({DEFAULT_MARGIN.allocator_fraction:g}).",
     )
     what.add_argument(
         "--full-trace",

@@ -28,7 +28,8 @@ class Margin:
         reused by another (FSDP2's all-gather and reduce-scatter streams) only later.
 
     Both are assumptions (no GPU was at hand to measure them), kept on the safe side; compare
-    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl.
+    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl. These defaults are the one
+    place the margin is set (the command line's defaults are read from here): calibrate here.
     """
 
     runtime_bytes: int = 2 * GIB
