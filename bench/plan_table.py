@@ -140,13 +140,8 @@ def agreement(layers: int = 20) -> str:
         with tempfile.TemporaryDirectory() as folder:
             tiny_model_config(arch, vocab_size=512, num_layers=layers).save_pretrained(folder)
             for settings in AGREEMENT_SETTINGS:
-                config = TrainConfig(
-                    model=folder,
-                    total_batch_size=8,
-                    batch_size_per_device=2,
-                    max_seq_length=64,
-                    **settings,
-                )
+                base = {"total_batch_size": 8, "batch_size_per_device": 2, "max_seq_length": 64}
+                config = TrainConfig(model=folder, **{**base, **settings})
                 args = {"nodes": 2, "gpus_per_node": 2, "gpu_memory_bytes": None}
                 started = time.process_time()
                 fast = plan_memory(config, **args)
