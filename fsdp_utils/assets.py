@@ -14,9 +14,12 @@ command to run on the login node.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from pathlib import Path
+import glob
+from pathlib import Path, PurePosixPath
 
+from fsdp_utils.config import default_dataset_include
 from fsdp_utils.hub.cache import hub_cache_dir, storage_dir
 from fsdp_utils.hub.manifest import (
     ManifestEntry,
@@ -25,16 +28,22 @@ from fsdp_utils.hub.manifest import (
     load_manifest,
     manifest_path,
 )
-from fsdp_utils.hub.selection import DATA_SUFFIXES, split_patterns
+from fsdp_utils.hub.selection import DATA_SUFFIXES, is_data_file, split_patterns
 from fsdp_utils.hub.specs import AssetSpec, download_command, looks_local
 
 __all__ = [
     "DATA_SUFFIXES",
     "MissingAssetError",
+    "describe_dataset_files",
     "download_command",
     "resolve_dataset_files",
     "resolve_model_dir",
 ]
+
+
+# Missing dataset files are named one by one in the download command up to this many; beyond,
+# the command repeats the globs asked for.
+MAX_FILES_BY_NAME = 16
 
 
 class MissingAssetError(ValueError):
@@ -81,7 +90,10 @@ def resolve_dataset_files(
     """The data files (parquet or jsonl) that make up `dataset`, sorted by name.
 
     `dataset` is a hub id, a folder, a file, or several of them comma-separated; `include`
-    (comma-separated globs on file names) selects among them, no globs meaning every data file.
+    (comma-separated globs on file names) selects among them. Without `include` (None), a hub
+    dataset is the files `download_models.py` fetched for it (its manifest entry: every shard
+    downloaded at that commit, whatever `--dataset-include` was used) and a folder is all its
+    data files; an empty `include` is every data file of the dataset, downloaded or not.
     """
     names = [d.strip() for d in dataset.split(",") if d.strip()]
     files: list[Path] = []
@@ -91,6 +103,19 @@ def resolve_dataset_files(
         else:
             files.extend(_cached_dataset_files(name, include, revision, cache_dir))
     return files
+
+
+def describe_dataset_files(files: list[Path], include: str | None) -> str:
+    """Which data files a run uses and why, for its log: 'N file(s) (...): a, b, ... z'."""
+    if include is None:
+        why = "those download_models.py fetched; --dataset_include to choose"
+    elif include == "":
+        why = "all data files: --dataset_include ''"
+    else:
+        why = f"--dataset_include {include!r}"
+    names = [f.name for f in files]
+    shown = ", ".join(names if len(names) <= 4 else [*names[:3], "...", names[-1]])
+    return f"{len(files)} file(s) ({why}): {shown}"
 
 
 def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
@@ -111,16 +136,28 @@ def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
 def _cached_dataset_files(
     dataset: str, include: str | None, revision: str | None, cache_dir: str | None
 ) -> list[Path]:
-    spec = AssetSpec(dataset, "dataset", revision, include or None)
-    entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
-    wanted = entry.wanted_paths(include)
-    if not wanted:
-        data_files = entry.wanted_paths(None)
-        raise ValueError(
-            f"No file of dataset {dataset} (commit {entry.commit[:10]}) matches {include!r}: "
-            f"it has {len(data_files)} data files, e.g. {', '.join(data_files[:3]) or 'none'}. "
-            "Fix --dataset_include."
-        )
+    if include is None:
+        # Not downloaded at all: fetch what download_models.py fetches by default (one shard
+        # of the chess dataset, never all of them).
+        spec = AssetSpec(dataset, "dataset", revision, default_dataset_include(dataset))
+        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        wanted = sorted(p for p in entry.file_paths() if is_data_file(p))
+        if not wanted:
+            raise MissingAssetError(
+                f"download_models.py fetched no data file of dataset {dataset} (commit "
+                f"{entry.commit[:10]}). On the login node run:\n  {spec.command(cache_dir)}"
+            )
+    else:
+        spec = AssetSpec(dataset, "dataset", revision, include or None)
+        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        wanted = entry.wanted_paths(include)
+        if not wanted:
+            data_files = entry.wanted_paths(None)
+            raise ValueError(
+                f"No file of dataset {dataset} (commit {entry.commit[:10]}) matches {include!r}: "
+                f"it has {len(data_files)} data files, e.g. "
+                f"{', '.join(data_files[:3]) or 'none'}. Fix --dataset_include."
+            )
     _require_files(spec, entry, snapshot, wanted, cache_dir)
     return [snapshot / p for p in wanted]
 
@@ -162,11 +199,31 @@ def _require_files(
     """Every wanted file recorded and present (a stat, not a hash: that is --verify's job)."""
     recorded = entry.file_paths()
     missing = [p for p in wanted if p not in recorded or not (snapshot / p).is_file()]
-    if missing:
-        shown = ", ".join(missing[:3]) + (
-            f", ... ({len(missing) - 3} more)" if len(missing) > 3 else ""
-        )
-        raise MissingAssetError(
-            f"{len(missing)} file(s) of {spec} (commit {entry.commit[:10]}) are not in the "
-            f"offline cache: {shown}. On the login node run:\n  {spec.command(cache_dir)}"
-        )
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (
+        f", ... ({len(missing) - 3} more)" if len(missing) > 3 else ""
+    )
+    raise MissingAssetError(
+        f"{len(missing)} file(s) of {spec} (commit {entry.commit[:10]}) are not in the "
+        f"offline cache: {shown}. {_fetch_missing(spec, missing, cache_dir)}"
+    )
+
+
+def _fetch_missing(spec: AssetSpec, missing: list[str], cache_dir: str | None) -> str:
+    """What to run on the login node, ending with the command: it fetches the missing files
+    by name when they are few, and never all of a dataset too large to fetch whole (the chess
+    dataset's shards are terabytes together)."""
+    if spec.repo_type == "dataset" and len(missing) <= MAX_FILES_BY_NAME:
+        names = ",".join(glob.escape(PurePosixPath(p).name) for p in missing)
+        spec = dataclasses.replace(spec, include=names)
+    elif spec.repo_type == "dataset" and not spec.include:
+        subset = default_dataset_include(spec.repo_id)
+        if subset is not None:
+            example = dataclasses.replace(spec, include=subset)
+            return (
+                f"That is every data file of {spec.repo_id}, too much to fetch: choose shards "
+                "with --dataset_include (the same globs for download_models.py "
+                "--dataset-include), e.g. on the login node:\n  " + example.command(cache_dir)
+            )
+    return f"On the login node run:\n  {spec.command(cache_dir)}"

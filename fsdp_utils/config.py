@@ -22,6 +22,7 @@ Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
 OptimizerName = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 DeviceName = Literal["auto", "cuda", "cpu"]
+ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
 DEFAULT_DATASET = "laion/strategic_game_chess"
@@ -60,9 +61,9 @@ class TrainConfig:
         default=None,
         metadata=_opt(
             "Glob(s) of dataset files to use, comma-separated, e.g. "
-            "'chess_game_000[1-2].parquet'. Default: one shard of "
-            f"{DEFAULT_DATASET} ({DEFAULT_DATASET_INCLUDE}), all files of anything else; "
-            "an empty string: all files."
+            "'chess_game_000[1-2].parquet'. Default: the files download_models.py fetched for "
+            "a hub dataset (every shard it recorded), all files of a local folder; an empty "
+            "string: all data files."
         ),
     )
     revision: str | None = field(
@@ -342,9 +343,19 @@ class TrainConfig:
         ),
     )
 
+    # --- export ----------------------------------------------------------------------------
+    export_dtype: ExportDtype = field(
+        default="auto",
+        metadata=_opt(
+            "dtype of the final model's weights: auto (the source model's, from its "
+            "config.json), float32, bfloat16 or float16."
+        ),
+    )
+
     @property
     def resolved_dataset_include(self) -> str | None:
-        """The file glob to use; None means all files."""
+        """The file glob to download (download_models.py --config); None means all files. The
+        trainer reads `dataset_include` itself: None there means what was downloaded."""
         if self.dataset_include is not None:
             return self.dataset_include or None
         return default_dataset_include(self.dataset)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsdp_utils.assets import resolve_dataset_files, resolve_model_dir
+from fsdp_utils.assets import describe_dataset_files, resolve_dataset_files, resolve_model_dir
 from fsdp_utils.batch import BatchPlan
 from fsdp_utils.config import TrainConfig
 from fsdp_utils.document_masking import document_position_ids
@@ -104,15 +104,18 @@ class PreparedData:
 def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
     """Render, tokenise and pack `config.dataset` for `config.model`'s tokenizer; return the
     cache folder (reused when it already exists)."""
+    # Without --dataset_include: the files download_models.py fetched (assets.py).
     files = resolve_dataset_files(
-        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
+        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
     )
+    log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     spec = preparation_spec(config, files, model_dir)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
     folder = default_data_cache_dir(config) / key
     if (folder / "meta.json").is_file():
-        log(f"data: using prepared data in {folder}")
+        stats = json.loads((folder / "meta.json").read_text()).get("stats", {})
+        log(f"data: using prepared data in {folder}: {_describe(stats)}")
         return folder
 
     started = time.perf_counter()

@@ -3,17 +3,23 @@
 The full state dict is gathered to rank 0's CPU (one copy, on one rank) and written with
 `huggingface_hub.save_torch_state_dict`, which shards large models into 5 GB files with an
 index, exactly as `save_pretrained` does, so `from_pretrained` loads the result.
+
+The weights are written in the source model's dtype (its config's `dtype`, `torch_dtype` in
+older configs), not in the fp32 of the master weights: a bf16 7B model stays 13.5 GB, not 27.
+`--export_dtype` chooses another; the config written says what the files hold.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
+from fsdp_utils.config import ExportDtype
 from fsdp_utils.model import tied_parameter_names
 
 TOKENIZER_FILES = (
@@ -27,6 +33,35 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
+
+
+def config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a model config declares (`dtype`, or `torch_dtype` in transformers 4)."""
+    for key in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, str):
+            value = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def resolve_export_dtype(choice: str, hf_config: Any) -> torch.dtype:
+    """`auto`: the source model's floating-point dtype, float32 if its config names none."""
+    if choice not in EXPORT_DTYPES:
+        raise ValueError(
+            f"Unknown export dtype {choice!r}: choose one of {', '.join(EXPORT_DTYPES)} "
+            "(--export_dtype; auto is the source model's)."
+        )
+    if choice != "auto":
+        return getattr(torch, choice)  # type: ignore[no-any-return]
+    declared = config_dtype(hf_config)
+    if declared in (torch.float32, torch.bfloat16, torch.float16):
+        return declared
+    return torch.float32
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -56,21 +91,23 @@ def write_hf_folder(
     hf_config: Any,
     destination: Path,
     tokenizer_source: Path | None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write state dict + config (+ tokenizer files) so that `from_pretrained(destination)`
-    works. Writes into a temporary sibling and renames it, so a crash leaves no half model."""
+    """Write state dict (floating-point tensors cast to `dtype`) + config (saying `dtype`)
+    (+ tokenizer files) so that `from_pretrained(destination)` works. Writes into a temporary
+    sibling and renames it, so a crash leaves no half model."""
     from huggingface_hub import save_torch_state_dict
 
     destination = Path(destination)
     tmp = destination.with_name(destination.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_torch_state_dict(state, tmp, max_shard_size="5GB")
-    hf_config.use_cache = True  # training switched it off; generation wants it
-    hf_config.save_pretrained(tmp)
+    saved = copy.deepcopy(hf_config)  # the caller's config stays as it is
+    saved.dtype = dtype
+    saved.use_cache = True  # training switched it off; generation wants it
+    saved.save_pretrained(tmp)
     if tokenizer_source is not None:
         copy_tokenizer_files(tokenizer_source, tmp)
     if destination.exists():
@@ -85,17 +122,25 @@ def save_hf_model(
     destination: Path,
     tokenizer_source: Path | None,
     is_main: bool,
+    export_dtype: str = "auto",
 ) -> Path:
-    """Collective over all ranks; rank 0 writes."""
+    """Collective over all ranks; rank 0 writes, in `export_dtype` (`auto`: the source
+    model's dtype, which `hf_config` keeps; see `resolve_export_dtype`)."""
+    dtype = resolve_export_dtype(export_dtype, hf_config)  # before the collective: fail alike
     state = gather_full_state_dict(model)
     if is_main:
         drop_tied_duplicates(state, model)
-        write_hf_folder(state, hf_config, destination, tokenizer_source)
+        write_hf_folder(state, hf_config, destination, tokenizer_source, dtype)
     return destination
 
 
 def export_checkpoint(
-    checkpoint: Path, destination: Path, *, merge: bool = False, base: Path | None = None
+    checkpoint: Path,
+    destination: Path,
+    *,
+    merge: bool = False,
+    base: Path | None = None,
+    export_dtype: str = "auto",
 ) -> Path:
     """Consolidate a sharded DCP checkpoint (any world size) into a Hugging Face folder, in one
     process on CPU. The checkpoint carries the model config and tokenizer (`hf/`). A LoRA
@@ -111,7 +156,9 @@ def export_checkpoint(
     from fsdp_utils.lora_export import export_lora_checkpoint, is_lora_checkpoint
 
     if is_lora_checkpoint(info):
-        return export_lora_checkpoint(info, Path(destination), merge=merge, base=base)
+        return export_lora_checkpoint(
+            info, Path(destination), merge=merge, base=base, export_dtype=export_dtype
+        )
     if merge:
         raise ValueError(
             f"--merge merges LoRA adapters into their base model, and {checkpoint} is a full "
@@ -119,13 +166,14 @@ def export_checkpoint(
         )
     hf_dir = info.path / HF_SUBDIR
     hf_config = load_model_config(hf_dir)
+    dtype = resolve_export_dtype(export_dtype, hf_config)
     model = build_meta_model(hf_config, info.meta["identity"]["precision"])
     materialize(model, torch.device("cpu"))
     state = get_model_state_dict(model)
     with single_process_dcp_allowed():
         dcp.load({"model": state}, checkpoint_id=str(info.path))
     drop_tied_duplicates(state, model)
-    return write_hf_folder(state, hf_config, Path(destination), hf_dir)
+    return write_hf_folder(state, hf_config, Path(destination), hf_dir, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         help="With --merge: the base model folder (default: the run's --model from the offline "
         "cache).",
     )
+    parser.add_argument(
+        "--export_dtype",
+        choices=EXPORT_DTYPES,
+        default="auto",
+        help="dtype of the weights written (auto: the source model's, from its config)",
+    )
     args = parser.parse_args(argv)
     try:
-        path = export_checkpoint(args.checkpoint, args.output, merge=args.merge, base=args.base)
+        path = export_checkpoint(
+            args.checkpoint,
+            args.output,
+            merge=args.merge,
+            base=args.base,
+            export_dtype=args.export_dtype,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fsdp_utils.export import copy_tokenizer_files, drop_tied_duplicates, write_hf_folder
+from fsdp_utils.export import (
+    copy_tokenizer_files,
+    drop_tied_duplicates,
+    resolve_export_dtype,
+    write_hf_folder,
+)
 from fsdp_utils.lora import ADAPTER, adapted_modules, peft_config
 
 if TYPE_CHECKING:
@@ -122,9 +127,11 @@ def write_lora_outputs(
     hf_config: Any,
     destinations: tuple[Path, Path | None],
     tokenizer_source: Path | None,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """The adapter folder, and the merged model if a second destination is given (then `state`
-    must hold the base weights too). Returns the adapter folder."""
+    """The adapter folder, and the merged model (in `dtype`) if a second destination is given
+    (then `state` must hold the base weights too). Returns the adapter folder."""
     adapter_dir, merged_dir = destinations
     lora_config = peft_config(
         config,
@@ -137,7 +144,7 @@ def write_lora_outputs(
     if merged_dir is not None:
         merged = merged_state(state, model)
         drop_tied_duplicates(merged, model)
-        write_hf_folder(merged, hf_config, merged_dir, tokenizer_source)
+        write_hf_folder(merged, hf_config, merged_dir, tokenizer_source, dtype)
     return adapter_dir
 
 
@@ -152,6 +159,7 @@ def save_lora_model(
     """Collective over all ranks; rank 0 writes `final/` (and `final_merged/` with --merge)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    dtype = resolve_export_dtype(config.export_dtype, hf_config)  # before the collective
     # Without --merge only the adapters are gathered: megabytes, whatever the base's size.
     options = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=not config.merge
@@ -160,7 +168,13 @@ def save_lora_model(
     if is_main:
         merged_dir = layout.merged_model if config.merge else None
         write_lora_outputs(
-            state, model, config, hf_config, (layout.final_model, merged_dir), tokenizer_source
+            state,
+            model,
+            config,
+            hf_config,
+            (layout.final_model, merged_dir),
+            tokenizer_source,
+            dtype=dtype,
         )
     return layout.final_model
 
@@ -184,7 +198,12 @@ def lora_config_of_checkpoint(info: CheckpointInfo) -> TrainConfig:
 
 
 def export_lora_checkpoint(
-    info: CheckpointInfo, destination: Path, *, merge: bool, base: Path | None
+    info: CheckpointInfo,
+    destination: Path,
+    *,
+    merge: bool,
+    base: Path | None,
+    export_dtype: str = "auto",
 ) -> Path:
     """A LoRA training checkpoint (any world size) as a PEFT adapter folder, or with `merge` as
     a full Hugging Face model (the base weights come from `base`, else from the offline cache
@@ -227,7 +246,8 @@ def export_lora_checkpoint(
     if merge:
         merged = merged_state(state, model)
         drop_tied_duplicates(merged, model)
-        return write_hf_folder(merged, hf_config, destination, hf_dir)
+        dtype = resolve_export_dtype(export_dtype, hf_config)
+        return write_hf_folder(merged, hf_config, destination, hf_dir, dtype)
     write_lora_outputs(state, model, config, hf_config, (destination, None), hf_dir)
     return destination
 

@@ -97,6 +97,7 @@ def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
 
     dtype = param_dtype_for(precision)
     previous = torch.get_default_dtype()
+    source_dtype = getattr(hf_config, "dtype", None)
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
@@ -108,6 +109,9 @@ def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
         ) from err
     finally:
         torch.set_default_dtype(previous)
+    # from_config writes the storage dtype into the config it was given, which checkpoints
+    # save: keep the model's own dtype there, the one the final model is exported in.
+    model.config.dtype = source_dtype
     # The KV cache is useless in training and costs memory.
     model.config.use_cache = False
     return model

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdp_utils.config import TrainConfig
@@ -122,6 +123,18 @@ def checkpoint_size(
     )
 
 
+def model_export_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The Hugging Face model the run writes at the end: floating-point tensors in `dtype`, tied
+    weights once (export keeps one name per tied group), no LoRA adapters (merged in)."""
+    unique = {
+        id(t): t for name, t in model.state_dict(keep_vars=True).items() if ".lora_" not in name
+    }
+    return sum(
+        t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+        for t in unique.values()
+    )
+
+
 def free_bytes(path: Path) -> tuple[int, Path]:
     """Free bytes on the file system that will hold `path` (its nearest existing ancestor)."""
     probe = Path(os.path.abspath(path))
@@ -197,11 +210,15 @@ def plan_storage(
 
             apply_lora(model, find_decoder_layers(model), config)
     size = checkpoint_size(model, config, model_dir, world_size)
-    # The end of the run writes the model (LoRA: the adapter folder, and with --merge the
-    # merged model too, as large as the base in the checkpoint's weight dtype).
-    final = size.model_bytes
-    if config.lora and config.merge:
-        final += sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # The end of the run writes the model in the export dtype (--export_dtype), tied weights
+    # once; a LoRA run writes its adapters, and with --merge the merged model too.
+    from fsdp_utils.export import resolve_export_dtype
+
+    export = resolve_export_dtype(config.export_dtype, hf_config)
+    if config.lora:
+        final = size.model_bytes + (model_export_bytes(model, export) if config.merge else 0)
+    else:
+        final = model_export_bytes(model, export)
     free, folder = free_bytes(RunLayout.of(config.output_dir).checkpoints)
     return StoragePlan(
         size=size,

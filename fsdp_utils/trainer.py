@@ -732,8 +732,9 @@ class Trainer:
             )
         else:
             path = save_hf_model(
-                model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main
-            )
+                model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main,
+                export_dtype=self.config.export_dtype,
+            )  # fmt: skip
         dist_utils.barrier()
         self.log.event(
             "final_model", f"model: saved to {path} in {watch.lap():.1f}s", path=str(path)

@@ -11,6 +11,9 @@ arguments runs unchanged against it:
                                           fetched); tag v1.0 = first commit, main = second
     datasets/laion/strategic_game_chess   4 parquet shards in the laion schema
     models/meta-llama/Llama-2-7b-hf       the tiny model again; gated by `HubProxy`
+    models/mistralai/Mistral-7B-v0.3      the tiny model in shards with their index, and a
+                                          consolidated.safetensors copy beside them (as
+                                          Mistral ships it: never to be fetched)
 
 `HubProxy` is a small HTTP proxy in front of olah that can require a token for gated repos
 (answering like the Hub: 401 with `X-Error-Code: GatedRepo`) and throttle bandwidth, so that a
@@ -43,6 +46,7 @@ import pytest
 MODEL_ID = "codellama/CodeLlama-7b-hf"
 DATASET_ID = "laion/strategic_game_chess"
 GATED_ID = "meta-llama/Llama-2-7b-hf"
+SHARDED_ID = "mistralai/Mistral-7B-v0.3"
 NUM_SHARDS = 4
 LFS_SUFFIXES = (".safetensors", ".bin", ".pth", ".parquet")
 _GIT_ENV = {
@@ -179,7 +183,37 @@ def build_repos(root: Path, tiny_assets: dict[str, Path]) -> dict[str, MirrorRep
     gated.files = model_files | {".gitattributes": attributes}
     gated.commits["main"] = commit_files(gated.path, gated.files, "gated")
     repos[GATED_ID] = gated
+
+    sharded = MirrorRepo(SHARDED_ID, "model", root / "models" / SHARDED_ID)
+    sharded.files = _sharded_weights(tiny_assets["model"]) | {
+        name: data for name, data in model_files.items() if name != "model.safetensors"
+    }
+    sharded.files |= {
+        ".gitattributes": attributes,
+        "consolidated.safetensors": model_files["model.safetensors"],
+    }
+    sharded.commits["main"] = commit_files(sharded.path, sharded.files, "sharded")
+    repos[SHARDED_ID] = sharded
     return repos
+
+
+def _sharded_weights(model_dir: Path) -> dict[str, bytes]:
+    """The model's weights in safetensors shards with their index, as save_pretrained writes
+    a large model."""
+    import json
+    import tempfile
+
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    half = sum(t.numel() * t.element_size() for t in state.values()) // 2 + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        save_torch_state_dict(state, tmp, max_shard_size=half)
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    index = json.loads(files["model.safetensors.index.json"])
+    assert len(set(index["weight_map"].values())) > 1, "the tiny model was not split"
+    return files
 
 
 # --- servers ---------------------------------------------------------------------------------

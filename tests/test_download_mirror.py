@@ -27,6 +27,7 @@ from tests.hf_mirror import (  # noqa: F401 (hub_mirror_fixture registers `hub_m
     DATASET_ID,
     GATED_ID,
     MODEL_ID,
+    SHARDED_ID,
     HubMirror,
     HubProxy,
     free_port,
@@ -334,6 +335,24 @@ def test_gated_model_downloads_with_a_token_that_is_never_written(
     )
     written = [p for p in home.rglob("*") if p.is_file() and not p.is_symlink()]
     assert written and not [p for p in written if TOKEN.encode() in p.read_bytes()]
+
+
+def test_sharded_model_fetches_the_indexed_shards_not_their_consolidated_copy(
+    hub_mirror: HubMirror, tmp_path: Path
+) -> None:
+    """As Mistral-7B-v0.3: shards named by model.safetensors.index.json, and the same weights
+    again in consolidated.safetensors, which is neither fetched nor hashed."""
+    from transformers import AutoModelForCausalLM
+
+    home = tmp_path / "home"
+    result = ok(download(hub_mirror, home, "--model", SHARDED_ID))
+    repo = hub_mirror.repos[SHARDED_ID]
+    fetched = {f.path for f in entry(home / "hub", "model", SHARDED_ID, None).files}
+    assert fetched == set(repo.files) - {".gitattributes", "consolidated.safetensors"}
+    assert f"{len(fetched)} of {len(repo.files)} files" in result.stdout
+    snapshot = resolve_model_dir(SHARDED_ID, cache_dir=str(home / "hub"))
+    assert not (snapshot / "consolidated.safetensors").exists()
+    assert AutoModelForCausalLM.from_pretrained(snapshot).num_parameters() > 0
 
 
 def test_full_disk_is_refused_before_anything_is_written(

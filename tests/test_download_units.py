@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_utils.assets import MissingAssetError, resolve_dataset_files, resolve_model_dir
-from fsdp_utils.config import DEFAULT_DATASET, DEFAULT_DATASET_INCLUDE, DEFAULT_MODEL
+from fsdp_utils.config import DEFAULT_DATASET, DEFAULT_DATASET_INCLUDE, DEFAULT_MODEL, TrainConfig
 from fsdp_utils.hub.cache import (
     BUILTIN_CACHE_DIR,
     InsufficientDiskSpaceError,
@@ -100,6 +100,46 @@ def test_model_selection_falls_back_to_pytorch_bins_and_fails_without_weights() 
         select_model_files(remote(["config.json", "README.md"]), "x/y")
     explicit = select_model_files(remote(CODELLAMA_FILES), "x/y", include="original/*,config.json")
     assert [f.path for f in explicit] == ["config.json", "original/consolidated.00.pth"]
+
+
+# The weights of mistralai/Mistral-7B-v0.3: the Hugging Face shards with their index, and a
+# consolidated copy of all of them for Mistral's own code (14.5 GB).
+MISTRAL_FILES = [
+    "config.json",
+    "consolidated.safetensors",
+    "generation_config.json",
+    "model-00001-of-00003.safetensors",
+    "model-00002-of-00003.safetensors",
+    "model-00003-of-00003.safetensors",
+    "model.safetensors.index.json",
+    "params.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer.model.v3",
+    "tokenizer_config.json",
+]
+
+
+def test_model_selection_takes_exactly_the_shards_the_index_names() -> None:
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    chosen = [f.path for f in select_model_files(remote(MISTRAL_FILES), "m/x", indexed=shards)]
+    assert "consolidated.safetensors" not in chosen
+    assert [p for p in chosen if p.endswith(".safetensors")] == shards
+    assert "model.safetensors.index.json" in chosen and "tokenizer.model" in chosen
+    # Without an index, the one file transformers loads, not a copy beside it.
+    single = ["config.json", "model.safetensors", "consolidated.safetensors"]
+    assert [f.path for f in select_model_files(remote(single), "m/x")] == [
+        "config.json",
+        "model.safetensors",
+    ]
+    # An index naming a shard the repo lacks: a broken repo, said before anything is fetched.
+    with pytest.raises(NoMatchingFilesError, match=r"model-00004-of-00003\.safetensors"):
+        select_model_files(
+            remote(MISTRAL_FILES), "m/x", indexed=["model-00004-of-00003.safetensors"]
+        )
+    # An explicit selection is taken as given.
+    explicit = select_model_files(remote(MISTRAL_FILES), "m/x", include="consolidated.*")
+    assert [f.path for f in explicit] == ["consolidated.safetensors"]
 
 
 def test_dataset_globs_match_names_or_paths_and_report_what_exists() -> None:
@@ -303,8 +343,14 @@ def test_partial_downloads_are_removed_only_when_no_download_holds_them(tmp_path
     assert not partial.exists()
 
 
-def fake_download(cache: Path, files: dict[str, bytes], repo_id: str = "org/data") -> ManifestEntry:
-    """A cache entry as the downloader leaves it (snapshot files + manifest), made offline."""
+def fake_download(
+    cache: Path,
+    files: dict[str, bytes],
+    repo_id: str = "org/data",
+    others: tuple[str, ...] = ("b[1].parquet",),
+) -> ManifestEntry:
+    """A cache entry as the downloader leaves it (snapshot files + manifest), made offline;
+    `others`: files of the repo that were not downloaded."""
     import hashlib
 
     commit = "c" * 40
@@ -318,7 +364,7 @@ def fake_download(cache: Path, files: dict[str, bytes], repo_id: str = "org/data
         revision="main",
         commit=commit,
         files=tuple(FileRecord(n, len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()),
-        repo_files=(*files, "b[1].parquet"),
+        repo_files=(*files, *others),
         endpoint="https://huggingface.co",
         downloaded_at="2025-01-01T00:00:00+00:00",
     )
@@ -354,8 +400,13 @@ def test_compute_side_resolution_from_the_manifest(tmp_path: Path) -> None:
     fake_download(cache, {"a.parquet": b"A", "b.parquet": b"B"})
     files = resolve_dataset_files("org/data", "a.parquet", cache_dir=str(cache))
     assert [f.read_bytes() for f in files] == [b"A"]
+    # Without globs: what was downloaded; with '': every data file, one of them missing.
+    assert [f.name for f in resolve_dataset_files("org/data", None, cache_dir=str(cache))] == [
+        "a.parquet",
+        "b.parquet",
+    ]
     with pytest.raises(MissingAssetError, match=r"not in the offline cache: b\[1\]\.parquet"):
-        resolve_dataset_files("org/data", None, cache_dir=str(cache))  # all files: one missing
+        resolve_dataset_files("org/data", "", cache_dir=str(cache))
     with pytest.raises(ValueError, match=r"No file of dataset org/data .* matches 'z\*'"):
         resolve_dataset_files("org/data", "z*", cache_dir=str(cache))
     (files[0]).unlink()
@@ -366,6 +417,72 @@ def test_compute_side_resolution_from_the_manifest(tmp_path: Path) -> None:
     (cache / "models--org--m" / "snapshots" / ("d" * 40)).mkdir(parents=True)
     with pytest.raises(MissingAssetError, match="neither pinned nor verified"):
         resolve_model_dir("org/m", cache_dir=str(cache))
+
+
+def test_training_uses_the_files_that_were_downloaded(tmp_path: Path) -> None:
+    """Four shards of the chess dataset fetched with --dataset-include: training without
+    --dataset_include uses those four (not one, not all), and every message about a missing
+    file names a command that fetches only what is missing."""
+    from fsdp_utils.preflight import check_basics
+    from fsdp_utils.synthetic import shard_name, tiny_model_config
+
+    cache, model = tmp_path / "hub", tmp_path / "model"
+    tiny_model_config("llama", vocab_size=128).save_pretrained(model)
+    config = TrainConfig(model=str(model), dataset=DEFAULT_DATASET, cache_dir=str(cache))
+
+    with pytest.raises(MissingAssetError) as error:  # nothing downloaded: the default shard
+        check_basics(config, world_size=2)
+    assert error.value.args[0].splitlines()[-1].strip() == download_command(
+        dataset=DEFAULT_DATASET, include=DEFAULT_DATASET_INCLUDE, cache_dir=str(cache)
+    )
+
+    shards = [shard_name(i) for i in range(1, 101)]  # the repo has many more than were fetched
+    entry = fake_download(
+        cache, {name: name.encode() for name in shards[:4]}, DEFAULT_DATASET, tuple(shards[4:])
+    )
+    files = resolve_dataset_files(DEFAULT_DATASET, None, cache_dir=str(cache))
+    assert [f.name for f in files] == shards[:4]
+    assert "data 4 file(s) (those download_models.py fetched" in check_basics(config, 2)
+    assert "data 2 file(s) (--dataset_include" in check_basics(
+        config.replace(dataset_include="chess_game_000[1-2].parquet"), 2
+    )
+
+    (entry.snapshot(cache) / shards[2]).unlink()  # a recorded shard went missing
+    with pytest.raises(MissingAssetError) as error:
+        check_basics(config, 2)
+    assert error.value.args[0].splitlines()[-1].strip() == download_command(
+        dataset=DEFAULT_DATASET, include=shards[2], cache_dir=str(cache)
+    )
+    with pytest.raises(MissingAssetError) as error:  # all of it, asked for explicitly
+        check_basics(config.replace(dataset_include=""), 2)
+    message = error.value.args[0]
+    assert "97 file(s)" in message and "too much to fetch" in message
+    assert message.splitlines()[-1].strip() == download_command(
+        dataset=DEFAULT_DATASET, include=DEFAULT_DATASET_INCLUDE, cache_dir=str(cache)
+    )
+
+
+def test_the_trainer_logs_which_files_and_how_many_tokens(
+    tmp_path: Path, tiny_assets: dict[str, Path]
+) -> None:
+    from fsdp_utils.data import prepare_dataset
+
+    cache = tmp_path / "hub"
+    shards = sorted(tiny_assets["data"].glob("*.parquet"))
+    fake_download(cache, {p.name: p.read_bytes() for p in shards}, DEFAULT_DATASET, ())
+    config = TrainConfig(
+        model=str(tiny_assets["model"]),
+        dataset=DEFAULT_DATASET,
+        cache_dir=str(cache),
+        data_cache_dir=str(tmp_path / "data"),
+        max_seq_length=64,
+    )
+    for _ in range(2):  # prepared, then reused: the same lines
+        lines: list[str] = []
+        prepare_dataset(config, log=lines.append)
+        used = next(line for line in lines if "file(s)" in line)
+        assert all(p.name in used for p in shards) and "download_models.py fetched" in used
+        assert any("train" in line and " tokens" in line for line in lines), lines
 
 
 def test_local_paths_resolve_as_before(tmp_path: Path) -> None:

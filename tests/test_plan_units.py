@@ -174,3 +174,18 @@ def test_plan_that_does_not_fit_lists_fixes_that_fit_first():
     assert "DOES NOT FIT: needs 28.4 GiB, the GPU has 20.0 GiB (8.4 GiB short)" in text
     fitting, rest = text.split("Not enough on their own:")
     assert "--gradient_checkpointing" in fitting and "--optimizer sgd" in rest
+
+
+def test_layer_counts_for_extrapolation():
+    from fsdp_utils.plan.extrapolate import layer_counts
+
+    assert layer_counts(32, 1).depths == (3, 4, 5)
+    # Checkpointing every 2nd layer: whole periods, and the shallow copies end on a layer
+    # wrapped as the full model's last one is (layer 19 of 20 is not: 4 layers, not 3).
+    assert layer_counts(20, 2).depths == (4, 6, 8)
+    assert layer_counts(23, 2).depths == (5, 7, 9)
+    assert layer_counts(12, 1) is None  # 3 + 4 + 5 layers cost what 12 do: trace them all
+    counts = layer_counts(80, 1)
+    assert counts.at_full((100, 130, 160)) == 100 + 77 * 30
+    assert counts.at_full((100, 130, 170)) is None  # not linear yet: trace deeper copies
+    assert counts.deeper().depths == (4, 5, 6)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fsdp_utils.preflight import read_plan
 
 REPO = Path(__file__).resolve().parent.parent
 CODELLAMA_7B = REPO / "tests" / "fixtures" / "configs" / "codellama-7b"
@@ -65,3 +69,61 @@ def test_plan_flag_is_the_planner(tiny_assets):
     result = _run("--plan", "--gpus-per-node", "2", "--gpu-memory", "4GiB", *_assets(tiny_assets))
     assert result.returncode == 0, result.stderr
     assert "Memory plan:" in result.stdout and "verdict: FITS" in result.stdout
+
+
+RERUN = "python chess_finetune.py --plan --nodes 1 --gpus-per-node 4 --gpu-memory 80GiB ..."
+CRASH = """Traceback (most recent call last):
+  File "fsdp_utils/plan/cli.py", line 177, in main
+KeyError: 'no-such-activation'
+
+error: the memory planner crashed (KeyError: 'no-such-activation'). This is a bug ...
+"""
+
+
+def test_only_a_real_does_not_fit_stops_the_job():
+    assert read_plan(0, "verdict: FITS: needs 2.0 of 8.0 GiB\n", "", rerun=RERUN) == (
+        "memory plan: FITS: needs 2.0 of 8.0 GiB"
+    )
+    plan = "Memory plan: ...\nverdict: DOES NOT FIT: needs 84.1 GiB, the GPU has 80.0 GiB\n"
+    with pytest.raises(ValueError, match="does not fit in GPU memory") as error:
+        read_plan(1, plan, "", rerun=RERUN)
+    assert RERUN in str(error.value)
+
+    skip = "; GPU_MEMORY=off skips it"
+    cannot = read_plan(
+        2, "", "\nerror: This model cannot be traced on fake tensors.\n", rerun=RERUN
+    )
+    assert cannot == (
+        f"memory plan skipped: the planner cannot plan this run: This model cannot be traced on "
+        f"fake tensors.{skip}"
+    )
+    crashed = read_plan(3, "", CRASH, rerun=RERUN).splitlines()
+    assert (
+        crashed[0]
+        == f"memory plan skipped: the planner crashed (KeyError: 'no-such-activation'){skip}"
+    )
+    assert "    Traceback (most recent call last):" in crashed  # kept for the bug report
+    # Python itself exits 1 on an uncaught exception (e.g. before main): no verdict, no stop.
+    died = read_plan(1, "", "Traceback (most recent call last):\nImportError: boom\n", rerun=RERUN)
+    assert died.startswith(f"memory plan skipped: the planner exited with status 1{skip}")
+    assert "ImportError: boom" in died
+    killed = read_plan(-9, "", "", rerun=RERUN)
+    assert (
+        killed
+        == f"memory plan skipped: the planner was killed by SIGKILL (often: out of host memory){skip}"
+    )
+
+
+def test_a_planner_crash_is_a_warning_and_the_job_goes_on(tiny_assets, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["hidden_act"] = "no-such-activation"  # the planner's build raises KeyError
+    (model / "config.json").write_text(json.dumps(config))
+    args = ["--model", str(model), "--dataset", str(tiny_assets["data"]), "--dataset_include", ""]
+    result = _run("--preflight", "--world_size", "2", "--gpu_memory", "8GiB", *args)
+    assert result.returncode == 0, result.stderr
+    assert "memory plan skipped: the planner crashed (KeyError: 'no-such-activation')" in (
+        result.stdout
+    )
+    assert "Traceback (most recent call last):" in result.stdout

@@ -225,4 +225,11 @@ def test_a_lora_checkpoint_is_counted_as_adapters_only(tmp_path: Path) -> None:
     assert plan.size.optimizer_bytes == 2 * plan.size.model_bytes
     assert plan.final_bytes == plan.size.model_bytes
     merged = plan_storage(config.replace(merge=True), hf_config, CODELLAMA_7B, existing=0)
+    # A full fine-tune's final model is written in the source model's dtype (bf16 here).
+    full = plan_storage(config.replace(lora=False), hf_config, CODELLAMA_7B, existing=0)
+    assert full.final_bytes == full.size.model_bytes // 2  # fp32 master weights, bf16 export
+    fp32 = config.replace(lora=False, export_dtype="float32")
+    assert plan_storage(fp32, hf_config, CODELLAMA_7B, existing=0).final_bytes == (
+        full.size.model_bytes
+    )
     assert merged.final_bytes > 13e9  # the merged model (7B in bf16) beside the adapters

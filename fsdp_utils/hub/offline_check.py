@@ -85,7 +85,9 @@ def check_dataset(spec: AssetSpec, cache_dir: Path) -> str:
 
     from fsdp_utils.assets import resolve_dataset_files
 
-    files = resolve_dataset_files(spec.repo_id, spec.include, spec.revision, str(cache_dir))
+    # The spec's include as the downloader reads it: none means every data file.
+    include = spec.include or ""
+    files = resolve_dataset_files(spec.repo_id, include, spec.revision, str(cache_dir))
     rows = 0
     for path in files:
         if path.suffix == ".parquet":

@@ -8,9 +8,15 @@ revision, no matching files, too little disk) leaves the cache exactly as it was
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from fsdp_utils.hub.selection import RemoteFile, select_dataset_files, select_model_files
+from fsdp_utils.hub.selection import (
+    SAFETENSORS_INDEX,
+    RemoteFile,
+    select_dataset_files,
+    select_model_files,
+)
 from fsdp_utils.hub.specs import DEFAULT_REVISION, AssetSpec, RepoType
 
 
@@ -22,10 +28,13 @@ class RemoteRepo:
     commit: str
     files: tuple[RemoteFile, ...]
     endpoint: str
+    indexed: tuple[str, ...] | None = None  # the files model.safetensors.index.json names
 
     def select(self) -> list[RemoteFile]:
         if self.spec.repo_type == "model":
-            return select_model_files(self.files, self.spec.repo_id, self.spec.include)
+            return select_model_files(
+                self.files, self.spec.repo_id, self.spec.include, self.indexed
+            )
         return select_dataset_files(self.files, self.spec.include, self.spec.repo_id)
 
 
@@ -59,12 +68,47 @@ def fetch_repo(api: Any, spec: AssetSpec) -> RemoteRepo:
             for item in listing
             if isinstance(item, RepoFile)
         )
+        indexed = None
+        if spec.repo_type == "model" and not spec.include and _has(files, SAFETENSORS_INDEX):
+            indexed = read_index(api, spec, commit)
     except Exception as error:
         explained = explain_hub_error(error, spec, api)
         if explained is None:
             raise
         raise explained from error
-    return RemoteRepo(spec=spec, commit=commit, files=files, endpoint=api.endpoint)
+    return RemoteRepo(spec=spec, commit=commit, files=files, endpoint=api.endpoint, indexed=indexed)
+
+
+def _has(files: tuple[RemoteFile, ...], path: str) -> bool:
+    return any(f.path == path for f in files)
+
+
+def read_index(api: Any, spec: AssetSpec, commit: str) -> tuple[str, ...]:
+    """The weight files `model.safetensors.index.json` names at `commit` (one small file,
+    read into a temporary folder: planning writes nothing to the cache)."""
+    import json
+    import tempfile
+
+    from huggingface_hub import hf_hub_download
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = hf_hub_download(
+            spec.repo_id,
+            SAFETENSORS_INDEX,
+            revision=commit,
+            local_dir=tmp,
+            endpoint=api.endpoint,
+            token=api.token,
+        )
+        try:
+            weight_map = json.loads(Path(path).read_text())["weight_map"]
+            return tuple(sorted(set(weight_map.values())))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(
+                f"{spec}'s {SAFETENSORS_INDEX} is unreadable ({error}): the repo is broken at "
+                f"commit {commit[:10]}. Pick files explicitly with an `include:` entry in an "
+                "assets file (python download_models.py --config FILE)."
+            ) from error
 
 
 def repo_url(endpoint: str, repo_id: str, repo_type: str) -> str:

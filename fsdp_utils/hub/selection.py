@@ -3,7 +3,9 @@
 Models: the weights in safetensors (never also the `.bin`, `.h5`, `.msgpack`, `.gguf` or
 `original/` copies many repos carry, which would double or triple the download), plus every
 small support file at the top level: config, generation config, tokenizer, chat template,
-licence. Falls back to PyTorch `.bin` weights only for repos without safetensors.
+licence. With a `model.safetensors.index.json`, exactly the shards it names (not a
+`consolidated.safetensors` beside them); without, `model.safetensors` if there is one. Falls
+back to PyTorch `.bin` weights only for repos without safetensors.
 
 Datasets: the files matching the include globs; without globs, every data file (parquet,
 jsonl, json).
@@ -40,6 +42,9 @@ WEIGHT_SUFFIXES = (
 # Small top-level files a causal LM needs (or that carry its licence).
 SUPPORT_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja", ".py", ".vocab", ".md")
 SUPPORT_NAMES = ("LICENSE", "LICENCE", "NOTICE")
+# What transformers loads: the index and the shards it names, else the single file.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,18 @@ def select_dataset_files(
 
 
 def select_model_files(
-    files: Sequence[RemoteFile], repo_id: str, include: str | None = None
+    files: Sequence[RemoteFile],
+    repo_id: str,
+    include: str | None = None,
+    indexed: Sequence[str] | None = None,
 ) -> list[RemoteFile]:
-    """Safetensors weights plus top-level support files (see the module docstring)."""
+    """Safetensors weights plus top-level support files (see the module docstring).
+
+    `indexed`: the files named by the repo's `model.safetensors.index.json` (its weight_map),
+    when it has one: exactly those are the weights, as `from_pretrained` loads them. Repos
+    such as Mistral-7B-v0.3 carry a consolidated copy of every weight beside the shards
+    (`consolidated.safetensors`, 14.5 GB) that nothing here reads.
+    """
     patterns = split_patterns(include)
     if patterns:
         chosen = [f for f in files if matches(f.path, patterns)]
@@ -109,6 +123,20 @@ def select_model_files(
 
     top_level = [f for f in files if "/" not in f.path]
     safetensors = [f for f in top_level if f.path.endswith(".safetensors")]
+    if indexed is not None:
+        by_path = {f.path: f for f in files}
+        absent = sorted(set(indexed) - set(by_path))
+        if absent:
+            raise NoMatchingFilesError(
+                f"{repo_id}'s {SAFETENSORS_INDEX} names weight files the repo does not have: "
+                f"{_sample(absent)}. The repo is incomplete at this revision; pick files "
+                "explicitly with an `include:` entry in an assets file "
+                "(python download_models.py --config FILE), or choose another --revision."
+            )
+        safetensors = [by_path[p] for p in sorted(set(indexed))]
+    elif any(f.path == SAFETENSORS_SINGLE for f in safetensors):
+        # One file and no index: transformers loads model.safetensors and nothing else.
+        safetensors = [f for f in safetensors if f.path == SAFETENSORS_SINGLE]
     pytorch_bins = [f for f in top_level if fnmatch.fnmatchcase(f.path, "pytorch_model*.bin")]
     weights = safetensors or pytorch_bins
     if not weights:
@@ -118,9 +146,7 @@ def select_model_files(
             "`include:` entry in an assets file (python download_models.py --config FILE)."
         )
     # The index of the format we do not fetch would point at missing files.
-    skipped_index = (
-        "pytorch_model.bin.index.json" if safetensors else "model.safetensors.index.json"
-    )
+    skipped_index = "pytorch_model.bin.index.json" if safetensors else SAFETENSORS_INDEX
     support = [f for f in top_level if _is_support_file(f.path) and f.path != skipped_index]
     return sorted(weights + support, key=lambda f: f.path)
 

@@ -1,6 +1,8 @@
 """`python -m fsdp_utils.plan`: will this fine-tune fit in GPU memory, before it waits in the queue.
 
-Exit status: 0 it fits (or no GPU size was given), 1 it does not fit, 2 bad input.
+Exit status: 0 it fits (or no GPU size was given), 1 it does not fit, 2 it cannot plan this run
+(a mistake in the command, or a model it cannot trace: the message names the fix), 3 it crashed
+(a bug in the planner: the traceback is on stderr). The preflight stops a job only on 1.
 """
 
 from __future__ import annotations
@@ -8,15 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 
 from fsdp_utils.config import TrainConfig, build_parser, parse_config
-from fsdp_utils.plan.hardware import Gpu, detect_gpu, parse_gpu_memory, parse_size
+from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan
 from fsdp_utils.plan.search import batch_candidates, resolved_total_batch
 
-EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_USAGE = 0, 1, 2
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_CANNOT_PLAN, EXIT_CRASHED = 0, 1, 2, 3
+DEFAULT_MARGIN = Margin()  # its defaults live in report.Margin, the one place to calibrate
 
 DESCRIPTION = """Plan the per-GPU memory of a chess_finetune.py run without a GPU: the model is
 built from its config.json only (no weights) and one training step of the exact configuration
@@ -58,18 +62,26 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="When it does not fit, do not plan the changes that would make it fit.",
     )
+    runtime = f"{DEFAULT_MARGIN.runtime_bytes / GIB:g}GiB"
     what.add_argument(
         "--margin-runtime",
-        default="2GiB",
+        default=runtime,
         metavar="SIZE",
-        help="Memory outside PyTorch's allocator: CUDA context, NCCL buffers (2GiB).",
+        help=f"Memory outside PyTorch's allocator: CUDA context, NCCL buffers ({runtime}).",
     )
     what.add_argument(
         "--margin-allocator",
         type=float,
-        default=0.10,
+        default=DEFAULT_MARGIN.allocator_fraction,
         metavar="FRACTION",
-        help="Allocator overhead (rounding, fragmentation) as a fraction of the peak (0.10).",
+        help="Allocator overhead (rounding, fragmentation) as a fraction of the peak "
+        f"({DEFAULT_MARGIN.allocator_fraction:g}).",
+    )
+    what.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="Trace every decoder layer instead of extrapolating from 3-5 layer copies of the "
+        "model (same result when its layers are alike, several times slower).",
     )
     what.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     return parser
@@ -83,6 +95,7 @@ class Target:
     gpus_per_node: int
     gpu: Gpu | None
     margin: Margin
+    full_trace: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Target:
@@ -95,7 +108,7 @@ class Target:
             )
         gpu = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else detect_gpu()
         margin = Margin(parse_size(args.margin_runtime, "--margin-runtime"), args.margin_allocator)
-        return cls(nodes, int(gpus), gpu, margin)
+        return cls(nodes, int(gpus), gpu, margin, args.full_trace)
 
     def plan(self, config: TrainConfig, *, suggest_fixes: bool) -> MemoryPlan:
         return plan_memory(
@@ -107,6 +120,7 @@ class Target:
             margin=self.margin,
             suggest_fixes=suggest_fixes,
             progress=_progress,
+            full_trace=self.full_trace,
         )
 
 
@@ -132,6 +146,7 @@ def find_max_batch_report(
         gpu_name=target.gpu.name,
         margin=target.margin,
         progress=_progress,
+        full_trace=target.full_trace,
     )
     if best is None:  # show why batch 1 does not fit, and what would help
         one = config.replace(
@@ -165,7 +180,17 @@ def main(argv: list[str] | None = None) -> int:
             plan, summary = target.plan(config, suggest_fixes=not args.no_fixes), ""
     except ValueError as err:
         print(f"\nerror: {err}\n", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return EXIT_CANNOT_PLAN
+    except Exception as err:  # a bug: keep its traceback, and tell it apart from "does not fit"
+        traceback.print_exc()
+        print(
+            f"\nerror: the memory planner crashed ({type(err).__name__}: {err}). This is a bug in "
+            "fsdp_utils.plan, not in your command: please report it with the traceback above. "
+            "The run itself may still be fine.\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_CRASHED
     if args.json:
         print(plan.to_json())
     else:

@@ -38,6 +38,12 @@ from fsdp_utils.distributed import DistEnv
 from fsdp_utils.model import check_seq_length, load_model_config, materialize
 from fsdp_utils.optim import build_optimizer, build_scheduler
 from fsdp_utils.parallelize import ModelInfo, autocast_context, build_parallel_model
+from fsdp_utils.plan.extrapolate import (
+    extrapolate_memory,
+    layer_counts,
+    truncated_config,
+    why_layers_differ,
+)
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.trainer import Trainer, TrainState
 
@@ -70,6 +76,7 @@ class Estimate:
     model: ModelInfo
     batch: BatchPlan
     seconds: float
+    method: str  # how it was traced: extrapolated from which depths, or every layer and why
 
 
 def traced_micro_batches(batch: BatchPlan, defer_grad_sync: bool) -> int:
@@ -233,15 +240,14 @@ def _untraceable(err: Exception) -> ValueError:
     )
 
 
-def estimate(config: TrainConfig, cluster: Cluster) -> Estimate:
-    """Trace one step of `config` on `cluster` and measure its per-GPU memory (rank 0)."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-        UnsupportedFakeTensorException,
-    )
+def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False) -> Estimate:
+    """Measure the per-GPU memory of one step of `config` on `cluster` (rank 0).
 
+    The model is built as the trainer builds it (`build_parallel_model`, on meta: no memory).
+    If its decoder layers are alike, shallow copies of it are traced and the result is
+    extrapolated to its depth (extrapolate.py); otherwise, or with `full_trace`, every layer
+    is traced.
+    """
     started = time.perf_counter()
     check_plannable(config)
     batch = plan_batch(config, cluster.world_size)  # a clear error before any model work
@@ -251,22 +257,75 @@ def estimate(config: TrainConfig, cluster: Cluster) -> Estimate:
     with fake_world(cluster) as env:
         # The device mesh is built in here, outside FakeTensorMode, or it fails.
         model, facts = build_parallel_model(hf_config, config, env)
-        try:
-            with (
-                FakeTensorMode(allow_non_fake_inputs=True),
-                _UnitScalars(),
-                _transformers_eager_paths(),
-            ):
-                materialize(model, env.device)
-                model.train()
-                trainer = TracedTrainer(config, env, hf_config, model)
-                trainer.train_step()  # warm-up: creates the optimizer state, untracked
-                trainer.use_micro_batches(traced_micro_batches(batch, config.defer_grad_sync))
-                memory = track_train_step(trainer)
-        except (
-            DataDependentOutputException,
-            DynamicOutputShapeException,
-            UnsupportedFakeTensorException,
-        ) as err:
-            raise _untraceable(err) from err
-    return Estimate(memory, facts, batch, time.perf_counter() - started)
+        memory, method = None, "--full-trace"
+        if not full_trace:
+            memory, method = _extrapolated(model, facts, hf_config, config, env, batch)
+        if memory is None:
+            method = f"all {facts.decoder_layers} layers traced ({method})"
+            memory = _trace(model, hf_config, config, env, batch)
+    return Estimate(memory, facts, batch, time.perf_counter() - started, method)
+
+
+def _extrapolated(
+    model: Any,
+    facts: ModelInfo,
+    hf_config: Any,
+    config: TrainConfig,
+    env: DistEnv,
+    batch: BatchPlan,
+) -> tuple[StepMemory | None, str]:
+    """The step memory extrapolated from shallow copies of `model` and how; or None and why
+    the model must be traced whole."""
+    every_n = config.checkpoint_every_n_layers if config.gradient_checkpointing else 1
+    counts = layer_counts(facts.decoder_layers, every_n)
+    if counts is None:
+        return None, "too few layers to gain from extrapolating"
+    differ = why_layers_differ(model)
+    if differ is not None:
+        return None, differ
+    traced: dict[int, StepMemory] = {}
+    while counts is not None:
+        for depth in counts.depths:
+            if depth not in traced:
+                shallow_config = truncated_config(hf_config, depth)
+                shallow, shallow_facts = build_parallel_model(shallow_config, config, env)
+                if shallow_facts.decoder_layers != depth:
+                    return None, "its config does not set the number of layers"
+                traced[depth] = _trace(shallow, shallow_config, config, env, batch)
+        memory = extrapolate_memory(counts, [traced[d] for d in counts.depths], every_n)
+        if memory is not None:
+            return memory, counts.describe()
+        counts = counts.deeper()
+    return None, "its memory does not grow linearly over shallow copies"
+
+
+def _trace(
+    model: Any, hf_config: Any, config: TrainConfig, env: DistEnv, batch: BatchPlan
+) -> StepMemory:
+    """Materialise `model` (from `build_parallel_model`, on meta) on fake tensors and trace
+    one training step of it."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedFakeTensorException,
+    )
+
+    try:
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            _UnitScalars(),
+            _transformers_eager_paths(),
+        ):
+            materialize(model, env.device)
+            model.train()
+            trainer = TracedTrainer(config, env, hf_config, model)
+            trainer.train_step()  # warm-up: creates the optimizer state, untracked
+            trainer.use_micro_batches(traced_micro_batches(batch, config.defer_grad_sync))
+            return track_train_step(trainer)
+    except (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+    ) as err:
+        raise _untraceable(err) from err

@@ -26,9 +26,16 @@ def _gpu(gpu_memory_bytes: int | None, gpu_name: str | None) -> Gpu | None:
     return Gpu(gpu_name or "", gpu_memory_bytes)
 
 
-def evaluate(config: TrainConfig, cluster: Cluster, gpu: Gpu | None, margin: Margin) -> MemoryPlan:
+def evaluate(
+    config: TrainConfig,
+    cluster: Cluster,
+    gpu: Gpu | None,
+    margin: Margin,
+    *,
+    full_trace: bool = False,
+) -> MemoryPlan:
     """Trace `config` on `cluster` and compare with the GPU; no fixes."""
-    result = estimate(config, cluster)
+    result = estimate(config, cluster, full_trace=full_trace)
     breakdown = result.memory.breakdown(offloaded=config.cpu_offload)
     return MemoryPlan(
         config=config,
@@ -46,6 +53,7 @@ def evaluate(config: TrainConfig, cluster: Cluster, gpu: Gpu | None, margin: Mar
         margin=margin,
         gpu=gpu,
         trace_seconds=result.seconds,
+        trace_method=result.method,
     )
 
 
@@ -59,19 +67,21 @@ def plan_memory(
     margin: Margin | None = None,
     suggest_fixes: bool = True,
     progress: Progress = _quiet,
+    full_trace: bool = False,
 ) -> MemoryPlan:
     """Plan the per-GPU memory of `config` on `nodes` x `gpus_per_node` GPUs.
 
     If it does not fit and `suggest_fixes`, single changes are planned too (each one trace) and
     returned in `MemoryPlan.fixes`, cheapest first. Raises ValueError for anything the user can
     fix (unknown model, impossible batch arithmetic, an architecture that cannot be traced).
+    `full_trace` traces every decoder layer instead of extrapolating from shallow copies.
     """
     cluster, gpu = Cluster(nodes, gpus_per_node), _gpu(gpu_memory_bytes, gpu_name)
     margin = margin or Margin()
-    plan = evaluate(config, cluster, gpu, margin)
-    progress(f"planned {config.model} in {plan.trace_seconds:.0f} s")
+    plan = evaluate(config, cluster, gpu, margin, full_trace=full_trace)
+    progress(f"planned {config.model} in {plan.trace_seconds:.1f} s ({plan.trace_method})")
     if plan.fits is False and suggest_fixes:
-        plan = dataclasses.replace(plan, fixes=tuple(_fixes(plan, progress)))
+        plan = dataclasses.replace(plan, fixes=tuple(_fixes(plan, progress, full_trace)))
     return plan
 
 
@@ -83,6 +93,7 @@ def find_max_batch(
     gpu_memory_bytes: int,
     margin: Margin | None = None,
     progress: Progress = _quiet,
+    full_trace: bool = False,
 ) -> int | None:
     """The largest `batch_size_per_device` that fits, holding the total batch fixed (so only
     sizes that divide it per GPU are candidates); None if not even 1 fits."""
@@ -93,6 +104,7 @@ def find_max_batch(
         gpu_memory_bytes=gpu_memory_bytes,
         margin=margin,
         progress=progress,
+        full_trace=full_trace,
     )
     return None if best is None else best.batch.batch_size_per_device
 
@@ -106,6 +118,7 @@ def max_batch_plan(
     gpu_name: str | None = None,
     margin: Margin | None = None,
     progress: Progress = _quiet,
+    full_trace: bool = False,
 ) -> MemoryPlan | None:
     """`find_max_batch`, returning the plan of the batch it found."""
     return _max_batch_plan(
@@ -114,6 +127,7 @@ def max_batch_plan(
         _gpu(gpu_memory_bytes, gpu_name),
         margin or Margin(),
         progress,
+        full_trace=full_trace,
     )
 
 
@@ -124,6 +138,8 @@ def _max_batch_plan(
     margin: Margin,
     progress: Progress,
     below: int | None = None,
+    *,
+    full_trace: bool = False,
 ) -> MemoryPlan | None:
     """The plan of the largest fitting batch per device (only sizes under `below` if given)."""
     if gpu is None:
@@ -140,7 +156,7 @@ def _max_batch_plan(
             total_batch_size=total,
             gradient_accumulation_steps=None,
         )
-        plans[batch_size] = evaluate(trial, cluster, gpu, margin)
+        plans[batch_size] = evaluate(trial, cluster, gpu, margin, full_trace=full_trace)
         needed = plans[batch_size].required_bytes / 1024**3
         progress(f"batch per device {batch_size}: needs {needed:.1f} GiB")
         return bool(plans[batch_size].fits)
@@ -152,7 +168,7 @@ def _max_batch_plan(
 # --- cheapest changes --------------------------------------------------------------------------
 
 
-def _fixes(plan: MemoryPlan, progress: Progress) -> list[Fix]:
+def _fixes(plan: MemoryPlan, progress: Progress, full_trace: bool) -> list[Fix]:
     """Single changes, cheapest first (for the run's speed and its results), each planned."""
     config, cluster, batch = plan.config, plan.cluster, plan.batch
     fixes: list[Fix] = []
@@ -160,7 +176,7 @@ def _fixes(plan: MemoryPlan, progress: Progress) -> list[Fix]:
     def attempt(flags: str, cost: str, trial: TrainConfig, where: Cluster = cluster) -> bool:
         progress(f"trying {flags} ...")
         try:
-            result = evaluate(trial, where, plan.gpu, plan.margin)
+            result = evaluate(trial, where, plan.gpu, plan.margin, full_trace=full_trace)
         except ValueError as err:  # e.g. the batch does not divide over more GPUs
             progress(f"  not possible: {str(err).splitlines()[0]}")
             return False
@@ -171,7 +187,13 @@ def _fixes(plan: MemoryPlan, progress: Progress) -> list[Fix]:
         return bool(result.fits)
 
     smaller = _max_batch_plan(
-        config, cluster, plan.gpu, plan.margin, progress, below=batch.batch_size_per_device
+        config,
+        cluster,
+        plan.gpu,
+        plan.margin,
+        progress,
+        below=batch.batch_size_per_device,
+        full_trace=full_trace,
     )
     if smaller is not None:
         b = smaller.batch

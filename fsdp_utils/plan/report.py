@@ -28,7 +28,8 @@ class Margin:
         reused by another (FSDP2's all-gather and reduce-scatter streams) only later.
 
     Both are assumptions (no GPU was at hand to measure them), kept on the safe side; compare
-    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl.
+    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl. These defaults are the one
+    place the margin is set (the command line's defaults are read from here): calibrate here.
     """
 
     runtime_bytes: int = 2 * GIB
@@ -75,6 +76,7 @@ class MemoryPlan:
     margin: Margin
     gpu: Gpu | None
     trace_seconds: float
+    trace_method: str = ""  # extrapolated from which depths, or every layer traced and why
     fixes: tuple[Fix, ...] = ()
 
     @property
@@ -176,6 +178,7 @@ class MemoryPlan:
             "verdict": self.verdict,
             "fixes": [dataclasses.asdict(fix) for fix in self.fixes],
             "trace_seconds": self.trace_seconds,
+            "trace_method": self.trace_method,
             "config": self.config.to_dict(),
         }
 
@@ -253,7 +256,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"verdict: {plan.verdict}",
         f"(state between steps: {plan.state_bytes / GIB:.2f} GiB = "
         f"{plan.state_bytes_per_parameter:.1f} bytes/parameter over {shards} GPU(s); "
-        f"traced in {plan.trace_seconds:.0f} s)",
+        f"planned in {plan.trace_seconds:.1f} s, {plan.trace_method or 'traced'})",
     ]
     if plan.fixes:
         lines += ["", *format_fixes(plan.fixes)]

@@ -11,6 +11,8 @@ tensor bytes, not what the CUDA caching allocator reserves around them (`report.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,18 +63,45 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """The peak of one stretch of a training step: from a boundary (a decoder layer's forward
+    starts or ends, its backward starts or ends, a micro-batch or the optimizer step starts)
+    to the next one. `layer` is the decoder layer's index (None: the model's ends, such as the
+    embeddings, or the lm_head and loss after the last layer's forward)."""
+
+    micro_batch: int  # 1, 2, ...; 0 for the optimizer step
+    event: str  # "start", "forward", "after forward", "backward", "after backward", "optimizer"
+    layer: int | None
+    peak: Snapshot
+
+
+def peak_of(segments: Sequence[Segment]) -> Snapshot:
+    """The highest of the segments' peaks (the first of equal ones, as the tracker keeps)."""
+    best: Snapshot = {TOTAL: 0}
+    for segment in segments:
+        if segment.peak.get(TOTAL, 0) > best.get(TOTAL, 0):
+            best = segment.peak
+    return best
+
+
+@dataclass(frozen=True)
 class StepMemory:
     """Tracker snapshots of one training step on one device, in bytes by tracker category.
 
     peak: at the step's highest total. peak_before_optimizer: the highest total during the
     micro-batches' forward and backward passes. before_optimizer: what is alive when the optimizer
     step starts (parameters, gradients and optimizer state: the "state" of the textbook figures).
+    peak_in_optimizer: the highest total from the optimizer step to the end of the step.
+    segments: the peak of each stretch of the step between two module boundaries (see
+    `Segment`), in the order they ran; the planner extrapolates each on its own.
     """
 
     peak: Snapshot
     peak_before_optimizer: Snapshot
     before_optimizer: Snapshot
     micro_batches: int = 0
+    peak_in_optimizer: Snapshot = field(default_factory=dict)
+    segments: tuple[Segment, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -119,6 +148,8 @@ class StepMemory:
             "peak_before_optimizer": self.peak_before_optimizer,
             "before_optimizer": self.before_optimizer,
             "micro_batches": self.micro_batches,
+            "peak_in_optimizer": self.peak_in_optimizer,
+            "segments": [dataclasses.asdict(s) for s in self.segments],
             "extra": self.extra,
         }
 
@@ -129,6 +160,8 @@ class StepMemory:
             peak_before_optimizer=dict(data["peak_before_optimizer"]),
             before_optimizer=dict(data["before_optimizer"]),
             micro_batches=int(data.get("micro_batches", 0)),
+            peak_in_optimizer=dict(data.get("peak_in_optimizer", {})),
+            segments=tuple(Segment(**item) for item in data.get("segments", [])),
             extra=dict(data.get("extra", {})),
         )
 
@@ -141,6 +174,13 @@ def _device_snapshot(
         if dev.type == device.type and (device.index is None or dev.index == device.index):
             return {getattr(key, "value", str(key)): int(value) for key, value in snap.items()}
     return {TOTAL: 0}
+
+
+def _restart_peak(tracker: Any) -> None:
+    """Make the tracker's peak start again from what is alive now, as entering it does
+    (`MemTracker.__enter__`): each segment's peak is then measured apart."""
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {dev: snap[TOTAL] for dev, snap in tracker._peak_mem_snap.items()}
 
 
 def _accumulated_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -159,6 +199,90 @@ def _accumulated_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
+class _SegmentRecorder:
+    """Cuts the tracked step into segments at module boundaries and keeps each one's peak.
+
+    At each boundary the tracker's peak is read (the peak of the segment that ends) and
+    restarted from what is alive (`_restart_peak`). Forward hooks on the decoder layers mark
+    their forward; hooks on the gradients of their output and input mark their backward.
+    Forwards re-run inside backward (activation checkpointing) are not boundaries.
+    """
+
+    def __init__(self, tracker: Any, device: torch.device) -> None:
+        self.tracker, self.device = tracker, device
+        self.micro_batch = 0
+        self.current: tuple[int, str, int | None] = (0, "start", None)
+        self.segments: list[Segment] = []
+
+    def boundary(self, event: str, layer: int | None = None) -> None:
+        peak = _device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
+        self.segments.append(Segment(*self.current, peak))
+        _restart_peak(self.tracker)
+        micro_batch = 0 if event == "optimizer" else self.micro_batch
+        self.current = (micro_batch, event, layer)
+
+    def hook_layers(self, layers: Sequence[torch.nn.Module]) -> list[Any]:
+        handles = []
+        for index, layer in enumerate(layers):
+            handles.append(
+                layer.register_forward_pre_hook(self._before_layer(index), with_kwargs=True)
+            )
+            handles.append(layer.register_forward_hook(self._after_layer(index)))
+        return handles
+
+    def _on_gradient(self, tensor: Any, event: str, layer: int) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+
+            def hook(grad: torch.Tensor) -> None:
+                self.boundary(event, layer)
+
+            tensor.register_hook(hook)
+
+    def _before_layer(self, index: int) -> Any:
+        def hook(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if _in_backward():
+                return
+            self.boundary("forward", index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            self._on_gradient(hidden, "after backward", index)
+
+        return hook
+
+    def _after_layer(self, index: int) -> Any:
+        def hook(_: Any, args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            self.boundary("after forward", index)
+            hidden = output[0] if isinstance(output, tuple | list) and output else output
+            self._on_gradient(hidden, "backward", index)
+
+        return hook
+
+
+def parallelized_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a model that went through `parallelize`, in order.
+
+    `fully_shard` gives each sharded module a class of its own (FSDPLlamaDecoderLayer), and
+    the layers that activation checkpointing wrapped keep theirs inside the wrapper, so the
+    layer classes of `_no_split_modules` are looked for among each module's base classes."""
+    from fsdp_utils.model import find_decoder_layers
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if any(c.__name__ in no_split for c in type(m).__mro__)]
+    return layers or find_decoder_layers(model)
+
+
+def plain_class_name(module: torch.nn.Module) -> str:
+    """The module's class without FSDP2's per-module subclass (LlamaDecoderLayer)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def track_train_step(trainer: Trainer) -> StepMemory:
     """Run `trainer.train_step()` once under `FSDPMemTracker` and return its snapshots.
 
@@ -173,35 +297,50 @@ def track_train_step(trainer: Trainer) -> StepMemory:
 
     model, optimizer, device = trainer.model, trainer.optimizer, trainer.env.device
     tracker = FSDPMemTracker(model, optimizer)
-    seen: dict[str, Any] = {"micro_batches": 0}
+    recorder = _SegmentRecorder(tracker, device)
+    seen: dict[str, Any] = {}
 
     def before_micro_batch(*_: Any) -> None:
         tracker.reset_mod_stats()
-        seen["micro_batches"] += 1
+        recorder.micro_batch += 1
         for grad in _accumulated_gradients(model):
             tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+        recorder.boundary("start")
 
     def before_optimizer_step(*_: Any) -> None:
-        seen["peak_before_optimizer"] = _device_snapshot(
-            tracker.get_tracker_snapshot("peak"), device
-        )
         seen["before_optimizer"] = _device_snapshot(tracker.get_tracker_snapshot("current"), device)
+        recorder.boundary("optimizer")
 
     with tracker:
         # Registered after the tracker's own hooks, and prepended, so that the reset runs first.
         handles = [
             model.register_forward_pre_hook(before_micro_batch, prepend=True),
             optimizer.register_step_pre_hook(before_optimizer_step),
+            *recorder.hook_layers(parallelized_decoder_layers(model)),
         ]
         try:
             trainer.train_step()
+            recorder.boundary("end")
         finally:
             for handle in handles:
                 handle.remove()
     assert "before_optimizer" in seen, "train_step did not call optimizer.step()"
+    segments = tuple(recorder.segments)
+    before = peak_of([s for s in segments if s.event != "optimizer"])
+    in_optimizer = peak_of([s for s in segments if s.event == "optimizer"])
     return StepMemory(
-        peak=_device_snapshot(tracker.get_tracker_snapshot("peak"), device),
-        peak_before_optimizer=seen["peak_before_optimizer"],
+        peak=higher_peak(before, in_optimizer),
+        peak_before_optimizer=before,
         before_optimizer=seen["before_optimizer"],
-        micro_batches=seen["micro_batches"],
+        micro_batches=recorder.micro_batch,
+        peak_in_optimizer=in_optimizer,
+        segments=segments,
+    )
+
+
+def higher_peak(forward_backward: Snapshot, optimizer: Snapshot) -> Snapshot:
+    """The step's peak: the higher of its two phases' (forward/backward first on a tie, as the
+    tracker keeps the first of equal peaks)."""
+    return (
+        optimizer if optimizer.get(TOTAL, 0) > forward_backward.get(TOTAL, 0) else forward_backward
     )
