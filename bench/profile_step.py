@@ -123,7 +123,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     trainer.train()
     cpu = started["cpu"]
     trainer.close()
-    dist_utils.destroy()
+    dist_utils.destroy(synchronize=True)
     return _summarise(pstats.Stats(profiler), args.steps, cpu) if env.is_main else None
 
 

@@ -67,6 +67,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
+    clean = False
     try:
         trainer = Trainer(config, env)
         trainer.setup()
@@ -78,6 +79,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         trainer.write_status(summary["status"], summary["reason"])
         if env.is_main:
             _print_summary(summary)
+        clean = True
         return summary
     except BaseException as err:
         if trainer is not None:  # tell the sbatch script not to requeue a failing run
@@ -90,7 +92,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         # gloo can hang or abort at exit.
         del trainer
         gc.collect()
-        dist_utils.destroy()
+        dist_utils.destroy(synchronize=clean)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -126,5 +126,12 @@ def storage_preflight(config: TrainConfig, world_size: int) -> str:
     layout = RunLayout.of(config.output_dir)
     fresh = starts_fresh(config, layout, JobLeg.from_env())
     existing = 0 if fresh else len(list_checkpoints(layout.checkpoints))
-    plan = plan_storage(config, hf_config, model_dir, existing=existing, world_size=world_size)
+    try:
+        plan = plan_storage(config, hf_config, model_dir, existing=existing, world_size=world_size)
+    except Exception as err:  # as with the memory plan: a model we cannot build is not a verdict
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return (
+            f"storage check skipped: the model could not be built from its config "
+            f"({type(err).__name__}: {first[:300]}); training will say more if it fails"
+        )
     return plan.check()

@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--probe_out", type=Path, required=True)
     config, args = parse_config(sys.argv[1:], parser)
     env = dist_utils.init_distributed(config.device)
+    clean = False
     try:
         trainer = Trainer(config, env)
         trainer.setup()
@@ -47,8 +48,9 @@ def main() -> int:
                 args.probe_out,
             )
         trainer.close()
+        clean = True
     finally:
-        dist_utils.destroy()
+        dist_utils.destroy(synchronize=clean)
     return 0
 
 

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     env = dist_utils.init_distributed(config.device)
+    clean = False
     try:
         trainer = Trainer(config, env)
         trainer.setup()
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.state.step += 1
         memory = track_train_step(trainer)
         trainer.close()
+        clean = True
     finally:
-        dist_utils.destroy()
+        dist_utils.destroy(synchronize=clean)
     if env.is_main:
         record = {"world_size": env.world_size, "device": str(env.device), **memory.to_dict()}
         args.out.write_text(json.dumps(record, indent=2))
