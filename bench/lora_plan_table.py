@@ -52,17 +52,7 @@ def table(model: str, dropout_zero: bool) -> str:
                     config, nodes=1, gpus_per_node=gpus, gpu_memory_bytes=gpu_bytes,
                     gpu_name=gpu_name, suggest_fixes=False,
                 )  # fmt: skip
-                parts = [
-                    f"{x / GIB:.1f}"
-                    for x in (
-                        plan.parameter_bytes,
-                        plan.gradient_bytes,
-                        plan.optimizer_bytes,
-                        plan.activation_bytes,
-                        plan.temporary_bytes,
-                        plan.peak_bytes,
-                    )
-                ]
+                parts = plan.parts_gib()
                 rows.append(
                     f"| {gpus} x {gpu_name} | {precision} | {'LoRA' if lora else 'full'} | "
                     f"{'yes' if checkpointing else 'no'} | {' | '.join(parts)} | "

@@ -68,17 +68,7 @@ def table(model: str) -> str:
             full, full_wall, full_cpu = timed_plan(config, full_trace=True)
             if plan.fits:
                 largest[checkpointing] = batch
-            g = [
-                f"{x / GIB:.1f}"
-                for x in (
-                    plan.parameter_bytes,
-                    plan.gradient_bytes,
-                    plan.optimizer_bytes,
-                    plan.activation_bytes,
-                    plan.temporary_bytes,
-                    plan.peak_bytes,
-                )
-            ]
+            g = plan.parts_gib()
             phase = "optimizer" if plan.peak_in_optimizer_step else "fwd/bwd"
             rows.append(
                 f"| {batch} | {plan.batch.gradient_accumulation_steps} | "

@@ -11,8 +11,10 @@ older configs), not in the fp32 of the master weights: a bf16 7B model stays 13.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_args
 
@@ -86,6 +88,20 @@ def copy_tokenizer_files(source: Path, destination: Path) -> None:
             shutil.copy2(source / name, destination / name)
 
 
+@contextlib.contextmanager
+def folder_written_atomically(destination: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `destination` to write into; when the block completes it
+    replaces `destination`, so a crash (or the time limit) never leaves a half model."""
+    destination = Path(destination)
+    tmp = destination.with_name(destination.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    if destination.exists():
+        shutil.rmtree(destination)
+    tmp.rename(destination)
+
+
 def write_hf_folder(
     state: dict[str, Any],
     hf_config: Any,
@@ -98,22 +114,16 @@ def write_hf_folder(
     sibling and renames it, so a crash leaves no half model."""
     from huggingface_hub import save_torch_state_dict
 
-    destination = Path(destination)
-    tmp = destination.with_name(destination.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    save_torch_state_dict(state, tmp, max_shard_size="5GB")
-    saved = copy.deepcopy(hf_config)  # the caller's config stays as it is
-    saved.dtype = dtype
-    saved.use_cache = True  # training switched it off; generation wants it
-    saved.save_pretrained(tmp)
-    if tokenizer_source is not None:
-        copy_tokenizer_files(tokenizer_source, tmp)
-    if destination.exists():
-        shutil.rmtree(destination)
-    tmp.rename(destination)
-    return destination
+    with folder_written_atomically(destination) as tmp:
+        save_torch_state_dict(state, tmp, max_shard_size="5GB")
+        saved = copy.deepcopy(hf_config)  # the caller's config stays as it is
+        saved.dtype = dtype
+        saved.use_cache = True  # training switched it off; generation wants it
+        saved.save_pretrained(tmp)
+        if tokenizer_source is not None:
+            copy_tokenizer_files(tokenizer_source, tmp)
+    return Path(destination)
 
 
 def save_hf_model(

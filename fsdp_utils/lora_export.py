@@ -13,7 +13,6 @@ does the same in one CPU process from a training checkpoint (adapters) and the b
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from torch import nn
 from fsdp_utils.export import (
     copy_tokenizer_files,
     drop_tied_duplicates,
+    folder_written_atomically,
     resolve_export_dtype,
     write_hf_folder,
 )
@@ -105,19 +105,13 @@ def write_adapter_folder(
     temporary sibling and renamed, so a crash leaves no half folder."""
     from safetensors.torch import save_file
 
-    destination = Path(destination)
-    tmp = destination.with_name(destination.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     lora_config.inference_mode = True  # as PeftModel.save_pretrained writes it
-    lora_config.save_pretrained(str(tmp))
-    save_file(adapters, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    if tokenizer_source is not None:
-        copy_tokenizer_files(tokenizer_source, tmp)
-    if destination.exists():
-        shutil.rmtree(destination)
-    tmp.rename(destination)
-    return destination
+    with folder_written_atomically(destination) as tmp:
+        lora_config.save_pretrained(str(tmp))
+        save_file(adapters, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if tokenizer_source is not None:
+            copy_tokenizer_files(tokenizer_source, tmp)
+    return Path(destination)
 
 
 def write_lora_outputs(

@@ -99,6 +99,19 @@ class MemoryPlan:
     def temporary_bytes(self) -> int:
         return self.breakdown.temporaries
 
+    def parts_gib(self) -> list[str]:
+        """Parameters, gradients, optimizer state, activations, temporaries and the peak they
+        sum to, in GiB with one decimal: the columns of the README's plan tables."""
+        parts = (
+            self.parameter_bytes,
+            self.gradient_bytes,
+            self.optimizer_bytes,
+            self.activation_bytes,
+            self.temporary_bytes,
+            self.peak_bytes,
+        )
+        return [f"{x / GIB:.1f}" for x in parts]
+
     @property
     def peak_bytes(self) -> int:
         return self.breakdown.total

@@ -256,18 +256,25 @@ def _refuse_foreign_daemon(cluster: LocalCluster) -> None:
             )
 
 
+def cancel_all_jobs(env: dict[str, str], ctld_pid_file: Path) -> None:
+    """Cancel every job of a running controller and wait (a little) for their steps to end:
+    the first thing to stop, before the daemons the job steps talk to."""
+    if _pid_alive(ctld_pid_file) is None:
+        return
+    jobs = subprocess.run(
+        [which("squeue"), "-h", "-o", "%A"], capture_output=True, text=True, env=env
+    ).stdout.split()
+    if jobs:
+        subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
+        # Give slurmstepd a moment to kill the job processes (KillWait is 5 s).
+        with contextlib.suppress(LocalClusterError):
+            _wait_for(lambda: no_job_steps(env), timeout=15, what="jobs to end")
+
+
 def stop(cluster: LocalCluster) -> None:
     """Cancel every job, stop slurmd and slurmctld, and munged if we started it."""
     env = cluster.env()
-    if _pid_alive(cluster.ctld_pid_file) is not None:
-        jobs = subprocess.run(
-            [which("squeue"), "-h", "-o", "%A"], capture_output=True, text=True, env=env
-        ).stdout.split()
-        if jobs:
-            subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
-            # Give slurmstepd a moment to kill the job processes (KillWait is 5 s).
-            with contextlib.suppress(LocalClusterError):
-                _wait_for(lambda: no_job_steps(env), timeout=15, what="jobs to end")
+    cancel_all_jobs(env, cluster.ctld_pid_file)
     _terminate(cluster.slurmd_pid_file)
     _terminate(cluster.ctld_pid_file)
     stop_munge(cluster)

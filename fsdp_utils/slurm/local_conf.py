@@ -58,20 +58,13 @@ class NodeHardware:
             raise ValueError(f"Cannot parse `slurmd -C` output {text!r}: {error}") from None
 
 
-@dataclass(frozen=True)
-class LocalCluster:
-    """A one-node cluster: the node's hardware, emulated GPUs, ports and the state folder."""
+class _StateFolder:
+    """Where a local cluster keeps its files (config, GPU devices, spool, logs, pid files,
+    leases), and the environment that points Slurm's commands at it: the same layout for the
+    one-node and the multi-node cluster."""
 
     state_dir: Path
-    node: NodeHardware
-    gpus: int = 4
-    cluster_name: str = "fsdp-local"
-    partition: str = "local"
-    slurmctld_port: int = DEFAULT_SLURMCTLD_PORT
-    slurmd_port: int = DEFAULT_SLURMD_PORT
-    # Slurm holds a requeued job for cred_expire + 1 seconds (121 s by default); 10 s keeps
-    # the requeue tests short without racing credential checks on a one-node cluster.
-    cred_expire_seconds: int = 10
+    gpus: int
 
     @property
     def conf_file(self) -> Path:
@@ -90,25 +83,12 @@ class LocalCluster:
         return self.state_dir / "spool" / "slurmctld"
 
     @property
-    def slurmd_spool(self) -> Path:
-        return self.state_dir / "spool" / "slurmd"
-
-    @property
     def log_dir(self) -> Path:
         return self.state_dir / "log"
 
     @property
     def ctld_pid_file(self) -> Path:
         return self.state_dir / "run" / "slurmctld.pid"
-
-    @property
-    def slurmd_pid_file(self) -> Path:
-        return self.state_dir / "run" / "slurmd.pid"
-
-    @property
-    def munged_marker(self) -> Path:
-        """Present while munged runs because we started it (so `down` stops it again)."""
-        return self.state_dir / "run" / "munged.started-by-us"
 
     @property
     def lease_dir(self) -> Path:
@@ -123,6 +103,35 @@ class LocalCluster:
         env = dict(os.environ if base is None else base)
         env["SLURM_CONF"] = str(self.conf_file)
         return env
+
+
+@dataclass(frozen=True)
+class LocalCluster(_StateFolder):
+    """A one-node cluster: the node's hardware, emulated GPUs, ports and the state folder."""
+
+    state_dir: Path
+    node: NodeHardware
+    gpus: int = 4
+    cluster_name: str = "fsdp-local"
+    partition: str = "local"
+    slurmctld_port: int = DEFAULT_SLURMCTLD_PORT
+    slurmd_port: int = DEFAULT_SLURMD_PORT
+    # Slurm holds a requeued job for cred_expire + 1 seconds (121 s by default); 10 s keeps
+    # the requeue tests short without racing credential checks on a one-node cluster.
+    cred_expire_seconds: int = 10
+
+    @property
+    def slurmd_spool(self) -> Path:
+        return self.state_dir / "spool" / "slurmd"
+
+    @property
+    def slurmd_pid_file(self) -> Path:
+        return self.state_dir / "run" / "slurmd.pid"
+
+    @property
+    def munged_marker(self) -> Path:
+        """Present while munged runs because we started it (so `down` stops it again)."""
+        return self.state_dir / "run" / "munged.started-by-us"
 
 
 def _daemon_settings(auth_info: str) -> str:
@@ -222,7 +231,7 @@ AutoDetect=off
 
 
 @dataclass(frozen=True)
-class MultiNodeCluster:
+class MultiNodeCluster(_StateFolder):
     """N Slurm nodes on one machine: slurmctld and munged in the root namespace (the "login
     node"), and one slurmd per node in its own network, UTS and mount namespace, with its own
     address and host name, a private /tmp and /dev/shm (node-local, as on real clusters) and the
@@ -277,24 +286,12 @@ class MultiNodeCluster:
     # --- files
 
     @property
-    def conf_file(self) -> Path:
-        return self.state_dir / "etc" / "slurm.conf"
-
-    @property
-    def gres_conf_file(self) -> Path:
-        return self.state_dir / "etc" / "gres.conf"
-
-    @property
     def hosts_file(self) -> Path:
         return self.state_dir / "etc" / "hosts"
 
     @property
     def nsswitch_file(self) -> Path:
         return self.state_dir / "etc" / "nsswitch.conf"
-
-    @property
-    def gpu_files(self) -> list[Path]:
-        return [self.state_dir / "gpus" / f"nvidia{i}" for i in range(self.gpus)]
 
     @property
     def munge_key(self) -> Path:
@@ -312,20 +309,8 @@ class MultiNodeCluster:
     def munged_pid_file(self) -> Path:
         return self.munge_dir / "munged.pid"
 
-    @property
-    def ctld_spool(self) -> Path:
-        return self.state_dir / "spool" / "slurmctld"
-
     def slurmd_spool(self, node: str) -> Path:
         return self.state_dir / "spool" / node
-
-    @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "log"
-
-    @property
-    def ctld_pid_file(self) -> Path:
-        return self.state_dir / "run" / "slurmctld.pid"
 
     def slurmd_pid_file(self, node: str) -> Path:
         return self.state_dir / "run" / f"slurmd-{node}.pid"
@@ -341,23 +326,9 @@ class MultiNodeCluster:
         return self.state_dir / "scratch"
 
     @property
-    def lease_dir(self) -> Path:
-        return self.state_dir / "leases"
-
-    @property
-    def lock_file(self) -> Path:
-        return self.state_dir / "lock"
-
-    @property
     def real_memory_per_node_mb(self) -> int:
         """The machine's memory shared out: together the nodes never promise more than it has."""
         return self.machine.real_memory_mb // self.nodes
-
-    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Environment for Slurm commands talking to this cluster."""
-        env = dict(os.environ if base is None else base)
-        env["SLURM_CONF"] = str(self.conf_file)
-        return env
 
 
 def render_multi_slurm_conf(cluster: MultiNodeCluster) -> str:

@@ -41,9 +41,9 @@ from fsdp_utils.slurm.local_cluster import (
     _terminate,
     _usable,
     _wait_for,
+    cancel_all_jobs,
     detect_node_hardware,
     make_gpu_files,
-    no_job_steps,
     which,
 )
 from fsdp_utils.slurm.local_conf import (
@@ -379,14 +379,7 @@ def stop(cluster: MultiNodeCluster) -> None:
     node), slurmctld, munged, then the network. slurmstepd hangs if munged or slurmctld go
     first."""
     env = cluster.env()
-    if _pid_alive(cluster.ctld_pid_file) is not None:
-        jobs = subprocess.run(
-            [which("squeue"), "-h", "-o", "%A"], capture_output=True, text=True, env=env
-        ).stdout.split()
-        if jobs:
-            subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
-            with contextlib.suppress(LocalClusterError):
-                _wait_for(lambda: no_job_steps(env), timeout=15, what="jobs to end")
+    cancel_all_jobs(env, cluster.ctld_pid_file)
     for node in cluster.node_names:
         with contextlib.suppress(LocalClusterError):
             _terminate(cluster.slurmd_pid_file(node))
