@@ -60,6 +60,8 @@ bench: setup
 	$(PY) bench/plan_table.py
 	$(PY) bench/lora.py
 	$(PY) bench/lora_plan_table.py
+	@if [ -f bench/results/gpu_check/gpu_check.md ]; then cat bench/results/gpu_check/gpu_check.md; \
+	else echo "GPU table: none measured here (make gpu-check on a GPU node writes bench/results/gpu_check/)"; fi
 
 # On a GPU node (srun ... make gpu-check): random-weight Llama models, several configurations,
 # measured against the planner. Without a CUDA device it says so and exits 2.
