@@ -226,7 +226,9 @@ def start(cluster: LocalCluster) -> None:
     env = cluster.env()
     conf = str(cluster.conf_file)
     if _pid_alive(cluster.ctld_pid_file) is None:
-        _refuse_foreign_daemon(cluster)
+        refuse_foreign_daemon(
+            cluster.slurmctld_port, cluster.state_dir, down_command="slurm/local/down.sh"
+        )
         subprocess.run(
             [which("slurmctld"), "-f", conf], env=env, check=True, start_new_session=True
         )
@@ -245,14 +247,14 @@ def start(cluster: LocalCluster) -> None:
         ) from None
 
 
-def _refuse_foreign_daemon(cluster: LocalCluster) -> None:
+def refuse_foreign_daemon(port: int, state_dir: Path, *, down_command: str) -> None:
     """Another slurmctld on our port (another checkout's local cluster) would take our jobs."""
     with socket.socket() as probe:
         probe.settimeout(1)
-        if probe.connect_ex(("127.0.0.1", cluster.slurmctld_port)) == 0:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
             raise LocalClusterError(
-                f"Port {cluster.slurmctld_port} is taken by another slurmctld (not started from "
-                f"{cluster.state_dir}): stop it with its checkout's `slurm/local/down.sh`."
+                f"Port {port} is taken by another slurmctld (not started from {state_dir}): "
+                f"stop it with its checkout's `{down_command}`."
             )
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from fsdp_utils.slurm.local_cluster import (
     cancel_all_jobs,
     detect_node_hardware,
     make_gpu_files,
+    refuse_foreign_daemon,
     which,
 )
 from fsdp_utils.slurm.local_conf import (
@@ -344,14 +344,9 @@ def start(cluster: MultiNodeCluster) -> None:
     start_munge(cluster)
     network_up(cluster)
     if _pid_alive(cluster.ctld_pid_file) is None:
-        with socket.socket() as probe:
-            probe.settimeout(1)
-            if probe.connect_ex(("127.0.0.1", cluster.slurmctld_port)) == 0:
-                raise LocalClusterError(
-                    f"Port {cluster.slurmctld_port} is taken by another slurmctld (not started "
-                    f"from {cluster.state_dir}): stop it with its checkout's "
-                    "`slurm/local/down.sh --nodes 2`."
-                )
+        refuse_foreign_daemon(
+            cluster.slurmctld_port, cluster.state_dir, down_command="slurm/local/down.sh --nodes 2"
+        )
         subprocess.run(
             [which("slurmctld"), "-f", str(cluster.conf_file)],
             env=cluster.env(),
