@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,19 +129,32 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def requeued_leg_checkpoint(root: Path, job: JobLeg, warn: Any = print) -> CheckpointInfo | None:
-    """On a requeued leg, the newest intact checkpoint this very job saved (its id is in
-    checkpoint.json): the leg continues its own job, whatever `--resume` said at submission."""
-    if not job.requeued:
-        return None
+def newest_intact_checkpoint(
+    root: Path,
+    warn: Any = print,
+    *,
+    accept: Callable[[CheckpointInfo], bool] = lambda _: True,
+) -> CheckpointInfo | None:
+    """The newest checkpoint in `root` that `accept`s and whose files are all there; a damaged
+    one is reported through `warn` and skipped, never deleted."""
     for candidate in reversed(list_checkpoints(root)):
-        if (candidate.meta.get("job") or {}).get("id") != job.job_id:
+        if not accept(candidate):
             continue
         try:
             return read_checkpoint(candidate.path)
         except CheckpointError as err:
             warn(f"checkpoint: skipping {candidate.path}: {err}")
     return None
+
+
+def requeued_leg_checkpoint(root: Path, job: JobLeg, warn: Any = print) -> CheckpointInfo | None:
+    """On a requeued leg, the newest intact checkpoint this very job saved (its id is in
+    checkpoint.json): the leg continues its own job, whatever `--resume` said at submission."""
+    if not job.requeued:
+        return None
+    return newest_intact_checkpoint(
+        root, warn, accept=lambda c: (c.meta.get("job") or {}).get("id") == job.job_id
+    )
 
 
 def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -194,15 +208,10 @@ class Checkpointer:
         if choice == "never":  # the previous run was set aside (run_start.prepare_run_folder)
             return None
         if choice == "auto":
-            for candidate in reversed(list_checkpoints(self.root)):
-                try:
-                    info = read_checkpoint(candidate.path)
-                except CheckpointError as err:
-                    warn(f"checkpoint: skipping {candidate.path}: {err}")
-                    continue
-                self.check_identity(info)
-                return info
-            return None
+            newest = newest_intact_checkpoint(self.root, warn)
+            if newest is not None:
+                self.check_identity(newest)
+            return newest
         path = Path(choice)
         if not path.is_dir():
             raise CheckpointError(

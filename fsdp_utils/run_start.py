@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_utils.config import TrainConfig
+from fsdp_utils.hub.cache import format_bytes
 from fsdp_utils.job import JobLeg
 from fsdp_utils.layout import RunLayout
-from fsdp_utils.storage import human_bytes, plan_storage
+from fsdp_utils.storage import plan_storage
 
 SET_ASIDE_PREFIX = "previous-"
 
@@ -79,7 +80,7 @@ def set_aside_previous_run(layout: RunLayout, now: float | None = None) -> str |
     newest = f" (newest {steps[-1]})" if steps else ""
     return (
         f"fresh start (--resume never): moved the previous run's {what}{newest} to {target}, "
-        f"so that nothing resumes it; delete that folder to free {human_bytes(size)}"
+        f"so that nothing resumes it; delete that folder to free {format_bytes(size)}"
     )
 
 
@@ -90,15 +91,13 @@ def prepare_run_folder(
     model_dir: Path,
     *,
     world_size: int = 1,
-    job: JobLeg | None = None,
 ) -> list[str]:
     """Rank 0, before the run writes anything: lines for the log. Raises ValueError when not
     even one checkpoint fits."""
     from fsdp_utils.checkpoint import list_checkpoints
 
-    job = job or JobLeg.from_env()
     notes = []
-    if starts_fresh(config, layout, job):
+    if starts_fresh(config, layout, JobLeg.from_env()):
         moved = set_aside_previous_run(layout)
         if moved:
             notes.append(moved)

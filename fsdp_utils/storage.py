@@ -15,8 +15,6 @@ it with your site's quota command.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_utils.config import TrainConfig
+from fsdp_utils.hub.cache import format_bytes, free_bytes, nearest_existing
 
 OPTIMIZER_STATES = {"adamw": 2}  # state tensors per trainable parameter (exp_avg, exp_avg_sq)
 
@@ -33,14 +32,6 @@ def optimizer_states_per_parameter(config: TrainConfig) -> int:
     if config.optimizer in OPTIMIZER_STATES:
         return OPTIMIZER_STATES[config.optimizer]
     return 1 if config.momentum > 0 else 0  # SGD: a momentum buffer, or stateless
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 # torch.distributed.checkpoint stores each tensor (each rank's shard of it) with ~1.5 kB of
@@ -72,15 +63,15 @@ class CheckpointSize:
     def describe(self) -> str:
         per_param = self.model_bytes / max(self.parameters, 1)
         optim = (
-            f"{self.optimizer} state {human_bytes(self.optimizer_bytes)} "
+            f"{self.optimizer} state {format_bytes(self.optimizer_bytes)} "
             f"({self.optimizer_states} x the trainable parameters)"
             if self.optimizer_states
             else f"no {self.optimizer} state"
         )
         return (
-            f"{human_bytes(self.total)} = model {human_bytes(self.model_bytes)} "
+            f"{format_bytes(self.total)} = model {format_bytes(self.model_bytes)} "
             f"({self.parameters / 1e6:,.1f}M parameters x {per_param:.0f} B) + {optim} + "
-            f"config, tokenizer and index {human_bytes(self.other_bytes)}"
+            f"config, tokenizer and index {format_bytes(self.other_bytes)}"
         )
 
 
@@ -110,7 +101,7 @@ def checkpoint_size(
     entries += (1 if config.optimizer == "adamw" else 0) * len(trainable) + PARAM_GROUP_ENTRIES
     hf_bytes = sum(
         (model_dir / name).stat().st_size
-        for name in ("config.json", "generation_config.json", *TOKENIZER_FILES)
+        for name in ("config.json", *TOKENIZER_FILES)  # generation_config.json is among them
         if (model_dir / name).is_file()
     )
     return CheckpointSize(
@@ -135,14 +126,6 @@ def model_export_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     )
 
 
-def free_bytes(path: Path) -> tuple[int, Path]:
-    """Free bytes on the file system that will hold `path` (its nearest existing ancestor)."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free, probe
-
-
 @dataclass(frozen=True)
 class StoragePlan:
     size: CheckpointSize
@@ -165,7 +148,7 @@ class StoragePlan:
 
     def check(self) -> str:
         """One log line; raises ValueError when not even one checkpoint fits."""
-        where = f"{human_bytes(self.free)} free on the file system of {self.folder}"
+        where = f"{format_bytes(self.free)} free on the file system of {self.folder}"
         if self.free < self.size.total:
             raise ValueError(
                 f"Not even one checkpoint of this run fits: a checkpoint is "
@@ -173,10 +156,10 @@ class StoragePlan:
                 "project or scratch storage (not a small $HOME quota): --output_dir "
                 "/scratch/<you>/runs/chess (OUTPUT_DIR=... for sbatch), or free some space."
             )
-        extra = f" + the final model {human_bytes(self.final_bytes)}" if self.final_bytes else ""
+        extra = f" + the final model {format_bytes(self.final_bytes)}" if self.final_bytes else ""
         need = (
             f"{self.checkpoints_to_write} more checkpoint(s) (--keep_last {self.keep_last} + "
-            f"the one being written){extra} need {human_bytes(self.needed)}"
+            f"the one being written){extra} need {format_bytes(self.needed)}"
         )
         line = f"storage: a checkpoint is {self.size.describe()}; {need}; {where}"
         if self.free < self.needed:
@@ -195,20 +178,17 @@ def plan_storage(
     *,
     existing: int,
     world_size: int = 1,
-    model: nn.Module | None = None,
 ) -> StoragePlan:
-    """The storage plan of this run; `model` defaults to a meta build (no memory)."""
+    """The storage plan of this run, from a meta build of its model (no memory)."""
     from fsdp_utils.layout import RunLayout
+    from fsdp_utils.model import build_meta_model
 
-    if model is None:
-        from fsdp_utils.model import build_meta_model
+    model = build_meta_model(hf_config, config.precision)
+    if config.lora:
+        from fsdp_utils.lora import apply_lora
+        from fsdp_utils.model import find_decoder_layers
 
-        model = build_meta_model(hf_config, config.precision)
-        if config.lora:
-            from fsdp_utils.lora import apply_lora
-            from fsdp_utils.model import find_decoder_layers
-
-            apply_lora(model, find_decoder_layers(model), config)
+        apply_lora(model, find_decoder_layers(model), config)
     size = checkpoint_size(model, config, model_dir, world_size)
     # The end of the run writes the model in the export dtype (--export_dtype), tied weights
     # once; a LoRA run writes its adapters, and with --merge the merged model too.
@@ -219,12 +199,12 @@ def plan_storage(
         final = size.model_bytes + (model_export_bytes(model, export) if config.merge else 0)
     else:
         final = model_export_bytes(model, export)
-    free, folder = free_bytes(RunLayout.of(config.output_dir).checkpoints)
+    folder = nearest_existing(RunLayout.of(config.output_dir).checkpoints)
     return StoragePlan(
         size=size,
         keep_last=config.keep_last,
         existing=existing,
         final_bytes=0 if config.no_final_save else final,
-        free=free,
+        free=free_bytes(folder),
         folder=folder,
     )

@@ -67,12 +67,17 @@ class InsufficientDiskSpaceError(ValueError):
     """Too little free space for the files still to download."""
 
 
-def free_bytes(folder: Path) -> int:
-    """Free space on the filesystem that holds (or will hold) `folder`."""
-    existing = folder
+def nearest_existing(folder: Path) -> Path:
+    """`folder`, or its nearest ancestor that exists: where its file system can be asked."""
+    existing = Path(os.path.abspath(folder))
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    return shutil.disk_usage(existing).free
+    return existing
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space on the filesystem that holds (or will hold) `folder`."""
+    return shutil.disk_usage(nearest_existing(folder)).free
 
 
 def required_bytes(download_bytes: int) -> int:

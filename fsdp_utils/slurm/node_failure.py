@@ -115,16 +115,12 @@ def describe(
 
 def newest_complete_checkpoint(run_dir: Path) -> str | None:
     """`step N (path)` of the newest checkpoint whose files are all there."""
-    from fsdp_utils.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
+    from fsdp_utils.checkpoint import newest_intact_checkpoint
     from fsdp_utils.layout import RunLayout
 
-    for info in reversed(list_checkpoints(RunLayout.of(run_dir).checkpoints)):
-        try:
-            read_checkpoint(info.path)
-        except CheckpointError:
-            continue
-        return f"step {info.step} ({info.path})"
-    return None
+    # Damaged ones are skipped silently: the summary names only the one to resume from.
+    info = newest_intact_checkpoint(RunLayout.of(run_dir).checkpoints, warn=lambda _: None)
+    return None if info is None else f"step {info.step} ({info.path})"
 
 
 def main(argv: list[str] | None = None) -> int:
