@@ -101,13 +101,18 @@ class PreparedData:
         return TokenBlocks.load(self.folder, name, document_eos=eos)
 
 
+def dataset_files(config: TrainConfig) -> list[Path]:
+    """The data files of the run: training data and the held-out games come from the same
+    ones (without --dataset_include, those download_models.py fetched: assets.py)."""
+    return resolve_dataset_files(
+        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+    )
+
+
 def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
     """Render, tokenise and pack `config.dataset` for `config.model`'s tokenizer; return the
     cache folder (reused when it already exists)."""
-    # Without --dataset_include: the files download_models.py fetched (assets.py).
-    files = resolve_dataset_files(
-        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
-    )
+    files = dataset_files(config)
     log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     spec = preparation_spec(config, files, model_dir)
@@ -211,10 +216,7 @@ def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[s
     """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
     the games whose rendered text is the held-out data. A dataset that is not chess is a
     ValueError saying so."""
-    files = resolve_dataset_files(
-        config.dataset, config.resolved_dataset_include, config.dataset_revision, config.cache_dir
-    )
-    raw = _load_raw(config, files)
+    raw = _load_raw(config, dataset_files(config))
     if not is_chess_schema(raw.column_names):
         raise ValueError(
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "

@@ -120,3 +120,25 @@ def test_tokenizer_roundtrip_of_rendered_game(tiny_assets):
         tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True).split()
         == text.split()
     )
+
+
+def test_held_out_games_come_from_the_files_training_uses(tmp_path):
+    """Without --dataset_include, training uses every shard download_models.py fetched; the
+    chess evaluation's held-out games must come from the same files, or the seed's shuffle
+    differs and "held-out" games can be training games."""
+    from fsdp_utils.config import DEFAULT_DATASET
+    from fsdp_utils.data import dataset_files, held_out_games
+    from fsdp_utils.synthetic import random_games, write_chess_shards
+    from tests.test_download_units import fake_download
+
+    shards = write_chess_shards(random_games(10, seed=3), tmp_path / "games", num_shards=2)
+    cache = tmp_path / "hub"
+    fake_download(cache, {p.name: p.read_bytes() for p in shards}, repo_id=DEFAULT_DATASET)
+    config = TrainConfig(
+        dataset=DEFAULT_DATASET,
+        cache_dir=str(cache),
+        data_cache_dir=str(tmp_path / "prepared"),
+        eval_examples=1000,  # everything but one game is held out
+    )
+    assert [f.name for f in dataset_files(config)] == [p.name for p in shards]
+    assert len(held_out_games(config)) == 10 - 1
