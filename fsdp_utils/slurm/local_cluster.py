@@ -131,13 +131,17 @@ def _pid_alive(pid_file: Path) -> int | None:
     return pid if _running(pid) else None
 
 
-def munge_works() -> bool:
-    """True if a munged answers on the default socket (ours or the system's)."""
+def munge_works(socket_path: Path | None = None) -> bool:
+    """True if a munged answers on `socket_path` (default: the default socket, ours or the
+    system's): a credential made there decodes there."""
+    socket_arg = [] if socket_path is None else [f"--socket={socket_path}"]
     try:
         cred = subprocess.run(
-            [which("munge"), "-n"], capture_output=True, check=True, timeout=10
+            [which("munge"), "-n", *socket_arg], capture_output=True, check=True, timeout=10
         ).stdout
-        subprocess.run([which("unmunge")], input=cred, capture_output=True, check=True, timeout=10)
+        subprocess.run(
+            [which("unmunge"), *socket_arg], input=cred, capture_output=True, check=True, timeout=10
+        )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, LocalClusterError):
         return False
     return True

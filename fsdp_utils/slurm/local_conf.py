@@ -213,18 +213,22 @@ PartitionName={cluster.partition} Nodes={node.name} Default=YES MaxTime=INFINITE
 """
 
 
-def render_gres_conf(cluster: LocalCluster) -> str:
-    """gres.conf: emulated GPUs (pinned by tests/golden/gres.conf)."""
+def _gres_conf(state_dir: Path, gpus: int, nodes: str) -> str:
     header = """\
 # Emulated GPUs for scheduling only: character devices with /dev/null's numbers. slurmd rejects
 # plain files, but with device files it sets CUDA_VISIBLE_DEVICES and SLURM_GPUS_ON_NODE for
 # jobs exactly as on a GPU node. Nothing can run on them: training falls back to CPU (gloo).
 AutoDetect=off
 """
-    if not cluster.gpus:
+    if not gpus:
         return header
-    files = cluster.state_dir / "gpus" / f"nvidia[0-{cluster.gpus - 1}]"
-    return header + f"NodeName={cluster.node.name} Name=gpu File={files}\n"
+    files = state_dir / "gpus" / f"nvidia[0-{gpus - 1}]"
+    return header + f"NodeName={nodes} Name=gpu File={files}\n"
+
+
+def render_gres_conf(cluster: LocalCluster) -> str:
+    """gres.conf: emulated GPUs (pinned by tests/golden/gres.conf)."""
+    return _gres_conf(cluster.state_dir, cluster.gpus, cluster.node.name)
 
 
 # --- many nodes on one machine ------------------------------------------------------------------
@@ -369,13 +373,7 @@ PartitionName={cluster.partition} Nodes={cluster.nodelist} Default=YES MaxTime=I
 
 def render_multi_gres_conf(cluster: MultiNodeCluster) -> str:
     """gres.conf: the same emulated GPUs on every node (pinned by a golden file)."""
-    header = render_gres_conf(
-        LocalCluster(state_dir=cluster.state_dir, node=cluster.machine, gpus=0)
-    )
-    if not cluster.gpus:
-        return header
-    files = cluster.state_dir / "gpus" / f"nvidia[0-{cluster.gpus - 1}]"
-    return header + f"NodeName={cluster.nodelist} Name=gpu File={files}\n"
+    return _gres_conf(cluster.state_dir, cluster.gpus, cluster.nodelist)
 
 
 def render_hosts(cluster: MultiNodeCluster) -> str:

@@ -43,6 +43,7 @@ from fsdp_utils.slurm.local_cluster import (
     cancel_all_jobs,
     detect_node_hardware,
     make_gpu_files,
+    munge_works,
     refuse_foreign_daemon,
     which,
 )
@@ -142,17 +143,7 @@ def shared_under_tmp(cluster: MultiNodeCluster) -> list[Path]:
 
 def munge_answers(cluster: MultiNodeCluster) -> bool:
     """Test the socket itself: another munged (the machine's, the one-node cluster's) may run."""
-    socket_arg = f"--socket={cluster.munge_socket}"
-    try:
-        cred = subprocess.run(
-            [which("munge"), "-n", socket_arg], capture_output=True, check=True, timeout=10
-        ).stdout
-        subprocess.run(
-            [which("unmunge"), socket_arg], input=cred, capture_output=True, check=True, timeout=10
-        )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, LocalClusterError):
-        return False
-    return True
+    return munge_works(cluster.munge_socket)
 
 
 def start_munge(cluster: MultiNodeCluster) -> None:
@@ -339,7 +330,6 @@ def start(cluster: MultiNodeCluster) -> None:
             "The local multi-node Slurm needs root (namespaces, and slurmd starts jobs as their "
             f"users): run `sudo slurm/local/up.sh --nodes {cluster.nodes}`."
         )
-    refuse_other_sizes(cluster)
     write_config(cluster)
     start_munge(cluster)
     network_up(cluster)
