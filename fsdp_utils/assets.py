@@ -28,7 +28,7 @@ from fsdp_utils.hub.manifest import (
     load_manifest,
     manifest_path,
 )
-from fsdp_utils.hub.selection import DATA_SUFFIXES, is_data_file, split_patterns
+from fsdp_utils.hub.selection import DATA_SUFFIXES, select_data_paths, split_patterns
 from fsdp_utils.hub.specs import AssetSpec, download_command, looks_local
 
 __all__ = [
@@ -141,7 +141,7 @@ def _cached_dataset_files(
         # of the chess dataset, never all of them).
         spec = AssetSpec(dataset, "dataset", revision, default_dataset_include(dataset))
         entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
-        wanted = sorted(p for p in entry.file_paths() if is_data_file(p))
+        wanted = select_data_paths(entry.file_paths(), None)
         if not wanted:
             raise MissingAssetError(
                 f"download_models.py fetched no data file of dataset {dataset} (commit "

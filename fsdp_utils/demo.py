@@ -46,12 +46,17 @@ def build_assets(folder: Path, games: int) -> dict[str, Path]:
 
 
 def training_command(
-    paths: dict[str, Path], output_dir: Path, data_cache: Path, steps: int, *extra: str
+    paths: dict[str, Path],
+    output_dir: Path,
+    data_cache: Path,
+    steps: int,
+    *extra: str,
+    nproc: int = 2,
 ) -> list[str]:
     """The demo's training run (bench/document_masking.py reuses it)."""
     every = str(max(steps // 4, 1))
     return [
-        str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2",
+        str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
         str(REPO_ROOT / "chess_finetune.py"),
         "--model", str(paths["model"]),
         "--dataset", str(paths["data"]),
@@ -87,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     paths = build_assets(args.assets, args.games)
-    command = training_command(paths, args.output_dir, args.assets / "prepared", args.steps)
-    command[2] = f"--nproc_per_node={args.nproc}"
+    command = training_command(
+        paths, args.output_dir, args.assets / "prepared", args.steps, nproc=args.nproc
+    )
     print("demo: " + " ".join(command[:4]) + " ...", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO_ROOT, env=env)

@@ -12,7 +12,6 @@ does the same in one CPU process from a training checkpoint (adapters) and the b
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -264,9 +263,3 @@ def _base_model_dir(config: TrainConfig, base: Path | None) -> Path:
 
 def is_lora_checkpoint(info: CheckpointInfo) -> bool:
     return "lora" in info.meta.get("identity", {})
-
-
-def adapter_files(folder: Path) -> dict[str, Any]:
-    """What an adapter folder holds (for logs and tests)."""
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    return {"config": config, "bytes": (folder / ADAPTER_WEIGHTS).stat().st_size}

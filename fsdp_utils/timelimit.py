@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-import torch
-
 from fsdp_utils import distributed as dist_utils
 from fsdp_utils.config import TrainConfig
 
@@ -223,7 +221,6 @@ class StopController:
         stop_after_steps: int | None,
         margin_minutes: float | None,
         is_main: bool,
-        device: torch.device,
     ) -> None:
         self.stop_file = stop_file
         self.save_every_steps = save_every_steps
@@ -231,7 +228,6 @@ class StopController:
         self.stop_after_steps = stop_after_steps
         self.fixed_margin = margin_minutes * 60 if margin_minutes is not None else None
         self.is_main = is_main
-        self.device = device
         self.flag = _SignalFlag()
         self.flag.install()
         self.started = time.monotonic()
@@ -280,8 +276,8 @@ class StopController:
         """Collective: rank 0 decides (it alone knows the end time), every rank follows.
         Finishing defers further stop-file and signal requests (the file is consumed)."""
         decision = choose_leg_end(reason, work, self.time_left(), self.margin())
-        local = torch.tensor([int(decision.finish and self.is_main)], device=self.device)
-        finish = int(dist_utils.all_reduce_max(local).item()) == 1
+        # Host scalars, as in `poll`: the vote neither waits for nor enters the GPU's queue.
+        finish = dist_utils.all_reduce_host_sum([float(decision.finish and self.is_main)])[0] > 0
         if finish:
             self.deferred = True
             self.consume_stop_file()

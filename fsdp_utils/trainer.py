@@ -170,7 +170,6 @@ class Trainer:
             stop_after_steps=config.stop_after_steps,
             margin_minutes=config.time_limit_margin_minutes,
             is_main=env.is_main,
-            device=env.device,
         )
         if self.stop.end_time_known():
             self.log.info(

@@ -58,7 +58,7 @@ def test_stop_decision_carries_the_next_steps_counts(tmp_path):
     stop_file = tmp_path / "STOP"
     controller = StopController(
         stop_file, save_every_steps=2, save_every_minutes=0, stop_after_steps=None,
-        margin_minutes=None, is_main=True, device=torch.device("cpu"),
+        margin_minutes=None, is_main=True,
     )  # fmt: skip
     decision = controller.poll(1, 0.1, add=[120.0, 128.0])
     assert (decision.stop, decision.save, decision.sums) == (None, False, [120.0, 128.0])

@@ -24,7 +24,7 @@ from fsdp_utils.chess_eval.games import PHASES, Prefix, make_prefixes, moves_off
 from fsdp_utils.chess_eval.generate import continue_prompts, top1_hits
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
 from fsdp_utils.config import TrainConfig
-from fsdp_utils.render import render_game
+from fsdp_utils.render import render_row
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -289,7 +289,7 @@ class ChessEvaluator:
         encodings = []
         for row in rows:
             game = self.games[row]
-            text = render_game(game["Moves"], game["Termination"], game["Result"], self.template)
+            text = render_row(game, self.template)
             enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
             encodings.append(
                 (list(enc["input_ids"])[: self.max_seq_length], list(enc["offset_mapping"]))
