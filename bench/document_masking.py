@@ -25,58 +25,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import (  # bench/ is not a package: its folder is on sys.path
+    REPO,
+    RESULTS,
+    assets,
+    finetune,
+    run_child,
+)
 
-
-def _records(out: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def _finetune(out: Path, model: Path, data: Path, args: list[str]) -> None:
-    command = [
-        TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "chess_finetune.py"),
-        "--model", str(model), "--dataset", str(data), "--output_dir", str(out),
-        "--precision", "fp32", "--save_every_minutes", "0", "--resume", "never", *args,
-    ]  # fmt: skip
-    subprocess.run(command, check=True, env=ENV, cwd=REPO, capture_output=True)
-
+from fsdp_utils.metrics import read_metrics
 
 # --- throughput -------------------------------------------------------------------------
 
 
-def throughput(steps: int, repeats: int) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO / "bench"))
-    from throughput import PER_DEVICE, SEQ, TOTAL, assets  # the same setup and assets
-
+def throughput(steps: int, repeats: int, reruns: list[dict[str, Any]]) -> dict[str, Any]:
+    """bench/throughput.py's run of chess_finetune.py (its setup, assets and clock), with and
+    without --document_masking."""
     paths = assets()
+    args = argparse.Namespace(steps=steps, warmup_steps=3)
     runs: dict[str, list[float]] = {}
     for _ in range(repeats):
         for name, extra in {
             "packed, causal": [],
             "packed, document masking": ["--document_masking"],
         }.items():
-            out = RESULTS / f"docmask_{len(extra)}"
-            _finetune(out, paths["model"], paths["data"], [
-                "--data_cache_dir", str(RESULTS / "prepared"), "--max_seq_length", str(SEQ),
-                "--batch_size_per_device", str(PER_DEVICE), "--total_batch_size", str(TOTAL),
-                "--max_training_steps", str(steps + 3), "--eval_every", "0",
-                "--eval_batches", "1", "--no_final_save", *extra,
-            ])  # fmt: skip
-            train = _records(out, "train")[3:]  # warm-up left out
-            tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in train)
-            runs.setdefault(name, []).append(tokens / sum(r["step_time_s"] for r in train))
+            figures = finetune(paths, args, reruns, *extra)
+            runs.setdefault(name, []).append(figures["useful_tokens_per_s"])
             print(f"  {name}: {runs[name][-1]:,.0f} useful tokens/s", flush=True)
     median = {name: statistics.median(v) for name, v in runs.items()}
     ratio = median["packed, document masking"] / median["packed, causal"]
@@ -90,7 +71,7 @@ def throughput(steps: int, repeats: int) -> dict[str, Any]:
 # --- chess ------------------------------------------------------------------------------
 
 
-def chess(seeds: int, steps: int, games: int) -> dict[str, Any]:
+def chess(seeds: int, steps: int, games: int, reruns: list[dict[str, Any]]) -> dict[str, Any]:
     from fsdp_utils.demo import build_assets, training_command
 
     paths = build_assets(REPO / "demo_assets", 3000)
@@ -104,9 +85,9 @@ def chess(seeds: int, steps: int, games: int) -> dict[str, Any]:
                 "--seed", str(seed), "--chess_eval_games", str(games), "--no_final_save",
                 "--save_every_steps", "0", *extra,
             )  # fmt: skip
-            subprocess.run(command, check=True, env=ENV, cwd=REPO, capture_output=True)
-            result = _records(out, "chess_eval")[-1]
-            result["eval_loss"] = _records(out, "eval")[-1]["eval_loss"]
+            run_child(command, f"demo training {name}, seed {seed}", reruns)
+            result = read_metrics(out, "chess_eval")[-1]
+            result["eval_loss"] = read_metrics(out, "eval")[-1]["eval_loss"]
             result["wall_s"] = time.perf_counter() - started
             rows.setdefault(name, []).append(result)
             print(
@@ -237,12 +218,14 @@ def main() -> None:
     parser.add_argument("--doc", type=int, default=400)
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    reruns: list[dict[str, Any]] = []  # failed runs that were rerun (printed as they happen)
     if args.part == "throughput":
-        result = throughput(args.steps or 15, args.repeats)
+        result = throughput(args.steps or 15, args.repeats, reruns)
     elif args.part == "chess":
-        result = chess(args.seeds, args.steps or 200, args.games)
+        result = chess(args.seeds, args.steps or 200, args.games, reruns)
     else:
         result = check(args.implementations.split(","), args.seq, args.doc)
+    result["reruns"] = reruns
     (RESULTS / f"document_masking_{args.part}.json").write_text(json.dumps(result, indent=2))
 
 

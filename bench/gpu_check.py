@@ -520,13 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     models: dict[str, Path] = {}
     if "auto" in shapes:
-        plans = {}
+        plans: dict[str, dict[str, Any] | None] = {}
         for name in LARGE_CANDIDATES:
             models[name] = write_config_only(work / f"model-{name}", SHAPES[name], tokenizer, args)
             spec = RunSpec("plan", name, ("--gradient_checkpointing",), 1, args.large_batch,
                            args.seq_length)  # fmt: skip
-            plans[name] = kit.plan(models[name], data, spec)
-            print(f"gpu-check: planner for {name}: fits={plans[name] and plans[name]['fits']}")
+            plan = plans[name] = kit.plan(models[name], data, spec)
+            print(f"gpu-check: planner for {name}: fits={plan and plan['fits']}")
         chosen = choose_large_shape(plans)
         shapes = [s for s in shapes if s != "auto"] + ([chosen] if chosen else [])
     for name in shapes:

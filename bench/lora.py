@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import (  # bench/ is not a package: its folder is on sys.path
@@ -33,13 +32,13 @@ from throughput import (  # bench/ is not a package: its folder is on sys.path
     TOTAL,
     assets,
     finetune,
+    run_child,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 MIB = 1024**2
 
 
-def measure(paths: dict[str, Path], *extra: str) -> dict[str, int]:
+def measure(paths: dict[str, Path], reruns: list[dict[str, Any]], *extra: str) -> dict[str, int]:
     """Tracker bytes of one step (after a warm-up step) on rank 0 of a real 2-process run."""
     out = RESULTS / "lora_measure.json"
     command = [
@@ -50,8 +49,7 @@ def measure(paths: dict[str, Path], *extra: str) -> dict[str, int]:
         "--total_batch_size", str(TOTAL), "--eval_batches", "1", "--save_every_minutes", "0",
         "--no_final_save", "--resume", "never", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, env=env, cwd=REPO, capture_output=True)
+    run_child(command, f"fsdp_utils.plan.measure {' '.join(extra)}", reruns)
     from fsdp_utils.plan import StepMemory
 
     memory = StepMemory.from_dict(json.loads(out.read_text()))
@@ -62,7 +60,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup_steps", type=int, default=3, help="untimed steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="alternate the runs this often")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -74,13 +73,15 @@ def main() -> None:
         ("bf16-mixed", "lora"): ["--precision", "bf16-mixed", "--lora"],
     }
     speed: dict[tuple[str, str], list[float]] = {}
+    reruns: list[dict[str, Any]] = []  # failed runs that were rerun (printed as they happen)
     for _ in range(args.repeats):  # alternate, so drifting background load hits all alike
         for key, flags in variants.items():
-            speed.setdefault(key, []).append(finetune(paths, args.steps, *flags))
-            print(f"  {key}: {speed[key][-1]:,.0f} tokens/s", flush=True)
-    memory = {key: measure(paths, *flags) for key, flags in variants.items()}
-    no_dropout = measure(paths, *variants[("bf16-mixed", "lora")], "--lora_dropout", "0")
-    rows = []
+            figures = finetune(paths, args, reruns, *flags)
+            speed.setdefault(key, []).append(figures["useful_tokens_per_s"])
+            print(f"  {key}: {speed[key][-1]:,.0f} useful tokens/s", flush=True)
+    memory = {key: measure(paths, reruns, *flags) for key, flags in variants.items()}
+    no_dropout = measure(paths, reruns, *variants[("bf16-mixed", "lora")], "--lora_dropout", "0")
+    rows: list[dict[str, Any]] = []
     for precision in ("fp32", "bf16-mixed"):
         full, lora = (precision, "full"), (precision, "lora")
         rows.append(
@@ -101,7 +102,9 @@ def main() -> None:
         "setup": f"{NPROC} CPU processes (gloo), Llama 4x256, seq {SEQ}, {PER_DEVICE}/device, "
         f"total {TOTAL}; LoRA r=8 alpha=16 dropout 0.05 on every linear layer of the blocks",
         "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
         "repeats": args.repeats,
+        "reruns": reruns,
         "rows": rows,
         "bf16_mixed_lora_dropout_0_peak_mib": no_dropout["peak"] / MIB,
     }

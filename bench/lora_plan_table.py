@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config import Precision, TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, plan_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "configs"
@@ -24,7 +24,7 @@ GIB = 1024**3
 # Nominal 32 GiB; nvidia-smi may report a little less as usable (not checked on a V100 here).
 V100 = ("V100-32GB", 32 * GIB)
 A100 = (GPU_PRESETS["a100-80gb"].name, GPU_PRESETS["a100-80gb"].memory_bytes)
-SETUPS = [  # (GPUs, GPU, precision)
+SETUPS: list[tuple[int, tuple[str, int], Precision]] = [  # (GPUs, GPU, precision)
     (1, V100, "fp16-mixed"),
     (4, V100, "fp16-mixed"),
     (1, A100, "bf16-mixed"),

@@ -132,7 +132,7 @@ def agreement(layers: int = 20) -> str:
             for settings in AGREEMENT_SETTINGS:
                 base = {"total_batch_size": 8, "batch_size_per_device": 2, "max_seq_length": 64}
                 config = TrainConfig(model=folder, **{**base, **settings})
-                args = {"nodes": 2, "gpus_per_node": 2, "gpu_memory_bytes": None}
+                args: dict[str, Any] = {"nodes": 2, "gpus_per_node": 2, "gpu_memory_bytes": None}
                 started = time.process_time()
                 fast = plan_memory(config, **args)
                 fast_cpu, started = time.process_time() - started, time.process_time()
