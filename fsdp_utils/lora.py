@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fsdp_utils.model import _all_named_parameters, param_dtype_for
+from fsdp_utils.model import _all_named_parameters, compute_dtype, param_dtype_for
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from fsdp_utils.config import Precision, TrainConfig
+    from fsdp_utils.config import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out
 
@@ -48,16 +48,6 @@ def linear_types() -> tuple[type[nn.Module], ...]:
     from transformers.pytorch_utils import Conv1D
 
     return (nn.Linear, Conv1D)
-
-
-def frozen_dtype(precision: Precision) -> torch.dtype:
-    """The dtype frozen base weights are kept in: the one they compute in."""
-    return {
-        "bf16-mixed": torch.bfloat16,
-        "fp16-mixed": torch.float16,
-        "bf16-true": torch.bfloat16,
-        "fp32": torch.float32,
-    }[precision]
 
 
 # --- which layers -------------------------------------------------------------------------
@@ -158,7 +148,8 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
         inject_adapter_in_model(
             peft_config(config, targets, fan_in_fan_out=conv1d), model, low_cpu_mem_usage=True
         )
-    frozen, adapter = frozen_dtype(config.precision), param_dtype_for(config.precision)
+    # The frozen base is kept in the dtype it computes in: no fp32 master copy.
+    frozen, adapter = compute_dtype(config.precision), param_dtype_for(config.precision)
     for module in model.modules():
         for param in module.parameters(recurse=False):
             wanted = adapter if param.requires_grad else frozen

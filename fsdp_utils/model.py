@@ -62,6 +62,14 @@ def param_dtype_for(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16-true" else torch.float32
 
 
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """dtype in which the forward and backward compute (FSDP2's param_dtype, DDP's autocast,
+    LoRA's frozen base)."""
+    if precision == "fp16-mixed":
+        return torch.float16
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device but buffers for real (on CPU).

@@ -37,16 +37,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config import Precision, TrainConfig
 from fsdp_utils.distributed import DistEnv, build_mesh
-from fsdp_utils.model import build_meta_model, count_parameters, find_decoder_layers
+from fsdp_utils.model import (
+    build_meta_model,
+    compute_dtype,
+    count_parameters,
+    find_decoder_layers,
+)
 
 
 def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
     """Compute dtype for FSDP2. Gradients are reduced in fp32 for the mixed modes so that the
     sum over ranks loses nothing; bf16-true keeps everything (and so its traffic) in bf16."""
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if precision == "fp16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    if precision in ("bf16-mixed", "fp16-mixed"):
+        return MixedPrecisionPolicy(
+            param_dtype=compute_dtype(precision), reduce_dtype=torch.float32
+        )
     return MixedPrecisionPolicy()
 
 
@@ -169,7 +174,7 @@ def fsdp_group_names(model: nn.Module) -> list[str]:
 def autocast_context(config: TrainConfig, device: torch.device) -> Callable[[], Any]:
     """Autocast for DDP mixed precision; FSDP2 casts through its policy, so nothing there."""
     if config.no_fsdp and config.precision in ("bf16-mixed", "fp16-mixed"):
-        dtype = torch.bfloat16 if config.precision == "bf16-mixed" else torch.float16
+        dtype = compute_dtype(config.precision)
         return lambda: torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext
 

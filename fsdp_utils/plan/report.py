@@ -227,9 +227,10 @@ def format_plan(plan: MemoryPlan) -> str:
     where = "the optimizer step" if plan.peak_in_optimizer_step else "forward/backward"
     dtype = "bf16" if plan.config.precision == "bf16-true" else "fp32"
     if plan.config.lora:
-        from fsdp_utils.lora import dtype_name, frozen_dtype
+        from fsdp_utils.lora import dtype_name
+        from fsdp_utils.model import compute_dtype
 
-        dtype = f"{dtype_name(frozen_dtype(plan.config.precision))} frozen base + {dtype} adapters"
+        dtype = f"{dtype_name(compute_dtype(plan.config.precision))} frozen base + {dtype} adapters"
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
