@@ -257,21 +257,17 @@ def summarize(records: list[dict[str, Any]], *, warmup: int = 3) -> dict[str, An
     out["resumed"] = bool(loads)
     finals = [r for r in records if r.get("kind") == "final_model"]
     out["final_model"] = finals[-1].get("path") if finals else None
+    out["export_s"] = finals[-1].get("seconds") if finals else None
     return out
 
 
 def resume_seconds(log_text: str) -> float | None:
-    """`checkpoint: resumed from step N (...) in 1.2s`: the load time the trainer logs."""
+    """`checkpoint: resumed from step N (...) in 1.2s`: the load time the trainer logs. From the
+    log line, not the `resumed` record: that record's step precedes the trackers' current step,
+    so a number there could not become a W&B scalar."""
     import re
 
     match = re.search(r"checkpoint: resumed from step \d+ .* in ([0-9.]+)s", log_text)
-    return float(match.group(1)) if match else None
-
-
-def export_seconds(log_text: str) -> float | None:
-    import re
-
-    match = re.search(r"model: saved to .* in ([0-9.]+)s", log_text)
     return float(match.group(1)) if match else None
 
 
@@ -419,7 +415,7 @@ class Kit:
             "exit_codes": [code1, code2],
             "save_s": summary["checkpoint_save_s"],
             "load_s": resume_seconds(log2),
-            "export_s": export_seconds(log2),
+            "export_s": summary["export_s"],
             "resumed": summary["resumed"],
             "final_model": summary["final_model"],
         }

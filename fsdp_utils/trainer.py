@@ -735,8 +735,12 @@ class Trainer:
                 export_dtype=self.config.export_dtype,
             )  # fmt: skip
         dist_utils.barrier()
+        seconds = watch.lap()
         self.log.event(
-            "final_model", f"model: saved to {path} in {watch.lap():.1f}s", path=str(path)
+            "final_model",
+            f"model: saved to {path} in {seconds:.1f}s",
+            seconds=seconds,
+            path=str(path),
         )
         return path
 

@@ -142,6 +142,6 @@ def test_the_whole_flow_runs_on_cpu(tmp_path: Path) -> None:
     assert run["planned_peak_gib"] and run["planned_peak_gib"] > 0  # the planner ran
     cycle = report["checkpoint"]
     assert cycle["exit_codes"] == [0, 0] and cycle["resumed"] is True
-    assert cycle["save_s"] is not None and cycle["load_s"] is not None
+    assert None not in (cycle["save_s"], cycle["load_s"], cycle["export_s"])
     assert Path(cycle["final_model"], "config.json").is_file()
     assert "| tiny" in (out / "gpu_check.md").read_text()
