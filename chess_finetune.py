@@ -5,7 +5,7 @@
         --total_batch_size 32 --batch_size_per_device 2 --gradient_checkpointing
 """
 
-from fsdp_utils.offline import enable_offline_mode
+from fsdp_utils.hub.offline import enable_offline_mode
 
 # Compute nodes have no internet: the Hugging Face libraries read these at import time.
 enable_offline_mode()

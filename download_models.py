@@ -8,7 +8,7 @@ Everything lives in `fsdp_utils.hub`; see docs/readme/download.md.
 
 import sys
 
-from fsdp_utils.hub.cli import main
+from fsdp_utils.download import main
 
 if __name__ == "__main__":
     sys.exit(main())

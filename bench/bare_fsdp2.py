@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, on_timed: Callable[[bool], None] | None 
         print(json.dumps({"mode": args.mode, "useful_tokens_per_s": useful / seconds,
                           "seconds_per_step": seconds / args.steps,
                           "cpu_seconds_per_step": cpu_seconds / args.steps}))  # fmt: skip
-    dist.barrier()  # all ranks end together: see fsdp_utils.distributed.destroy
+    dist.barrier()  # all ranks end together: see fsdp_utils.parallel.distributed.destroy
     dist.destroy_process_group()
 
 

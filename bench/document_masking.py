@@ -40,7 +40,7 @@ from throughput import (  # bench/ is not a package: its folder is on sys.path
     run_child,
 )
 
-from fsdp_utils.metrics import read_metrics
+from fsdp_utils.metrics.logger import read_metrics
 
 # --- throughput -------------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ def check(implementations: list[str], seq: int, doc: int) -> dict[str, Any]:
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdp_utils.document_masking import document_position_ids
+    from fsdp_utils.data.document_masking import document_position_ids
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -221,7 +221,7 @@ class MemoryWatch:
 
 def run_records(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl through the project's one reader; [] for a run that never started."""
-    from fsdp_utils.metrics import read_metrics
+    from fsdp_utils.metrics.logger import read_metrics
 
     try:
         return read_metrics(run_dir)

@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from fsdp_utils.config import Precision, TrainConfig
+from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, plan_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "configs"

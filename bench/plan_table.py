@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, MemoryPlan, plan_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "configs"

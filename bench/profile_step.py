@@ -34,9 +34,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # (category, predicate on a pstats key (file, function)): cumulative CPU time.
 CATEGORIES = {
     "forward": lambda f, fn: f.endswith("modeling_llama.py") and fn == "forward",
-    # ours: fsdp_utils.loss; the bare loop: transformers' loss, inside the model's forward
+    # ours: fsdp_utils.train.loss; the bare loop: transformers' loss, inside the model's forward
     "loss": lambda f, fn: (
-        (f.endswith("fsdp_utils/loss.py") and fn == "token_loss_sum")
+        (f.endswith("fsdp_utils/train/loss.py") and fn == "token_loss_sum")
         or (f.endswith("loss_utils.py") and fn == "ForCausalLMLoss")
     ),
     "backward": lambda f, fn: fn == "<method 'run_backward' of 'torch._C._EngineBase' objects>",
@@ -81,12 +81,12 @@ def _summarise(stats: pstats.Stats, steps: int, cpu_seconds: float) -> dict[str,
 
 
 def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
-    from fsdp_utils.offline import enable_offline_mode
+    from fsdp_utils.hub.offline import enable_offline_mode
 
     enable_offline_mode()
-    from fsdp_utils import distributed as dist_utils
-    from fsdp_utils.config import parse_config
-    from fsdp_utils.trainer import Trainer
+    from fsdp_utils.config.parse import parse_config
+    from fsdp_utils.parallel import distributed as dist_utils
+    from fsdp_utils.train.trainer import Trainer
 
     assets = RESULTS / "assets"
     config, _ = parse_config(

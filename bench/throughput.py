@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import prepare_dataset
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.prepare import prepare_dataset
 from fsdp_utils.synthetic import build_demo_assets
 
 REPO = Path(__file__).resolve().parent.parent

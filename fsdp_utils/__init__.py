@@ -1,3 +1,24 @@
-"""fsdp_utils: fine-tune LLMs with PyTorch FSDP2 on air-gapped Slurm clusters."""
+"""fsdp_utils: fine-tune LLMs with PyTorch FSDP2 on air-gapped Slurm clusters.
+
+The packages follow a run's data, and each imports only the stages below it (`make lint`
+checks it: see `.importlinter`):
+
+    config/      what a run is: TrainConfig, the command line, batch arithmetic, run folder, job
+    hub/         the offline asset cache: download (login node), resolve (compute nodes)
+    data/        dataset files -> documents -> tokens -> packed blocks -> each step's batches
+    model/       meta build, decoder layers, sliced weight loading, LoRA
+    parallel/    process groups, activation checkpointing, torch.compile, FSDP2/DDP
+    metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
+    checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
+    chess_eval/  did the model learn chess? (python-chess as the referee)
+    train/       the trainer: train -> train_step -> forward_backward_step
+    plan/        will it fit in GPU memory? (one step traced on fake tensors)
+    run/         before a run: preflight, run-folder start, shared-path checks
+    slurm/       sbatch/submitit launchers, a local Slurm for tests
+
+Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
+`export` and `plot` (`python -m fsdp_utils.export|plot`); `synthetic` builds the tiny models,
+tokenizers and datasets of the demo and the tests.
+"""
 
 __version__ = "0.1.0"

@@ -8,7 +8,8 @@ import gc
 import sys
 from typing import Any
 
-from fsdp_utils.config import TrainConfig, build_parser, parse_config
+from fsdp_utils.config.parse import build_parser, parse_config
+from fsdp_utils.config.train_config import TrainConfig
 
 EXIT_USAGE = 2
 
@@ -62,8 +63,8 @@ def _fail(message: str) -> int:
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
-    from fsdp_utils import distributed as dist_utils
-    from fsdp_utils.trainer import Trainer
+    from fsdp_utils.parallel import distributed as dist_utils
+    from fsdp_utils.train.trainer import Trainer
 
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
@@ -120,7 +121,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_utils.trainer import TrainingDivergedError
+    from fsdp_utils.train.trainer import TrainingDivergedError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--plan" in argv:  # the planner's parser has every training flag and its own
@@ -137,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.preflight:
-            from fsdp_utils.distributed import world_size_from_env
-            from fsdp_utils.preflight import preflight
+            from fsdp_utils.parallel.distributed import world_size_from_env
+            from fsdp_utils.run.preflight import preflight
 
             world_size = args.world_size or world_size_from_env()
             print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
-            from fsdp_utils.run_start import storage_preflight  # after the plan: it must fit first
+            from fsdp_utils.run.start import storage_preflight  # after the plan: it must fit first
 
             print(storage_preflight(config, world_size), flush=True)
             return 0

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.config import DEFAULT_TEMPLATE
-from fsdp_utils.render import render_row
+from fsdp_utils.config.train_config import DEFAULT_TEMPLATE
+from fsdp_utils.data.render import render_row
 
 SPECIAL_TOKENS = {
     "bos_token": "<s>",

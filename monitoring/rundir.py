@@ -22,7 +22,7 @@ from pathlib import Path
 from monitoring.parse import SAMPLE_PREFIX_FIELDS, parse_sample_csv, parse_sampler_log
 from monitoring.records import GpuSample, JobInfo, NodeError, SamplerStart
 
-SAMPLES_SUBDIR = "gpu_samples"  # fsdp_utils.layout.RunLayout.gpu_samples
+SAMPLES_SUBDIR = "gpu_samples"  # fsdp_utils.config.layout.RunLayout.gpu_samples
 _HEADER_START = ",".join(SAMPLE_PREFIX_FIELDS) + ","
 
 

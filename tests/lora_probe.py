@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
-    from fsdp_utils import distributed as dist_utils
-    from fsdp_utils.config import build_parser, parse_config
-    from fsdp_utils.export import gather_full_state_dict
-    from fsdp_utils.trainer import Trainer
+    from fsdp_utils.checkpoint.hf_folder import gather_full_state_dict
+    from fsdp_utils.config.parse import build_parser, parse_config
+    from fsdp_utils.parallel import distributed as dist_utils
+    from fsdp_utils.train.trainer import Trainer
 
     parser = build_parser()
     parser.add_argument("--probe_out", type=Path, required=True)

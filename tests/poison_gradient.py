@@ -17,14 +17,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_utils.offline import enable_offline_mode
+from fsdp_utils.hub.offline import enable_offline_mode
 
 enable_offline_mode()
 
 import torch  # noqa: E402
 
 from fsdp_utils import cli  # noqa: E402
-from fsdp_utils.trainer import Trainer  # noqa: E402
+from fsdp_utils.train.trainer import Trainer  # noqa: E402
 
 POISON_STEP = int(os.environ["POISON_GRADIENT_AT_STEP"])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_utils.batch import plan_batch
-from fsdp_utils.config import DEFAULT_TOTAL_BATCH_SIZE, TrainConfig
+from fsdp_utils.config.batch import plan_batch
+from fsdp_utils.config.train_config import DEFAULT_TOTAL_BATCH_SIZE, TrainConfig
 
 
 @pytest.mark.parametrize(

@@ -16,18 +16,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.checkpoint import (
+from fsdp_utils.checkpoint.sharded import (
     MARKER,
     Checkpointer,
     CheckpointError,
     list_checkpoints,
     read_checkpoint,
 )
-from fsdp_utils.config import TrainConfig, parse_config
-from fsdp_utils.model import load_model_config
-from fsdp_utils.storage import plan_storage
+from fsdp_utils.checkpoint.storage import plan_storage
+from fsdp_utils.config.parse import parse_config
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.hub.resolve import load_model_config
 from fsdp_utils.synthetic import save_tiny_model
-from fsdp_utils.timelimit import END_TIME_ENV, job_end_time, parse_slurm_time
+from fsdp_utils.train.timelimit import END_TIME_ENV, job_end_time, parse_slurm_time
 from tests.train_helpers import (
     REPO_ROOT,
     check_ok,

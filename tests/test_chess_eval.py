@@ -17,8 +17,8 @@ from fsdp_utils.chess_eval.cli import main as chess_eval_main
 from fsdp_utils.chess_eval.games import make_prefixes
 from fsdp_utils.chess_eval.referee import board_after
 from fsdp_utils.cli import main as finetune_main
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import held_out_games
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.prepare import held_out_games
 from tests.chess_players import ScriptedPlayer, fixed_writer, legal_writer
 
 PLIES = 6

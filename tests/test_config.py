@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.config import TrainConfig, config_from_dict, parse_config
+from fsdp_utils.config.parse import config_from_dict, parse_config
+from fsdp_utils.config.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from fsdp_utils.batch import plan_batch
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import IGNORE_INDEX, StepSampler, TokenBlocks, eval_batches, prepare_dataset
-from fsdp_utils.render import render_game
+from fsdp_utils.config.batch import plan_batch
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.blocks import IGNORE_INDEX, StepSampler, TokenBlocks, eval_batches
+from fsdp_utils.data.prepare import prepare_dataset
+from fsdp_utils.data.render import render_game
 
 
 def _config(tiny_assets, cache: Path, **kw) -> TrainConfig:
@@ -126,8 +127,8 @@ def test_held_out_games_come_from_the_files_training_uses(tmp_path):
     """Without --dataset_include, training uses every shard download_models.py fetched; the
     chess evaluation's held-out games must come from the same files, or the seed's shuffle
     differs and "held-out" games can be training games."""
-    from fsdp_utils.config import DEFAULT_DATASET
-    from fsdp_utils.data import dataset_files, held_out_games
+    from fsdp_utils.config.train_config import DEFAULT_DATASET
+    from fsdp_utils.data.prepare import dataset_files, held_out_games
     from fsdp_utils.synthetic import random_games, write_chess_shards
     from tests.test_download_units import fake_download
 

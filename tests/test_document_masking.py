@@ -14,13 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import PreparedData, batch_position_ids, prepare_dataset
-from fsdp_utils.distributed import DistEnv
-from fsdp_utils.document_masking import check_document_masking, document_position_ids
-from fsdp_utils.loss import token_loss_sum
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.blocks import batch_position_ids
+from fsdp_utils.data.document_masking import check_document_masking, document_position_ids
+from fsdp_utils.data.prepare import PreparedData, prepare_dataset
+from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model
-from fsdp_utils.trainer import Trainer
+from fsdp_utils.train.loss import token_loss_sum
+from fsdp_utils.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 

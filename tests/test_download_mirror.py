@@ -1,7 +1,7 @@
 """download_models.py end to end against a real HF-compatible server (olah) on loopback.
 
 Every download runs the real script in a subprocess (online, HF_ENDPOINT = the mirror); the
-compute side (`fsdp_utils.assets`) is called in-process, offline, as the trainer calls it.
+compute side (`fsdp_utils.hub.resolve`) is called in-process, offline, as the trainer calls it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.assets import MissingAssetError, resolve_dataset_files, resolve_model_dir
-from fsdp_utils.config import DEFAULT_DATASET_INCLUDE
+from fsdp_utils.config.train_config import DEFAULT_DATASET_INCLUDE
 from fsdp_utils.hub.manifest import ManifestEntry, find_entry, load_manifest
+from fsdp_utils.hub.resolve import MissingAssetError, resolve_dataset_files, resolve_model_dir
 from tests.hf_mirror import (  # noqa: F401 (hub_mirror_fixture registers `hub_mirror`)
     DATASET_ID,
     GATED_ID,
@@ -451,8 +451,8 @@ def test_killed_download_resumes_without_refetching_complete_files(
 def test_prepare_tokenises_on_the_login_node_for_the_trainer(
     downloaded: Downloaded, hub_mirror: HubMirror, tmp_path: Path
 ) -> None:
-    from fsdp_utils.config import config_from_dict
-    from fsdp_utils.data import prepare_dataset
+    from fsdp_utils.config.parse import config_from_dict
+    from fsdp_utils.data.prepare import prepare_dataset
 
     mine = downloaded.copy(tmp_path / "home")
     train_yaml = tmp_path / "train.yaml"

@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.assets import MissingAssetError, resolve_dataset_files, resolve_model_dir
-from fsdp_utils.config import DEFAULT_DATASET, DEFAULT_DATASET_INCLUDE, DEFAULT_MODEL, TrainConfig
+from fsdp_utils.config.train_config import (
+    DEFAULT_DATASET,
+    DEFAULT_DATASET_INCLUDE,
+    DEFAULT_MODEL,
+    TrainConfig,
+)
+from fsdp_utils.download import main
 from fsdp_utils.hub.cache import (
     BUILTIN_CACHE_DIR,
     InsufficientDiskSpaceError,
@@ -23,7 +28,6 @@ from fsdp_utils.hub.cache import (
     remove_partial_downloads,
     snapshot_dir,
 )
-from fsdp_utils.hub.cli import main
 from fsdp_utils.hub.hashing import digest_file
 from fsdp_utils.hub.manifest import (
     FileRecord,
@@ -33,6 +37,7 @@ from fsdp_utils.hub.manifest import (
     manifest_path,
     record_entry,
 )
+from fsdp_utils.hub.resolve import MissingAssetError, resolve_dataset_files, resolve_model_dir
 from fsdp_utils.hub.selection import (
     NoMatchingFilesError,
     RemoteFile,
@@ -423,7 +428,7 @@ def test_training_uses_the_files_that_were_downloaded(tmp_path: Path) -> None:
     """Four shards of the chess dataset fetched with --dataset-include: training without
     --dataset_include uses those four (not one, not all), and every message about a missing
     file names a command that fetches only what is missing."""
-    from fsdp_utils.preflight import check_basics
+    from fsdp_utils.run.preflight import check_basics
     from fsdp_utils.synthetic import shard_name, tiny_model_config
 
     cache, model = tmp_path / "hub", tmp_path / "model"
@@ -465,7 +470,7 @@ def test_training_uses_the_files_that_were_downloaded(tmp_path: Path) -> None:
 def test_the_trainer_logs_which_files_and_how_many_tokens(
     tmp_path: Path, tiny_assets: dict[str, Path]
 ) -> None:
-    from fsdp_utils.data import prepare_dataset
+    from fsdp_utils.data.prepare import prepare_dataset
 
     cache = tmp_path / "hub"
     shards = sorted(tiny_assets["data"].glob("*.parquet"))

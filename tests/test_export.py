@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.export import main as export_main
-from fsdp_utils.export import resolve_export_dtype
+from fsdp_utils.checkpoint.export import main as export_main
+from fsdp_utils.checkpoint.hf_folder import resolve_export_dtype
+from fsdp_utils.config.train_config import TrainConfig
 from tests.train_helpers import check_ok, run_finetune, tiny_args
 
 

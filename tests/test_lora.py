@@ -1,4 +1,4 @@
-"""LoRA (fsdp_utils/lora.py, lora_export.py): the transform on meta models, exports that PEFT and
+"""LoRA (fsdp_utils/model/lora.py, lora_export.py): the transform on meta models, exports that PEFT and
 transformers load, and real multi-process CPU (gloo) runs.
 
 One 2-process run (`lora_run`, through `tests/lora_probe.py`) feeds most end-to-end checks:
@@ -21,24 +21,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.checkpoint import MARKER, read_checkpoint, run_identity
-from fsdp_utils.config import TrainConfig, build_parser, parse_config
-from fsdp_utils.lora import (
+from fsdp_utils.checkpoint.lora_adapters import ADAPTER_CONFIG, write_lora_outputs
+from fsdp_utils.checkpoint.sharded import MARKER, read_checkpoint, run_identity
+from fsdp_utils.config.parse import build_parser, parse_config
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.hub.resolve import load_model_config
+from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
+from fsdp_utils.model.lora import (
     adapted_modules,
     apply_lora,
     base_key_map,
     init_adapters,
     target_modules,
 )
-from fsdp_utils.lora_export import ADAPTER_CONFIG, write_lora_outputs
-from fsdp_utils.model import (
-    build_meta_model,
-    checkpoint_key_map,
-    find_decoder_layers,
-    load_model_config,
-    load_pretrained_weights,
-    materialize,
-)
+from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.synthetic import save_tiny_model
 from tests.test_plan_validation import _measure
@@ -261,7 +257,7 @@ def test_lora_learns_with_a_frozen_base_and_exports_what_it_trained(lora_run, ti
 def test_export_of_a_lora_checkpoint_matches_the_final_folders(lora_run, tmp_path):
     """`python -m fsdp_utils.export [--merge]` (its main, in this process) on the last
     checkpoint."""
-    from fsdp_utils.export import main as export_main
+    from fsdp_utils.checkpoint.export import main as export_main
 
     out = lora_run["out"]
     checkpoint = out / "checkpoints" / f"step_{STEPS:08d}"

@@ -9,16 +9,15 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.model import (
+from fsdp_utils.hub.resolve import load_model_config
+from fsdp_utils.model.build import (
     build_meta_model,
     check_seq_length,
-    checkpoint_key_map,
     find_decoder_layers,
-    load_model_config,
-    load_pretrained_weights,
     materialize,
     tied_parameter_names,
 )
+from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model, tiny_model_config
 
 EXPECTED_LAYER_CLASS = {

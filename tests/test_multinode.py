@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_utils.checkpoint import list_checkpoints, read_checkpoint
+from fsdp_utils.checkpoint.sharded import list_checkpoints, read_checkpoint
 from fsdp_utils.slurm.local_cluster import LocalClusterError, acquire, release
 from fsdp_utils.slurm.local_multinode import (
     DEFAULT_MULTI_STATE_DIR,

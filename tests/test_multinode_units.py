@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.shared_paths import SharedPath, describe_mismatch
+from fsdp_utils.run.shared_paths import SharedPath, describe_mismatch
 from fsdp_utils.slurm.local_conf import (
     MultiNodeCluster,
     NodeHardware,

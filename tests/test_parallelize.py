@@ -8,8 +8,8 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from fsdp_utils.model import find_decoder_layers
-from fsdp_utils.parallelize import apply_activation_checkpointing
+from fsdp_utils.model.build import find_decoder_layers
+from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
 from fsdp_utils.synthetic import tiny_model_config
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.model import load_model_config
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.hub.resolve import load_model_config
 from fsdp_utils.plan import find_max_batch, main, plan_memory
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.report import Margin
@@ -212,7 +212,7 @@ def test_extrapolated_plan_equals_the_full_trace(tmp_path, case):
 
 
 def test_models_too_shallow_or_with_unlike_layers_are_traced_whole(configs, tmp_path):
-    from fsdp_utils.model import build_meta_model, find_decoder_layers
+    from fsdp_utils.model.build import build_meta_model, find_decoder_layers
     from fsdp_utils.plan.extrapolate import why_layers_differ
 
     shallow = estimate(_config(configs["llama"]), Cluster(1, 2))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_utils.batch import plan_batch
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config.batch import plan_batch
+from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import Breakdown, Cluster, Fix, Margin, MemoryPlan, ModelInfo, StepMemory
 from fsdp_utils.plan.hardware import GIB, GPU_PRESETS, MIB, parse_gpu_memory, parse_size
 from fsdp_utils.plan.report import format_plan

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.config import build_parser, parse_config
+from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.plan import StepMemory, plan_memory
 from fsdp_utils.plan.estimate import Cluster, estimate
 from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, tiny_args

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from fsdp_utils import plot
-from fsdp_utils.metrics import RunLogger, latest_history, read_metrics
+from fsdp_utils.metrics import plot
+from fsdp_utils.metrics.logger import RunLogger, latest_history, read_metrics
 from tests.train_helpers import REPO_ROOT
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.preflight import read_plan
+from fsdp_utils.run.preflight import read_plan
 
 REPO = Path(__file__).resolve().parent.parent
 CODELLAMA_7B = REPO / "tests" / "fixtures" / "configs" / "codellama-7b"

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils.checkpoint import MARKER, Checkpointer, CheckpointError
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.job import JobLeg
-from fsdp_utils.layout import RunLayout
-from fsdp_utils.model import build_meta_model, load_model_config
-from fsdp_utils.run_start import SET_ASIDE_PREFIX, set_aside_previous_run, starts_fresh
-from fsdp_utils.storage import CheckpointSize, StoragePlan, checkpoint_size, plan_storage
-from fsdp_utils.timelimit import RemainingWork, choose_leg_end, remaining_work
+from fsdp_utils.checkpoint.sharded import MARKER, Checkpointer, CheckpointError
+from fsdp_utils.checkpoint.storage import CheckpointSize, StoragePlan, checkpoint_size, plan_storage
+from fsdp_utils.config.job import JobLeg
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.hub.resolve import load_model_config
+from fsdp_utils.model.build import build_meta_model
+from fsdp_utils.run.start import SET_ASIDE_PREFIX, set_aside_previous_run, starts_fresh
+from fsdp_utils.train.timelimit import RemainingWork, choose_leg_end, remaining_work
 
 CODELLAMA_7B = Path(__file__).parent / "fixtures" / "configs" / "codellama-7b"
 

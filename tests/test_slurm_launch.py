@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.offline import OFFLINE_VARIABLES
+from fsdp_utils.hub.offline import OFFLINE_VARIABLES
 from fsdp_utils.slurm.launch import (
     RDZV_PORT_BASE,
     RDZV_PORT_SPAN,

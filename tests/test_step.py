@@ -17,11 +17,13 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from transformers import AutoModelForCausalLM
 
-from fsdp_utils.checkpoint import list_checkpoints
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.distributed import process_group_backend
-from fsdp_utils.model import find_decoder_layers
-from fsdp_utils.optim import (
+from fsdp_utils.checkpoint.sharded import list_checkpoints
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.model.build import find_decoder_layers
+from fsdp_utils.parallel.distributed import process_group_backend
+from fsdp_utils.parallel.parallelize import parallelize
+from fsdp_utils.synthetic import tiny_model_config
+from fsdp_utils.train.optim import (
     apply_settings,
     build_optimizer,
     build_scheduler,
@@ -30,9 +32,7 @@ from fsdp_utils.optim import (
     optimizer_settings,
     settings_in_optimizer,
 )
-from fsdp_utils.parallelize import parallelize
-from fsdp_utils.synthetic import tiny_model_config
-from fsdp_utils.timelimit import StopController
+from fsdp_utils.train.timelimit import StopController
 from tests.train_helpers import REPO_ROOT, check_ok, read_metrics, run_finetune, tiny_args
 
 # --- the process-group backend (issue: --cpu_offload on GPUs) --------------------------------

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from fsdp_utils import plot
 from fsdp_utils.cli import main as cli_main
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.layout import RunLayout
-from fsdp_utils.metrics import RunLogger, latest_history, read_metrics
-from fsdp_utils.trackers import WANDB_INSTALL, TensorBoardSink, check_trackers
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.metrics import plot
+from fsdp_utils.metrics.logger import RunLogger, latest_history, read_metrics
+from fsdp_utils.metrics.trackers import WANDB_INSTALL, TensorBoardSink, check_trackers
 from tests.train_helpers import check_ok, finetune_command, tiny_args
 
 # --- reading the trackers' own files --------------------------------------------------------

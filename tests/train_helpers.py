@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils import metrics
+from fsdp_utils.metrics import logger as metrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -19,12 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.config import (
-    TrainConfig,
-    add_config_arguments,
-    config_from_dict,
-    load_config_file,
-)
+from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
+from fsdp_utils.config.train_config import TrainConfig
 
 EXIT_USAGE = 2
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -115,7 +111,7 @@ def load_model_and_tokenizer(
     `adapter_config.json` and is merged into it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_utils.assets import resolve_model_dir
+    from fsdp_utils.hub.resolve import resolve_model_dir
 
     folder = Path(model).expanduser()
     adapter = folder / "adapter_config.json"

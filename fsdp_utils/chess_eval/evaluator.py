@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_utils import distributed as dist_utils
 from fsdp_utils.chess_eval.games import PHASES, Prefix, make_prefixes, moves_offset, render_prompt
 from fsdp_utils.chess_eval.generate import continue_prompts, top1_hits
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.render import render_row
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.render import render_row
+from fsdp_utils.parallel import distributed as dist_utils
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -137,7 +137,7 @@ class ChessEvaluator:
         world_size: int = 1,
         device: torch.device | None = None,
     ) -> ChessEvaluator:
-        from fsdp_utils.data import held_out_games
+        from fsdp_utils.data.prepare import held_out_games
 
         games = held_out_games(config, limit=config.chess_eval_games)
         return cls(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_utils import distributed as dist_utils
+from fsdp_utils.parallel import distributed as dist_utils
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, format_table, log_record
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.distributed import DistEnv
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.parallel.distributed import DistEnv
 
 
 class TrainingChessEval:

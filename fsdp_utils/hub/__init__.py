@@ -11,8 +11,12 @@ Modules, from pure to networked:
 - `download`: plan, check disk, download in parallel, verify, record;
 - `verify`: offline re-hash of the cache against the manifest;
 - `offline_check`: load every asset with the offline variables set and, if possible, no network;
-- `cli`: the `download_models.py` command line.
+- `offline`: the Hugging Face offline variables, set before any Hugging Face import;
+- `resolve`: the compute side: `--model`/`--dataset` to local files through the manifest, never
+  touching the network, and the model's config read once.
+
+The `download_models.py` command line is `fsdp_utils.download`.
 
 Importing this package does not import `huggingface_hub`: the offline variables must be set
-before that happens (see `fsdp_utils.offline`).
+before that happens (see `fsdp_utils.hub.offline`).
 """

@@ -3,7 +3,7 @@
 A child process starts with every Hugging Face offline variable set before any Hugging Face
 import and, where the kernel allows it (`unshare --net`, as root or with user namespaces), in a
 network namespace with no interfaces at all. It resolves each asset the way the trainer does
-(`fsdp_utils.assets`, through the manifest), loads each model's config and tokenizer, opens
+(`fsdp_utils.hub.resolve`, through the manifest), loads each model's config and tokenizer, opens
 each safetensors file's header (which also catches truncation) and each dataset shard.
 
 Run it on a compute node too (`srun ... python download_models.py --check-offline`): that is
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_utils.hub.offline import OFFLINE_VARIABLES, enable_offline_mode
 from fsdp_utils.hub.specs import AssetSpec
-from fsdp_utils.offline import OFFLINE_VARIABLES, enable_offline_mode
 
 
 def isolation_prefix() -> tuple[list[str], str]:
@@ -59,7 +59,7 @@ def check_model(spec: AssetSpec, cache_dir: Path) -> str:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
-    from fsdp_utils.assets import resolve_model_dir
+    from fsdp_utils.hub.resolve import resolve_model_dir
 
     path = resolve_model_dir(spec.repo_id, spec.revision, str(cache_dir))
     config = AutoConfig.from_pretrained(path)
@@ -83,7 +83,7 @@ def check_model(spec: AssetSpec, cache_dir: Path) -> str:
 def check_dataset(spec: AssetSpec, cache_dir: Path) -> str:
     import pyarrow.parquet as pq
 
-    from fsdp_utils.assets import resolve_dataset_files
+    from fsdp_utils.hub.resolve import resolve_dataset_files
 
     # The spec's include as the downloader reads it: none means every data file.
     include = spec.include or ""

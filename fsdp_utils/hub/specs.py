@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdp_utils.config import (
+from fsdp_utils.config.parse import config_from_dict, load_config_file
+from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
     DEFAULT_DATASET_INCLUDE,
     DEFAULT_MODEL,
     TrainConfig,
-    config_from_dict,
     default_dataset_include,
-    load_config_file,
 )
 from fsdp_utils.hub.cache import BUILTIN_CACHE_DIR, hub_cache_dir
 

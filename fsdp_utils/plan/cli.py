@@ -13,7 +13,8 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from fsdp_utils.config import TrainConfig, build_parser, parse_config
+from fsdp_utils.config.parse import build_parser, parse_config
+from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan

@@ -30,14 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_utils.assets import MissingAssetError, resolve_model_dir
-from fsdp_utils.batch import BatchPlan, plan_batch
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.data import StepSampler, TokenBlocks
-from fsdp_utils.distributed import DistEnv
-from fsdp_utils.model import check_seq_length, load_model_config, materialize
-from fsdp_utils.optim import build_optimizer, build_scheduler
-from fsdp_utils.parallelize import ModelInfo, autocast_context, build_parallel_model
+from fsdp_utils.config.batch import BatchPlan, plan_batch
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.blocks import StepSampler, TokenBlocks
+from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
+from fsdp_utils.model.build import check_seq_length, materialize
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import ModelInfo, autocast_context, build_parallel_model
 from fsdp_utils.plan.extrapolate import (
     extrapolate_memory,
     layer_counts,
@@ -45,7 +44,8 @@ from fsdp_utils.plan.extrapolate import (
     why_layers_differ,
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
-from fsdp_utils.trainer import Trainer, TrainState
+from fsdp_utils.train.optim import build_optimizer, build_scheduler
+from fsdp_utils.train.trainer import Trainer, TrainState
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_utils.config import build_parser, parse_config
+from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.plan.tracking import track_train_step
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_utils import distributed as dist_utils
-    from fsdp_utils.trainer import Trainer
+    from fsdp_utils.parallel import distributed as dist_utils
+    from fsdp_utils.train.trainer import Trainer
 
     parser = build_parser(__doc__)
     parser.add_argument("--out", required=True, type=Path, help="JSON file for rank 0's result.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.hardware import Gpu
 from fsdp_utils.plan.report import Fix, Margin, MemoryPlan

@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_utils.batch import BatchPlan
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.parallelize import ModelInfo
+from fsdp_utils.config.batch import BatchPlan
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.parallel.parallelize import ModelInfo
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.tracking import Breakdown
@@ -227,8 +227,8 @@ def format_plan(plan: MemoryPlan) -> str:
     where = "the optimizer step" if plan.peak_in_optimizer_step else "forward/backward"
     dtype = "bf16" if plan.config.precision == "bf16-true" else "fp32"
     if plan.config.lora:
-        from fsdp_utils.lora import dtype_name
-        from fsdp_utils.model import compute_dtype
+        from fsdp_utils.model.build import compute_dtype
+        from fsdp_utils.model.lora import dtype_name
 
         dtype = f"{dtype_name(compute_dtype(plan.config.precision))} frozen base + {dtype} adapters"
     shards = plan.shard_degree

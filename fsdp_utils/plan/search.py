@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from fsdp_utils.batch import plan_batch
-from fsdp_utils.config import TrainConfig
+from fsdp_utils.config.batch import plan_batch
+from fsdp_utils.config.train_config import TrainConfig
 
 
 def resolved_total_batch(config: TrainConfig, world_size: int) -> int:

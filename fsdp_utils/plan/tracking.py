@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from fsdp_utils.trainer import Trainer
+    from fsdp_utils.train.trainer import Trainer
 
 TOTAL = "Total"
 # The tracker's categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values),
@@ -265,7 +265,7 @@ def parallelized_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]
     `fully_shard` gives each sharded module a class of its own (FSDPLlamaDecoderLayer), and
     the layers that activation checkpointing wrapped keep theirs inside the wrapper, so the
     layer classes of `_no_split_modules` are looked for among each module's base classes."""
-    from fsdp_utils.model import find_decoder_layers
+    from fsdp_utils.model.build import find_decoder_layers
 
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if any(c.__name__ in no_split for c in type(m).__mro__)]

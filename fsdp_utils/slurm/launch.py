@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.layout import RunLayout
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.train_config import TrainConfig
 
 # Below Linux's ephemeral range (32768-60999) so an outgoing connection never holds our port,
 # and away from Slurm's own (6817-6819) and the local cluster's (16817-16818).
@@ -178,7 +178,7 @@ def parse_train_args(train_args: Sequence[str]) -> tuple[TrainConfig, set[str]]:
     """The TrainConfig chess_finetune.py will build from these arguments (its own parser:
     defaults < --config file < flags), and the names of the options set explicitly."""
     from fsdp_utils.cli import make_parser
-    from fsdp_utils.config import load_config_file, parse_config
+    from fsdp_utils.config.parse import load_config_file, parse_config
 
     parser = make_parser()
     parser.prog = "chess_finetune.py"  # argparse errors name the script the arguments are for

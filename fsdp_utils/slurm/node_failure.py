@@ -115,8 +115,8 @@ def describe(
 
 def newest_complete_checkpoint(run_dir: Path) -> str | None:
     """`step N (path)` of the newest checkpoint whose files are all there."""
-    from fsdp_utils.checkpoint import newest_intact_checkpoint
-    from fsdp_utils.layout import RunLayout
+    from fsdp_utils.checkpoint.sharded import newest_intact_checkpoint
+    from fsdp_utils.config.layout import RunLayout
 
     # Damaged ones are skipped silently: the summary names only the one to resume from.
     info = newest_intact_checkpoint(RunLayout.of(run_dir).checkpoints, warn=lambda _: None)

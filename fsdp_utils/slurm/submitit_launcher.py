@@ -38,8 +38,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.job import JOB_ID_ENV, RESTART_COUNT_ENV
-from fsdp_utils.offline import OFFLINE_VARIABLES
+from fsdp_utils.config.job import JOB_ID_ENV, RESTART_COUNT_ENV
+from fsdp_utils.hub.offline import OFFLINE_VARIABLES
 from fsdp_utils.slurm.launch import decide_after_run, read_status, rendezvous_port, run_paths
 from fsdp_utils.slurm.sweep import RunSummary, SweepSpec, format_sweep_table, summarise_run
 

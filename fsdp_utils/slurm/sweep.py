@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_utils.config import TrainConfig
-from fsdp_utils.layout import RunLayout
-from fsdp_utils.metrics import latest_history, read_metrics
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.metrics.logger import latest_history, read_metrics
 
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 

@@ -1,0 +1,8 @@
+"""Checkpoints and exports: what a run writes to disk and how it reads it back.
+
+`sharded` saves and resumes DCP checkpoints on any world size; `hf_folder` writes Hugging Face
+model folders (safetensors + config + tokenizer); `lora_adapters` writes PEFT adapter folders
+and merged models; `export` turns a sharded checkpoint into either, offline
+(`python -m fsdp_utils.export`); `storage` checks before training that the checkpoints fit
+on the disk.
+"""

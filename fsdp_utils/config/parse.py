@@ -1,0 +1,151 @@
+"""The command line and config files: thin layers over `TrainConfig`.
+
+defaults < `--config FILE` < explicit command-line flags. Every flag is generated from a
+`TrainConfig` field (its metadata holds the help text); unknown keys and wrong types in a file
+are errors that name the field (with the closest known name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any, Literal
+
+from fsdp_utils.config.train_config import TrainConfig, validate_config
+
+# --- command line and config files ---------------------------------------------------------
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """`int | None` -> (int, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _parse_optional(inner: type) -> Any:
+    def parse(text: str) -> Any:
+        if text.lower() in ("none", "null", ""):
+            return None
+        return inner(text)
+
+    return parse
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, only: Collection[str] | None = None
+) -> None:
+    """One flag per TrainConfig field (or per field in `only`); defaults are SUPPRESSed so we
+    know what was given."""
+    hints = _field_types()
+    for f in dataclasses.fields(TrainConfig):
+        if only is not None and f.name not in only:
+            continue
+        tp, optional = _unwrap_optional(hints[f.name])
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text + default_note}
+        if tp is bool:
+            kwargs["action"] = "store_true"
+            kwargs["help"] = help_text
+        elif typing.get_origin(tp) is Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+            kwargs["type"] = str
+        else:
+            kwargs["type"] = _parse_optional(tp) if optional else tp
+            kwargs["metavar"] = tp.__name__.upper()
+        parser.add_argument(f"--{f.name}", **kwargs)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict of TrainConfig fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"Config file {path} does not exist.")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"Config file {path} must hold a mapping of option: value.")
+    return data
+
+
+def config_from_dict(values: dict[str, Any], *, source: str = "config") -> TrainConfig:
+    """Build a TrainConfig, rejecting unknown keys and wrong types with the field's name."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"Unknown option(s) in {source}: {', '.join(hints)}.")
+    hints_by_name = _field_types()
+    checked: dict[str, Any] = {}
+    for name, value in values.items():
+        tp, optional = _unwrap_optional(hints_by_name[name])
+        if value is None and optional:
+            checked[name] = None
+        elif typing.get_origin(tp) is Literal:
+            choices = typing.get_args(tp)
+            if value not in choices:
+                raise ValueError(f"{source}: {name} must be one of {list(choices)}, got {value!r}.")
+            checked[name] = value
+        elif tp is float and isinstance(value, int) and not isinstance(value, bool):
+            checked[name] = float(value)
+        elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ValueError(
+                f"{source}: {name} must be {tp.__name__}, got {value!r} ({type(value).__name__})."
+            )
+        else:
+            checked[name] = value
+    config = TrainConfig(**checked)
+    validate_config(config)
+    return config
+
+
+def parse_config(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[TrainConfig, argparse.Namespace]:
+    """Parse the command line (and `--config FILE`) into a validated TrainConfig.
+
+    Returns the config and the namespace (for CLI-only switches such as --print_config).
+    """
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_config_file(args.config))
+    field_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in field_names})
+    return config_from_dict(values, source="the command line and config file"), args
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options.")
+    parser.add_argument(
+        "--print_config", action="store_true", help="Print the resolved config and exit."
+    )
+    add_config_arguments(parser)
+    return parser

@@ -1,0 +1,442 @@
+"""The training configuration: one typed dataclass, the single source of truth.
+
+The command line and config files (YAML or JSON) are thin layers over `TrainConfig`:
+defaults < `--config FILE` < explicit command-line flags. The resolved config is written
+to the run folder (`config.json`) so every run can be reproduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"]
+Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
+OptimizerName = Literal["adamw", "sgd"]
+LrSchedule = Literal["cosine", "linear", "constant"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
+DEFAULT_DATASET = "laion/strategic_game_chess"
+# laion/strategic_game_chess has hundreds of ~500 MB shards: by default one is enough.
+DEFAULT_DATASET_INCLUDE = "chess_game_0001.parquet"
+DEFAULT_TOTAL_BATCH_SIZE = 32
+# The text a game becomes (see fsdp_utils.data.render). Fields: {result}, {termination}, {moves}.
+DEFAULT_TEMPLATE = "[Result {result}] [Termination {termination}] {moves}"
+
+
+def default_dataset_include(dataset: str) -> str | None:
+    """The default chess dataset has hundreds of ~500 MB shards: never all of them by default."""
+    return DEFAULT_DATASET_INCLUDE if dataset == DEFAULT_DATASET else None
+
+
+def _opt(help: str, **extra: Any) -> Any:
+    return {"help": help, **extra}
+
+
+@dataclass
+class TrainConfig:
+    # --- assets -------------------------------------------------------------------------
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_opt("Hub id (resolved from the offline cache) or a local model folder."),
+    )
+    dataset: str = field(
+        default=DEFAULT_DATASET,
+        metadata=_opt(
+            "Hub dataset id (from the offline cache), a local folder, or files: parquet in the "
+            "laion/strategic_game_chess schema, or jsonl with a `text` field. Comma-separate "
+            "several files."
+        ),
+    )
+    dataset_include: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Glob(s) of dataset files to use, comma-separated, e.g. "
+            "'chess_game_000[1-2].parquet'. Default: the files download_models.py fetched for "
+            "a hub dataset (every shard it recorded), all files of a local folder; an empty "
+            "string: all data files."
+        ),
+    )
+    revision: str | None = field(
+        default=None, metadata=_opt("Model revision (branch, tag or commit) in the cache.")
+    )
+    dataset_revision: str | None = field(
+        default=None, metadata=_opt("Dataset revision (branch, tag or commit) in the cache.")
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=_opt("Hugging Face hub cache written by download_models.py (default: HF_HOME)."),
+    )
+    output_dir: str = field(
+        default="runs/chess",
+        metadata=_opt("Run folder: config, metrics, checkpoints, final model, logs."),
+    )
+
+    # --- batch ---------------------------------------------------------------------------
+    total_batch_size: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Sequences per optimizer step, held fixed whatever the number of GPUs: gradient "
+            f"accumulation is derived from it (default {DEFAULT_TOTAL_BATCH_SIZE})."
+        ),
+    )
+    batch_size_per_device: int = field(
+        default=1, metadata=_opt("Sequences per forward/backward pass on each device.")
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Micro-batches per optimizer step. Normally derived from --total_batch_size; "
+            "if both are given they must agree."
+        ),
+    )
+    max_seq_length: int = field(default=1024, metadata=_opt("Tokens per sequence (block)."))
+
+    # --- optimisation ----------------------------------------------------------------------
+    learning_rate: float = field(default=2e-5, metadata=_opt("Peak learning rate."))
+    optimizer: OptimizerName = field(
+        default="adamw",
+        metadata=_opt("adamw (2 fp32 states per parameter) or sgd (none without momentum)."),
+    )
+    weight_decay: float = field(default=0.0, metadata=_opt("Decoupled weight decay."))
+    momentum: float = field(
+        default=0.0, metadata=_opt("SGD momentum (0 keeps SGD stateless: least memory).")
+    )
+    lr_schedule: LrSchedule = field(
+        default="cosine", metadata=_opt("Decay after linear warmup: cosine, linear or constant.")
+    )
+    warmup_steps: int | None = field(
+        default=None, metadata=_opt("Linear warmup steps (default: 5% of max_training_steps).")
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata=_opt("Final learning rate as a fraction of the peak.")
+    )
+    grad_clip: float = field(
+        default=1.0, metadata=_opt("Clip the global gradient norm to this value (0: off).")
+    )
+    max_training_steps: int = field(default=100, metadata=_opt("Optimizer steps to run."))
+    seed: int = field(default=1234, metadata=_opt("Seed for model init, shuffling, dropout."))
+
+    # --- parallelism and memory ----------------------------------------------------------
+    no_fsdp: bool = field(
+        default=False, metadata=_opt("Plain data parallel (DDP): every device holds everything.")
+    )
+    no_layer_wrap_policy: bool = field(
+        default=False,
+        metadata=_opt("Shard only at the root (one FSDP group for the whole model)."),
+    )
+    sharding: Sharding = field(
+        default="full",
+        metadata=_opt(
+            "full: shard params, grads, optimizer state; shard_grad_op: keep params gathered "
+            "between forward and backward; hybrid: shard within a node, replicate across nodes; "
+            "no_shard: replicate (DDP-like)."
+        ),
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata=_opt("Keep sharded params, grads and optimizer state in host RAM (FSDP2)."),
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata=_opt("Recompute decoder-layer activations in backward.")
+    )
+    checkpoint_every_n_layers: int = field(
+        default=1, metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer.")
+    )
+    defer_grad_sync: bool = field(
+        default=False,
+        metadata=_opt(
+            "Reduce gradients only on the last micro-batch (less communication, but full "
+            "unsharded gradients stay in memory)."
+        ),
+    )
+    precision: Precision = field(
+        default="bf16-mixed",
+        metadata=_opt(
+            "bf16-mixed (fp32 master weights, bf16 compute), fp16-mixed (with a gradient "
+            "scaler), bf16-true (everything bf16: least memory), fp32."
+        ),
+    )
+    device: DeviceName = field(
+        default="auto", metadata=_opt("cuda if available, else cpu (gloo backend).")
+    )
+    collective_timeout_minutes: float = field(
+        default=30.0,
+        metadata=_opt(
+            "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
+            "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
+            "the final save of a very large model takes longer (ranks wait for rank 0)."
+        ),
+    )
+
+    # --- compilation (step) --------------------------------------------------------------
+    compile: bool = field(
+        default=False,
+        metadata=_opt(
+            "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
+            "as torchtitan does; the first step is slower while it compiles."
+        ),
+    )
+
+    # --- data ----------------------------------------------------------------------------
+    template: str = field(
+        default=DEFAULT_TEMPLATE,
+        metadata=_opt("How a chess game becomes text: {result}, {termination}, {moves}."),
+    )
+    text_field: str = field(default="text", metadata=_opt("Text column of jsonl datasets."))
+    no_packing: bool = field(
+        default=False,
+        metadata=_opt("Pad each document to max_seq_length instead of packing full blocks."),
+    )
+    max_examples: int | None = field(
+        default=None, metadata=_opt("Use at most this many documents (quick runs).")
+    )
+    eval_examples: int = field(
+        default=200, metadata=_opt("Documents held out for evaluation (0: no eval split).")
+    )
+    eval_every: int = field(
+        default=50, metadata=_opt("Evaluate every N optimizer steps and at the end (0: end only).")
+    )
+    eval_batches: int = field(
+        default=20, metadata=_opt("At most this many batches per device per evaluation.")
+    )
+    num_proc: int | None = field(
+        default=None, metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).")
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata=_opt("Where tokenised/packed data is cached (default: beside the hub cache)."),
+    )
+
+    # --- chess evaluation and document masking --------------------------------------------
+    document_masking: bool = field(
+        default=False,
+        metadata=_opt(
+            "Packed documents do not attend to each other: position ids restart at every "
+            "document (transformers then masks attention per document; sdpa, eager, flex)."
+        ),
+    )
+    chess_eval_every: int = field(
+        default=0,
+        metadata=_opt(
+            "Run the chess evaluation (legal-move rate, next-move accuracy) on held-out games "
+            "every N optimizer steps and at the end (0: off)."
+        ),
+    )
+    chess_eval_games: int = field(
+        default=32,
+        metadata=_opt("Held-out games per chess evaluation (3 continuations each)."),
+    )
+    chess_eval_plies: int = field(
+        default=10, metadata=_opt("K: plies the model plays on from each game prefix.")
+    )
+    chess_eval_temperature: float = field(
+        default=0.0, metadata=_opt("Sampling temperature of the chess evaluation (0: greedy).")
+    )
+    chess_eval_batch_size: int | None = field(
+        default=None,
+        metadata=_opt("Sequences per forward pass in the chess evaluation (default: 8)."),
+    )
+
+    # --- metrics -------------------------------------------------------------------------
+    log_every: int = field(default=1, metadata=_opt("Log metrics every N optimizer steps."))
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=_opt("Peak TFLOP/s of one device for MFU (detected for A100/H100/H200)."),
+    )
+
+    # --- trackers (fsdp_utils.metrics.trackers) ----------------------------------------------------
+    tensorboard: bool = field(
+        default=False,
+        metadata=_opt(
+            "Also write the metrics as TensorBoard event files into output_dir/tensorboard "
+            "(view on the login node: tensorboard --logdir runs/)."
+        ),
+    )
+    wandb: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Also log to this W&B project, always offline, into output_dir/wandb (no network "
+            "call; the end of the log gives the `wandb sync` command for the login node). "
+            "Needs pip install -e '.[wandb]'."
+        ),
+    )
+
+    # --- checkpoints and time limits -----------------------------------------------------
+    save_every_steps: int = field(
+        default=0, metadata=_opt("Save a sharded checkpoint every N steps (0: off).")
+    )
+    save_every_minutes: float = field(
+        default=30.0, metadata=_opt("Save a sharded checkpoint every M minutes (0: off).")
+    )
+    keep_last: int = field(default=2, metadata=_opt("Checkpoints to keep (older are deleted)."))
+    resume: str = field(
+        default="auto",
+        metadata=_opt(
+            "auto: continue from the newest complete checkpoint in output_dir if there is one; "
+            "never: start fresh (the previous run moves to output_dir/previous-<time>/); or a "
+            "checkpoint folder. A requeued job's later legs always resume their own newest."
+        ),
+    )
+    time_limit_margin_minutes: float | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop this long before the Slurm job ends (default: estimated from the "
+            "measured save time, at least 2 minutes)."
+        ),
+    )
+    stop_file: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop at the next step boundary once this file exists (the sbatch "
+            "script creates it when Slurm signals the job; default: output_dir/STOP)."
+        ),
+    )
+    stop_after_steps: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Save and stop after this many steps in this run, as if the time limit had come "
+            "(split a long run into shorter jobs; the next run resumes)."
+        ),
+    )
+    no_final_save: bool = field(
+        default=False, metadata=_opt("Do not write the Hugging Face model at the end.")
+    )
+
+    # --- LoRA (fsdp_utils/model/lora.py) -----------------------------------------------------------
+    lora: bool = field(
+        default=False,
+        metadata=_opt(
+            "Train LoRA adapters (peft) instead of the whole model: the base stays frozen in the "
+            "compute dtype; checkpoints hold the adapters only; the final model is a PEFT "
+            "adapter folder."
+        ),
+    )
+    lora_r: int = field(default=8, metadata=_opt("LoRA rank."))
+    lora_alpha: int = field(
+        default=16, metadata=_opt("LoRA alpha: the update is scaled by alpha / r.")
+    )
+    lora_dropout: float = field(
+        default=0.05, metadata=_opt("Dropout on the adapters' input (0: none).")
+    )
+    lora_target_modules: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
+            "(default: every linear layer of the decoder layers)."
+        ),
+    )
+    merge: bool = field(
+        default=False,
+        metadata=_opt(
+            "With --lora: also write the base model with the adapters merged in "
+            "(output_dir/final_merged), loadable without peft."
+        ),
+    )
+
+    # --- export ----------------------------------------------------------------------------
+    export_dtype: ExportDtype = field(
+        default="auto",
+        metadata=_opt(
+            "dtype of the final model's weights: auto (the source model's, from its "
+            "config.json), float32, bfloat16 or float16."
+        ),
+    )
+
+    @property
+    def resolved_dataset_include(self) -> str | None:
+        """The file glob to download (download_models.py --config); None means all files. The
+        trainer reads `dataset_include` itself: None there means what was downloaded."""
+        if self.dataset_include is not None:
+            return self.dataset_include or None
+        return default_dataset_include(self.dataset)
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return round(0.05 * self.max_training_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Checks that need no model, data or world size (those come in the batch plan)."""
+    positive = ["batch_size_per_device", "max_seq_length", "max_training_steps", "log_every"]
+    positive.append("checkpoint_every_n_layers")
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")
+    for name in ("total_batch_size", "gradient_accumulation_steps"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}.")
+    if config.collective_timeout_minutes <= 0:
+        raise ValueError(
+            "--collective_timeout_minutes must be positive, got "
+            f"{config.collective_timeout_minutes}."
+        )
+    if config.learning_rate <= 0:
+        raise ValueError(f"--learning_rate must be positive, got {config.learning_rate}.")
+    warmup = config.warmup_steps
+    if warmup is not None and (warmup < 0 or (warmup > 0 and warmup >= config.max_training_steps)):
+        raise ValueError(
+            f"--warmup_steps ({warmup}) must be between 0 and "
+            f"--max_training_steps - 1 ({config.max_training_steps - 1})."
+        )
+    if not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {config.min_lr_ratio}.")
+    if config.grad_clip < 0:
+        raise ValueError(f"--grad_clip must be >= 0 (0 disables clipping), got {config.grad_clip}.")
+    if config.no_fsdp and (config.no_layer_wrap_policy or config.cpu_offload):
+        raise ValueError(
+            "--no_fsdp (DDP) cannot be combined with --no_layer_wrap_policy or --cpu_offload, "
+            "which are FSDP options."
+        )
+    if config.no_fsdp and config.sharding != "full":
+        raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
+    if config.chess_eval_plies < 1:
+        raise ValueError(
+            f"--chess_eval_plies (K, the plies each continuation is judged for) must be at "
+            f"least 1, got {config.chess_eval_plies}."
+        )
+    for name in ("chess_eval_every", "chess_eval_games", "chess_eval_batch_size"):
+        value = getattr(config, name)
+        if value is not None and value < (0 if name == "chess_eval_every" else 1):
+            raise ValueError(
+                f"--{name} must be at least {int(name != 'chess_eval_every')}, got {value}."
+            )
+    if config.chess_eval_temperature < 0:
+        raise ValueError(
+            f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
+        )
+    _validate_lora(config)
+    for field_name in ("{moves}",):
+        if field_name not in config.template:
+            raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")
+
+
+def _validate_lora(config: TrainConfig) -> None:
+    if config.merge and not config.lora:
+        raise ValueError(
+            "--merge writes the base model with the LoRA adapters merged in: it needs --lora "
+            "(a full fine-tune's final model is already a complete model)."
+        )
+    if config.lora and (config.lora_r < 1 or config.lora_alpha <= 0):
+        raise ValueError(
+            f"--lora_r must be at least 1 and --lora_alpha positive, got {config.lora_r} and "
+            f"{config.lora_alpha}."
+        )
+    if config.lora and not 0.0 <= config.lora_dropout < 1.0:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {config.lora_dropout}.")

@@ -1,0 +1,242 @@
+"""Compute-side resolution of `--model` and `--dataset` to local files, never touching the network.
+
+A local path is used as is. A hub id is looked up in the offline cache written by
+`download_models.py`: its manifest (`<cache>/offline-manifest.json`) pins the requested
+revision to the commit that was downloaded and verified, and lists every file of the repo at
+that commit, so a shard that was never fetched is told apart from one that does not exist.
+The cache folder is `cache_dir`, else what huggingface_hub uses (HF_HUB_CACHE, HF_HOME/hub,
+~/.cache/huggingface/hub). Like huggingface_hub with HF_HUB_OFFLINE=1, nothing here makes a
+network call; unlike it, a stale or partial snapshot is an error rather than a silent fallback.
+
+Anything missing raises `MissingAssetError`, whose message is the exact `download_models.py`
+command to run on the login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from fsdp_utils.config.train_config import default_dataset_include
+from fsdp_utils.hub.cache import hub_cache_dir, storage_dir
+from fsdp_utils.hub.manifest import (
+    ManifestEntry,
+    cached_revisions,
+    find_entry,
+    load_manifest,
+    manifest_path,
+)
+from fsdp_utils.hub.selection import DATA_SUFFIXES, select_data_paths, split_patterns
+from fsdp_utils.hub.specs import AssetSpec, download_command, looks_local
+
+__all__ = [
+    "DATA_SUFFIXES",
+    "MissingAssetError",
+    "describe_dataset_files",
+    "download_command",
+    "resolve_dataset_files",
+    "resolve_model_dir",
+]
+
+
+# Missing dataset files are named one by one in the download command up to this many; beyond,
+# the command repeats the globs asked for.
+MAX_FILES_BY_NAME = 16
+
+
+class MissingAssetError(ValueError):
+    """An asset is not available offline; the message says how to fetch it."""
+
+
+def resolve_model_dir(
+    model: str, revision: str | None = None, cache_dir: str | None = None
+) -> Path:
+    """Folder holding config.json, tokenizer files and safetensors weights."""
+    if looks_local(model):
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise MissingAssetError(
+                f"Model folder {path} has no config.json. Point --model at a folder saved with "
+                "save_pretrained(), or at a hub id cached with download_models.py."
+            )
+        return path
+    spec = AssetSpec(model, "model", revision)
+    entry, snapshot = _cached(spec, cache_dir, revision_flag="--revision")
+    _require_files(spec, entry, snapshot, entry.wanted_paths(None), cache_dir)
+    if not (snapshot / "config.json").is_file():
+        raise MissingAssetError(
+            f"The cached {spec} ({snapshot}) has no config.json: it was downloaded with an "
+            "`include:` that left it out. Download the model with the default file selection:\n  "
+            + spec.command(cache_dir)
+        )
+    return snapshot
+
+
+def _select(files: list[Path], include: str | None) -> list[Path]:
+    patterns = split_patterns(include)
+    if not patterns:
+        return files
+    return [f for f in files if any(fnmatch.fnmatch(f.name, p) for p in patterns)]
+
+
+def resolve_dataset_files(
+    dataset: str,
+    include: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> list[Path]:
+    """The data files (parquet or jsonl) that make up `dataset`, sorted by name.
+
+    `dataset` is a hub id, a folder, a file, or several of them comma-separated; `include`
+    (comma-separated globs on file names) selects among them. Without `include` (None), a hub
+    dataset is the files `download_models.py` fetched for it (its manifest entry: every shard
+    downloaded at that commit, whatever `--dataset-include` was used) and a folder is all its
+    data files; an empty `include` is every data file of the dataset, downloaded or not.
+    """
+    names = [d.strip() for d in dataset.split(",") if d.strip()]
+    files: list[Path] = []
+    for name in names:
+        if looks_local(name):
+            files.extend(_local_dataset_files(Path(name).expanduser(), include))
+        else:
+            files.extend(_cached_dataset_files(name, include, revision, cache_dir))
+    return files
+
+
+def describe_dataset_files(files: list[Path], include: str | None) -> str:
+    """Which data files a run uses and why, for its log: 'N file(s) (...): a, b, ... z'."""
+    if include is None:
+        why = "those download_models.py fetched; --dataset_include to choose"
+    elif include == "":
+        why = "all data files: --dataset_include ''"
+    else:
+        why = f"--dataset_include {include!r}"
+    names = [f.name for f in files]
+    shown = ", ".join(names if len(names) <= 4 else [*names[:3], "...", names[-1]])
+    return f"{len(files)} file(s) ({why}): {shown}"
+
+
+def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES)
+        selected = _select(found, include)
+        if not selected:
+            raise MissingAssetError(
+                f"No data files in {path} match {include!r} "
+                f"(found {len(found)} parquet/jsonl files)."
+            )
+        return selected
+    if path.is_file():
+        return [path]
+    raise MissingAssetError(f"Dataset file {path} does not exist.")
+
+
+def _cached_dataset_files(
+    dataset: str, include: str | None, revision: str | None, cache_dir: str | None
+) -> list[Path]:
+    if include is None:
+        # Not downloaded at all: fetch what download_models.py fetches by default (one shard
+        # of the chess dataset, never all of them).
+        spec = AssetSpec(dataset, "dataset", revision, default_dataset_include(dataset))
+        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        wanted = select_data_paths(entry.file_paths(), None)
+        if not wanted:
+            raise MissingAssetError(
+                f"download_models.py fetched no data file of dataset {dataset} (commit "
+                f"{entry.commit[:10]}). On the login node run:\n  {spec.command(cache_dir)}"
+            )
+    else:
+        spec = AssetSpec(dataset, "dataset", revision, include or None)
+        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        wanted = entry.wanted_paths(include)
+        if not wanted:
+            data_files = entry.wanted_paths(None)
+            raise ValueError(
+                f"No file of dataset {dataset} (commit {entry.commit[:10]}) matches {include!r}: "
+                f"it has {len(data_files)} data files, e.g. "
+                f"{', '.join(data_files[:3]) or 'none'}. Fix --dataset_include."
+            )
+    _require_files(spec, entry, snapshot, wanted, cache_dir)
+    return [snapshot / p for p in wanted]
+
+
+def _cached(
+    spec: AssetSpec, cache_dir: str | None, *, revision_flag: str
+) -> tuple[ManifestEntry, Path]:
+    """The manifest entry and snapshot folder of a hub asset, or MissingAssetError."""
+    cache = hub_cache_dir(cache_dir)
+    entries = load_manifest(cache)
+    entry = find_entry(entries, spec.repo_type, spec.repo_id, spec.revision)
+    if entry is not None:
+        return entry, entry.snapshot(cache)
+    kind = spec.repo_type.capitalize()
+    others = cached_revisions(entries, spec.repo_type, spec.repo_id)
+    if others:
+        where = (
+            f"{kind} {spec.repo_id} is cached at {', '.join(others)}, but not at "
+            f"{spec.requested_revision!r}. Pass {revision_flag} with one of those, or"
+        )
+    elif (storage_dir(cache, spec.repo_id, spec.repo_type) / "snapshots").is_dir():
+        where = (
+            f"{kind} {spec.repo_id} is in {cache} but was not downloaded with "
+            f"download_models.py, so it is neither pinned nor verified (no entry in "
+            f"{manifest_path(cache).name}). Cached files are reused:"
+        )
+    else:
+        where = f"{kind} {spec.repo_id} is not in the offline cache {cache}. To fetch it,"
+    raise MissingAssetError(f"{where} on the login node run:\n  {spec.command(cache_dir)}")
+
+
+def _require_files(
+    spec: AssetSpec,
+    entry: ManifestEntry,
+    snapshot: Path,
+    wanted: list[str],
+    cache_dir: str | None,
+) -> None:
+    """Every wanted file recorded and present (a stat, not a hash: that is --verify's job)."""
+    recorded = entry.file_paths()
+    missing = [p for p in wanted if p not in recorded or not (snapshot / p).is_file()]
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (
+        f", ... ({len(missing) - 3} more)" if len(missing) > 3 else ""
+    )
+    raise MissingAssetError(
+        f"{len(missing)} file(s) of {spec} (commit {entry.commit[:10]}) are not in the "
+        f"offline cache: {shown}. {_fetch_missing(spec, missing, cache_dir)}"
+    )
+
+
+def _fetch_missing(spec: AssetSpec, missing: list[str], cache_dir: str | None) -> str:
+    """What to run on the login node, ending with the command: it fetches the missing files
+    by name when they are few, and never all of a dataset too large to fetch whole (the chess
+    dataset's shards are terabytes together)."""
+    if spec.repo_type == "dataset" and len(missing) <= MAX_FILES_BY_NAME:
+        names = ",".join(glob.escape(PurePosixPath(p).name) for p in missing)
+        spec = dataclasses.replace(spec, include=names)
+    elif spec.repo_type == "dataset" and not spec.include:
+        subset = default_dataset_include(spec.repo_id)
+        if subset is not None:
+            example = dataclasses.replace(spec, include=subset)
+            return (
+                f"That is every data file of {spec.repo_id}, too much to fetch: choose shards "
+                "with --dataset_include (the same globs for download_models.py "
+                "--dataset-include), e.g. on the login node:\n  " + example.command(cache_dir)
+            )
+    return f"On the login node run:\n  {spec.command(cache_dir)}"
+
+
+def load_model_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(
+            f"Cannot read the model config in {model_dir}: {err}. Is it a transformers model "
+            "folder (config.json with a known model_type)?"
+        ) from err

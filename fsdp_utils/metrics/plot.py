@@ -1,0 +1,376 @@
+"""`python -m fsdp_utils.plot RUN_DIR [RUN_DIR ...] -o runs.png`: a run's curves against the
+optimizer step in one PNG, headless (matplotlib's Agg backend: no display), and the drawn numbers
+in a CSV beside it (`runs.csv`: panel, run, series, step, value).
+
+Panels: train loss, raw and smoothed, with the eval loss; learning rate; tokens/s; memory;
+gradient norm; and the chess evaluation's skill measures (records of kind `chess_eval`:
+legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
+move, full-length continuations) when the run has them. Several runs overlay, one colour each, with their names in
+the legend: run folders given one by one, or `--sweep DIR` for every run folder in DIR (what
+`slurm/submit.py --sweep` writes). A run resumed after a requeue is one folder and one curve
+(`fsdp_utils.metrics.logger.latest_history`); dotted vertical lines mark where it resumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.metrics.logger import latest_history, read_metrics, scalar_fields
+
+EXIT_USAGE = 2
+DEFAULT_SMOOTHING = 0.9
+
+# (record field, series name in the CSV and legends): GPU memory when the run had CUDA, else the
+# host's resident memory (a CPU run, or one that moves everything to the host).
+CUDA_MEMORY = (
+    ("cuda_peak_allocated_gib", "CUDA peak allocated"),
+    ("cuda_peak_reserved_gib", "CUDA peak reserved"),
+)
+HOST_MEMORY = (("host_rss_gib", "host RSS"),)
+CHESS_KIND = "chess_eval"
+
+
+@dataclass
+class RunCurves:
+    """What one run folder has to draw, after its resumes (later legs win)."""
+
+    name: str
+    folder: Path
+    train: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    chess: list[dict[str, Any]]
+    resumed_at: list[int]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, folder: Path, name: str) -> RunCurves:
+        if not folder.is_dir():
+            raise ValueError(
+                f"{folder} is not a run folder: it does not exist or is not a folder. Give the "
+                "run's --output_dir, e.g. `python -m fsdp_utils.plot runs/chess -o runs.png`."
+            )
+        history = latest_history(read_metrics(folder))
+        config: dict[str, Any] = {}
+        config_path = RunLayout.of(folder).config
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+
+        def of_kind(kind: str) -> list[dict[str, Any]]:
+            return [r for r in history if r.get("kind") == kind and isinstance(r.get("step"), int)]
+
+        return cls(
+            name=name,
+            folder=folder,
+            train=of_kind("train"),
+            evals=of_kind("eval"),
+            chess=of_kind(CHESS_KIND),
+            # Each leg logs a "start" at its first step; one after 0 resumed a checkpoint.
+            resumed_at=[int(r["step"]) for r in of_kind("start") if r["step"] > 0],
+            config=config,
+        )
+
+    def describe(self) -> str:
+        """e.g. `demo: model demo_assets/model, 2 processes, total batch 8`."""
+        resolved = self.config.get("resolved", {})
+        options = self.config.get("config", {})
+        parts = []
+        if options.get("model"):
+            parts.append(f"model {options['model']}")
+        if resolved.get("world_size"):
+            parts.append(f"{resolved['world_size']} process(es)")
+        if resolved.get("total_batch_size"):
+            parts.append(f"total batch {resolved['total_batch_size']}")
+        return self.name + (": " + ", ".join(parts) if parts else "")
+
+
+@dataclass(frozen=True)
+class DrawnLine:
+    """One line in the figure and what it shows: the CSV is written from these."""
+
+    panel: str
+    run: str
+    series: str
+    line: Any  # matplotlib.lines.Line2D
+
+    def points(self) -> list[tuple[int, float]]:
+        return [
+            (int(x), float(y))
+            for x, y in zip(self.line.get_xdata(), self.line.get_ydata(), strict=True)
+        ]
+
+
+def smooth(steps: Sequence[int], values: Sequence[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing, per optimizer step: an exponential moving average, debiased so
+    that the first points are not pulled towards zero. With a value logged every step it is
+    exactly TensorBoard's; with --log_every N a point N steps on decays the past by weight**N,
+    so the curve averages over the same ~1/(1-weight) steps whatever the logging interval
+    (per point, a run logged every 20 steps would average over 200). weight 0: the values."""
+    if weight <= 0:
+        return list(values)
+    out, last, norm, previous = [], 0.0, 0.0, None
+    for step, value in zip(steps, values, strict=True):
+        decay = weight ** (1 if previous is None else max(step - previous, 1))
+        last = last * decay + (1.0 - decay) * value
+        norm = norm * decay + (1.0 - decay)
+        out.append(last / norm)
+        previous = step
+    return out
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of one field, leaving out records without a number there (None)."""
+    pairs = [
+        (int(r["step"]), float(r[key]))
+        for r in records
+        if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)
+    ]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+# The chess evaluation's skill measures, one panel each (fsdp_utils.chess_eval.evaluator): the
+# counts beside them (games, moves judged, failures by kind, seconds) are for the log's table,
+# and a panel per count would bury the four curves that say whether the model learnt chess.
+CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("chess eval: legal-move rate", "share of generated moves",
+     ("legal_move_rate", "legal_move_rate_opening", "legal_move_rate_middlegame",
+      "legal_move_rate_ending")),
+    ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
+    ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
+    ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
+)  # fmt: skip
+CHESS_STYLES = ("-", "--", ":", "-.")
+
+
+def _chess_panels(runs: Sequence[RunCurves]) -> list[tuple[str, str, list[str]]]:
+    """The chess panels whose fields some run logged: (title, y label, fields)."""
+    logged: set[str] = set()
+    for run in runs:
+        for record in run.chess:
+            logged.update(scalar_fields(record))
+    panels = []
+    for title, ylabel, fields in CHESS_PANELS:
+        present = [f for f in fields if f in logged]
+        if present:
+            panels.append((title, ylabel, present))
+    return panels
+
+
+def _natural_key(text: str) -> list[Any]:
+    """`batch_size_per_device=10` after `=2`: numbers compare as numbers."""
+    return [(0, float(p), "") if re.fullmatch(r"\d+(\.\d+)?", p) else (1, 0.0, p)
+            for p in re.split(r"(\d+(?:\.\d+)?)", text) if p]  # fmt: skip
+
+
+def sweep_run_folders(sweep_dir: Path) -> list[Path]:
+    """The run folders in a sweep's folder (sub-folders that hold a metrics.jsonl)."""
+    runs = []
+    if sweep_dir.is_dir():
+        runs = [d for d in sweep_dir.iterdir() if RunLayout.of(d).metrics.is_file()]
+    if not runs:
+        raise ValueError(
+            f"--sweep {sweep_dir} holds no run folders (sub-folders with a metrics.jsonl). Give "
+            "the folder that `slurm/submit.py --sweep` printed (`run folders under ...`), or give "
+            "run folders one by one: `python -m fsdp_utils.plot RUN_DIR RUN_DIR -o runs.png`."
+        )
+    return sorted(runs, key=lambda d: _natural_key(d.name))
+
+
+def run_names(folders: Sequence[Path]) -> list[str]:
+    """Folder names; where two are the same, their paths from the folder they share."""
+    names = [f.resolve().name for f in folders]
+    if len(set(names)) == len(names):
+        return names
+    resolved = [str(f.resolve()) for f in folders]
+    common = os.path.commonpath(resolved)
+    return [os.path.relpath(r, common) if r != common else Path(r).name for r in resolved]
+
+
+def plot_runs(
+    runs: Sequence[RunCurves], *, smoothing: float = DEFAULT_SMOOTHING, title: str | None = None
+) -> tuple[Any, list[DrawnLine]]:
+    """The figure (not shown; save it) and its drawn lines."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    cuda = any(r.get("cuda_peak_allocated_gib") is not None for run in runs for r in run.train)
+    memory = CUDA_MEMORY if cuda else HOST_MEMORY
+    chess_panels = _chess_panels(runs)
+    panels: list[tuple[str, str]] = [  # (title, y label)
+        ("loss", "cross-entropy (nats/token)"),
+        ("learning rate", "learning rate"),
+        ("throughput", "tokens/s (all processes)"),
+        ("memory", "GiB"),
+        ("gradient norm", "global L2 norm (before clipping)"),
+        *[(title_, ylabel) for title_, ylabel, _ in chess_panels],
+    ]
+    columns = 2
+    rows = -(-len(panels) // columns)
+    fig = Figure(figsize=(6.2 * columns, 3.3 * rows + 0.8), layout="constrained")
+    first = fig.add_subplot(rows, columns, 1)
+    # One step axis for all panels, so that a chess evaluation lines up with the loss.
+    axes = {panels[0][0]: first} | {
+        title_: fig.add_subplot(rows, columns, i + 1, sharex=first)
+        for i, (title_, _) in enumerate(panels) if i > 0
+    }  # fmt: skip
+    for title_, ylabel in panels:
+        ax = axes[title_]
+        ax.set_title(title_)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes["learning rate"].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+    drawn: list[DrawnLine] = []
+
+    def draw(panel: str, run: str, series: str, steps: list[int], values: list[float],
+             **style: Any) -> None:  # fmt: skip
+        if steps:
+            (line,) = axes[panel].plot(steps, values, **style)
+            drawn.append(DrawnLine(panel, run, series, line))
+
+    for index, run in enumerate(runs):
+        color = f"C{index % 10}"
+        steps, losses = _series(run.train, "loss")
+        draw("loss", run.name, "train loss", steps, losses, color=color, lw=0.8, alpha=0.35)
+        draw("loss", run.name, "train loss (smoothed)", steps, smooth(steps, losses, smoothing),
+             color=color, lw=1.8)  # fmt: skip
+        draw("loss", run.name, "eval loss", *_series(run.evals, "eval_loss"), color=color,
+             lw=1.2, ls="--", marker="o", ms=4)  # fmt: skip
+        draw("learning rate", run.name, "lr", *_series(run.train, "lr"), color=color, lw=1.5)
+        draw("throughput", run.name, "tokens/s", *_series(run.train, "tokens_per_s"),
+             color=color, lw=1.2, marker=".", ms=3)  # fmt: skip
+        for (key, series), ls in zip(memory, ("-", "--"), strict=False):
+            draw("memory", run.name, series, *_series(run.train, key), color=color, lw=1.5, ls=ls)
+        draw("gradient norm", run.name, "grad norm", *_series(run.train, "grad_norm"),
+             color=color, lw=1.2)  # fmt: skip
+        for title_, _, fields in chess_panels:
+            for name, ls in zip(fields, CHESS_STYLES, strict=False):
+                draw(title_, run.name, name, *_series(run.chess, name), color=color,
+                     lw=1.5 if ls == "-" else 1.0, ls=ls, marker="o", ms=4)  # fmt: skip
+        for step in run.resumed_at:
+            for ax in axes.values():
+                ax.axvline(step, color=color, ls=":", lw=1.0, alpha=0.8)
+
+    # Line styles say what a line is; colours say which run.
+    styles = [
+        Line2D([], [], color="0.3", lw=0.8, alpha=0.5, label="train loss"),
+        Line2D([], [], color="0.3", lw=1.8, label=f"smoothed (EMA {smoothing:g})"),
+        Line2D([], [], color="0.3", lw=1.2, ls="--", marker="o", ms=4, label="eval loss"),
+    ]
+    if any(run.resumed_at for run in runs):
+        styles.append(Line2D([], [], color="0.3", ls=":", label="resumed here"))
+    axes["loss"].legend(handles=styles, fontsize="small")
+    if cuda:
+        axes["memory"].legend(
+            handles=[Line2D([], [], color="0.3", ls=ls, label=name)
+                     for (_, name), ls in zip(memory, ("-", "--"), strict=False)],
+            fontsize="small",
+        )  # fmt: skip
+    else:
+        axes["memory"].set_title("memory: host RSS of rank 0 (no CUDA)")
+    for title_, _, fields in chess_panels:
+        axes[title_].set_ylim(bottom=0)
+        if len(fields) > 1:  # which line style is which game phase
+            axes[title_].legend(
+                handles=[Line2D([], [], color="0.3", ls=ls,
+                                                label="all" if name == "legal_move_rate" else name.rsplit("_", 1)[1])
+                         for name, ls in zip(fields, CHESS_STYLES, strict=False)],
+                fontsize="small",
+            )  # fmt: skip
+    axes["memory"].set_ylim(bottom=0)  # from 0: how much of the memory is in use, at a glance
+    for extra in range(len(panels), rows * columns):  # an empty cell in the last row
+        fig.add_subplot(rows, columns, extra + 1).set_visible(False)
+
+    if title is None:
+        title = runs[0].describe() if len(runs) == 1 else f"{len(runs)} runs"
+    fig.suptitle(title)
+    if len(runs) > 1:
+        fig.legend(
+            handles=[Line2D([], [], color=f"C{i % 10}", lw=2, label=run.name)
+                     for i, run in enumerate(runs)],
+            loc="outside lower center", ncols=min(len(runs), 4), fontsize="small",
+        )  # fmt: skip
+    return fig, drawn
+
+
+def write_csv(drawn: Sequence[DrawnLine], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["panel", "run", "series", "step", "value"])
+        for item in drawn:
+            for step, value in item.points():
+                out.writerow([item.panel, item.run, item.series, step, repr(value)])
+
+
+def load_runs(run_dirs: Sequence[Path], sweep: Path | None) -> list[RunCurves]:
+    folders = list(run_dirs) + (sweep_run_folders(sweep) if sweep else [])
+    if not folders:
+        raise ValueError(
+            "No run to plot: give run folders (`python -m fsdp_utils.plot runs/chess -o runs.png`) "
+            "or a sweep's folder (`--sweep runs/<sweep>`)."
+        )
+    runs = [RunCurves.load(f, n) for f, n in zip(folders, run_names(folders), strict=True)]
+    drawable = [run for run in runs if run.train]
+    for run in runs:
+        if not run.train:
+            print(f"note: {run.folder} has no training step logged yet: left out", file=sys.stderr)
+    if not drawable:
+        raise ValueError(
+            f"No training step logged yet in {', '.join(str(r.folder) for r in runs)}: "
+            "metrics.jsonl gets a `train` record every --log_every steps. Plot again once the run "
+            "has taken a step (its log says `step 1/...`)."
+        )
+    return drawable
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_utils.plot",
+        description="Plot runs' metrics against the optimizer step into a PNG (and the drawn "
+        "numbers into a CSV beside it). No display needed.",
+    )
+    parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
+                        help="run folders (the trainer's --output_dir)")  # fmt: skip
+    parser.add_argument("--sweep", type=Path, metavar="DIR",
+                        help="also every run folder in DIR (a slurm/submit.py --sweep)")  # fmt: skip
+    parser.add_argument("-o", "--output", type=Path, default=Path("runs.png"),
+                        help="the PNG to write (default: runs.png; the CSV goes beside it)")  # fmt: skip
+    parser.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
+                        help="EMA weight for the smoothed train loss, 0 to <1 (default: 0.9)")  # fmt: skip
+    parser.add_argument("--title", help="figure title (default: the run and its setup)")
+    args = parser.parse_args(argv)
+    try:
+        if not 0.0 <= args.smoothing < 1.0:
+            raise ValueError(f"--smoothing must be in [0, 1), got {args.smoothing}.")
+        runs = load_runs(args.run_dirs, args.sweep)
+        title = args.title
+        if title is None and args.sweep is not None:
+            title = f"sweep {args.sweep.resolve().name}: {len(runs)} runs"
+        fig, drawn = plot_runs(runs, smoothing=args.smoothing, title=title)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.output, dpi=110)
+    except (ValueError, OSError) as err:
+        print(f"\nerror: {err}\n", file=sys.stderr)
+        return EXIT_USAGE
+    csv_path = args.output.with_suffix(".csv")
+    write_csv(drawn, csv_path)
+    steps = max(int(r["step"]) for run in runs for r in run.train)
+    print(f"wrote {args.output} ({len(runs)} run(s), up to step {steps}) and {csv_path} "
+          "(the drawn numbers)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

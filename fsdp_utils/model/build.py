@@ -1,0 +1,205 @@
+"""Model construction: build on the meta device, find the decoder layers, materialise shards.
+
+The flow (torchtitan's): `build_meta_model` -> `parallelize` (`fsdp_utils.parallel.parallelize`)
+-> `materialize` (to_empty on the real device) -> `load_pretrained_weights`
+(`fsdp_utils.model.weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils.config.train_config import Precision
+
+# Attribute names under which transformers configs store the context length.
+_CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+)
+
+
+def context_length(hf_config: Any) -> int | None:
+    for key in _CONTEXT_LENGTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_length(hf_config: Any, max_seq_length: int) -> None:
+    limit = context_length(hf_config)
+    if limit is not None and max_seq_length > limit:
+        raise ValueError(
+            f"--max_seq_length {max_seq_length} is above the model's context length of {limit} "
+            f"tokens ({hf_config.model_type}). Use --max_seq_length {limit} or less."
+        )
+
+
+def param_dtype_for(precision: Precision) -> torch.dtype:
+    """dtype in which parameters (and so optimizer state) are stored."""
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """dtype in which the forward and backward compute (FSDP2's param_dtype, DDP's autocast,
+    LoRA's frozen base)."""
+    if precision == "fp16-mixed":
+        return torch.float16
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device but buffers for real (on CPU).
+
+    Non-persistent buffers (rotary `inv_freq`, causal masks) are computed in `__init__` and are
+    not in the checkpoint; building them for real here means we can restore them after
+    `to_empty`, for any architecture, without knowing how each one computes them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        # A parameter already on meta is being shared (tied embeddings): keep the same object.
+        if param is not None and param.device.type != "meta":
+            # Parameters are created with torch.empty (pages never touched) and initialised
+            # only after registration, so the initialisation runs on meta: no time, no RAM.
+            registered = module._parameters[name]
+            assert registered is not None
+            module._parameters[name] = type(registered)(
+                registered.to(torch.device("meta")), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
+    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = param_dtype_for(precision)
+    previous = torch.get_default_dtype()
+    source_dtype = getattr(hf_config, "dtype", None)
+    torch.set_default_dtype(dtype)
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except ValueError as err:
+        raise ValueError(
+            f"transformers cannot build a causal LM from this config ({hf_config.model_type}): "
+            f"{err}"
+        ) from err
+    finally:
+        torch.set_default_dtype(previous)
+    # from_config writes the storage dtype into the config it was given, which checkpoints
+    # save: keep the model's own dtype there, the one the final model is exported in.
+    model.config.dtype = source_dtype
+    # The KV cache is useless in training and costs memory.
+    model.config.use_cache = False
+    return model
+
+
+# --- decoder layers ----------------------------------------------------------------------
+
+
+def _module_lists(model: nn.Module) -> Iterator[tuple[str, nn.ModuleList]]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            yield name, module
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order, found from the model itself.
+
+    1. `_no_split_modules`: transformers lists there the block classes that must not be split
+       across devices, which are exactly the decoder layers (LlamaDecoderLayer, GPT2Block,
+       GPTNeoXLayer, ...).
+    2. Otherwise the longest `nn.ModuleList` whose children all have one class (the repeated
+       block).
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    if no_split:
+        layers = [m for m in model.modules() if type(m).__name__ in no_split]
+        if layers:
+            return layers
+    best: list[nn.Module] = []
+    for _, modules in _module_lists(model):
+        classes = Counter(type(m) for m in modules)
+        if len(classes) == 1 and len(modules) > len(best):
+            best = list(modules)
+    if not best:
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(model).__name__}: it declares no "
+            "_no_split_modules and has no list of identical blocks. Use --no_layer_wrap_policy "
+            "to shard the whole model as one unit."
+        )
+    return best
+
+
+def _all_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every (name, parameter), shared ones under each of their names, named as in the
+    checkpoint: without the activation-checkpointing wrapper's prefix."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        yield name.replace(_CHECKPOINT_PREFIX, ""), param
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share storage (e.g. embed_tokens and lm_head)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in _all_named_parameters(model):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, parameters outside the embeddings), counting tied weights once."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+    )
+    return total, total - embedding
+
+
+# --- materialisation and weight loading -----------------------------------------------------
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on `device`; restore the real non-persistent buffers.
+
+    `to_empty` keeps FSDP2's DTensor sharding, so each rank allocates only its shard.
+    """
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    for name, buf in buffers.items():
+        assert buf.device.type != "meta", f"buffer {name} was built on meta"
+    tied = tied_parameter_names(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name].to(buf.dtype))
+    _retie(model, tied)
+
+
+def _retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """`to_empty` gives each module its own new tensor, untying shared weights of plain
+    modules (FSDP2 keeps them shared). Point the followers back at the leader."""
+    params = dict(_all_named_parameters(model))
+    for leader, *followers in tied:
+        for follower in followers:
+            if params[follower] is not params[leader]:
+                module_name, _, attr = follower.rpartition(".")
+                owner = model.get_submodule(module_name) if module_name else model
+                setattr(owner, attr, params[leader])

@@ -1,0 +1,299 @@
+"""LoRA fine-tuning with `peft`, as a model transform applied before `parallelize`.
+
+`apply_lora` runs inside `build_parallel_model` on the meta model, after the decoder layers are
+found and before activation checkpointing and FSDP2 (as torchtitan's model converters run before
+its parallelize function), so the trainer and the memory planner both get it:
+
+- peft's `inject_adapter_in_model` replaces each targeted linear layer by a `lora.Linear` that
+  holds the original layer as `base_layer` plus `lora_A` / `lora_B`; every base parameter (and
+  the embeddings, norms and lm_head) is frozen.
+- Frozen parameters are stored in the compute dtype (bf16 for bf16-mixed, fp16 for fp16-mixed):
+  they need no fp32 master copy, gradient or optimizer state. The adapters keep the trainer's
+  storage dtype (fp32 master weights). FSDP2 requires one original dtype among the *trainable*
+  parameters of a shard group only (torch 2.13 `FSDPParamGroup._init_mp_dtypes`), so the frozen
+  base and its adapters share each decoder layer's group.
+- Every decoder layer group holds trainable adapters from the start and the root group
+  (embeddings, norm, lm_head) is frozen for good: no group's first forward runs frozen and is
+  unfrozen later, which would make FSDP2 reduce its gradients in the wrong dtype (pytorch 186998).
+
+After `to_empty`, `init_adapters` fills the adapters as peft does (A: Kaiming-uniform, B: zero,
+so training starts from the base model's outputs), from generators seeded by (seed, parameter
+name) over the full shape: every world size starts from the same adapters. Base weights load
+as in full fine-tuning, each rank reading its own slices (`base_key_map` adds `.base_layer`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fsdp_utils.model.build import _all_named_parameters, compute_dtype, param_dtype_for
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from fsdp_utils.config.train_config import TrainConfig
+
+ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out
+
+
+def linear_types() -> tuple[type[nn.Module], ...]:
+    """What peft's LoRA can wrap as a linear layer: nn.Linear, and transformers' Conv1D (GPT-2's
+    projections, whose weight is stored transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+# --- which layers -------------------------------------------------------------------------
+
+
+def _requested(text: str | None) -> list[str]:
+    return [name.strip() for name in (text or "").split(",") if name.strip()]
+
+
+def target_modules(
+    layers: list[nn.Module], layer_names: list[str], requested: str | None
+) -> list[str]:
+    """Full names of the linear modules to adapt, inside the decoder layers only.
+
+    `requested` is a comma-separated list of names relative to a decoder layer, matched as peft
+    matches them (the whole name or its last parts: `q_proj`, `self_attn.q_proj`); None: every
+    linear layer in the decoder layers. A name that matches nothing is a ValueError listing the
+    linear layers there are.
+    """
+    linear = linear_types()
+    relative = [
+        [name for name, module in layer.named_modules() if name and isinstance(module, linear)]
+        for layer in layers
+    ]
+    wanted = _requested(requested)
+    if not wanted:
+        return [
+            f"{prefix}.{name}"
+            for prefix, names in zip(layer_names, relative, strict=True)
+            for name in names
+        ]
+    available = list(dict.fromkeys(name for names in relative for name in names))
+
+    def matches(name: str, target: str) -> bool:
+        return name == target or name.endswith("." + target)
+
+    unknown = [t for t in wanted if not any(matches(name, t) for name in available)]
+    if unknown:
+        short = list(dict.fromkeys(name.rpartition(".")[2] for name in available))
+        raise ValueError(
+            f"--lora_target_modules {','.join(unknown)}: no linear layer of that name inside "
+            f"the decoder layers ({type(layers[0]).__name__}). The linear layers there are: "
+            f"{', '.join(short)} ({', '.join(available)} with their paths). Give some of these, "
+            f"e.g. --lora_target_modules {','.join(short[:2])}, or leave the option out to adapt "
+            "all of them."
+        )
+    return [
+        f"{prefix}.{name}"
+        for prefix, names in zip(layer_names, relative, strict=True)
+        for name in names
+        if any(matches(name, t) for t in wanted)
+    ]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def check_target_modules(hf_config: Any, config: TrainConfig) -> None:
+    """Resolve --lora_target_modules on a meta build of the model (no memory, ~1 s for 7B), so
+    that a wrong name fails before any data or weights are read."""
+    from fsdp_utils.model.build import build_meta_model, find_decoder_layers
+
+    model = build_meta_model(hf_config, config.precision)
+    layers = find_decoder_layers(model)
+    target_modules(layers, _module_names(model, layers), config.lora_target_modules)
+
+
+def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(module)] for module in modules]
+
+
+def peft_config(config: TrainConfig, targets: list[str], *, fan_in_fan_out: bool = False) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        fan_in_fan_out=fan_in_fan_out,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -> None:
+    """Inject LoRA adapters (on meta), freeze the rest, and set the dtypes. In place."""
+    import warnings
+
+    from peft import inject_adapter_in_model
+
+    targets = target_modules(layers, _module_names(model, layers), config.lora_target_modules)
+    conv1d = any(not isinstance(model.get_submodule(t), nn.Linear) for t in targets)
+    with warnings.catch_warnings():  # peft warns when it sets fan_in_fan_out for Conv1D itself
+        warnings.simplefilter("ignore", UserWarning)
+        inject_adapter_in_model(
+            peft_config(config, targets, fan_in_fan_out=conv1d), model, low_cpu_mem_usage=True
+        )
+    # The frozen base is kept in the dtype it computes in: no fp32 master copy.
+    frozen, adapter = compute_dtype(config.precision), param_dtype_for(config.precision)
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            wanted = adapter if param.requires_grad else frozen
+            if param.dtype != wanted:  # on meta: no memory, no time
+                param.data = param.data.to(wanted)
+    for layer in layers:
+        # Every decoder-layer group must be trainable from its first forward (pytorch 186998).
+        assert any(p.requires_grad for p in layer.parameters()), "a decoder layer has no adapter"
+
+
+def adapted_modules(model: nn.Module) -> dict[str, Any]:
+    """The LoRA-wrapped modules by name, as in the checkpoint (no activation-checkpoint prefix)."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return {
+        name.replace(_CHECKPOINT_PREFIX, ""): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --- weights --------------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    state = np.random.SeedSequence([seed, zlib.crc32(name.encode())]).generate_state(1)
+    return torch.Generator().manual_seed(int(state[0]))
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Fill the adapters after `to_empty`, identically on any world size.
+
+    Each adapter matrix is drawn whole on the CPU from its own generator (seed, name), as peft
+    initialises it (A: Kaiming-uniform with a = sqrt(5), B: zero), and each rank copies the slice
+    its shard holds (`distribute_tensor` with `src_data_rank=None` slices locally: no traffic).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in _all_named_parameters(model):
+        if not param.requires_grad:
+            continue
+        full = torch.zeros(param.shape, dtype=torch.float32)
+        if ".lora_A." in name:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=_generator(seed, name))
+        elif ".lora_B." not in name:
+            raise AssertionError(f"unexpected trainable parameter {name} in a LoRA model")
+        full = full.to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)
+
+
+def base_key_map(model: nn.Module, key_map: dict[str, str]) -> dict[str, str]:
+    """The pretrained-weights key map (model key -> checkpoint key) of the model before LoRA,
+    renamed for the LoRA model: the weights of an adapted `m` are `m.base_layer.*` there."""
+    adapted = set(adapted_modules(model))
+    renamed = {}
+    for model_key, ckpt_key in key_map.items():
+        module, _, attr = model_key.rpartition(".")
+        renamed[f"{module}.base_layer.{attr}" if module in adapted else model_key] = ckpt_key
+    return renamed
+
+
+def init_adapters_and_key_map(
+    model: nn.Module, key_map: dict[str, str], *, seed: int
+) -> dict[str, str]:
+    """After `to_empty`: initialise the adapters; return the key map to load the base with."""
+    init_adapters(model, seed)
+    return base_key_map(model, key_map)
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def lora_identity(config: TrainConfig) -> dict[str, Any]:
+    """What the checkpoint identity adds for a LoRA run (nothing for full fine-tuning, so that
+    checkpoints of full fine-tunes keep the identity they always had)."""
+    if not config.lora:
+        return {}
+    return {
+        "lora": {
+            "r": config.lora_r,
+            "alpha": config.lora_alpha,
+            "dropout": config.lora_dropout,
+            "target_modules": config.lora_target_modules,
+        }
+    }
+
+
+def checkpoint_kind_mismatch(
+    path: Any, saved: dict[str, Any], current: dict[str, Any]
+) -> str | None:
+    """One paragraph if a LoRA run meets a full fine-tune's checkpoint, or the reverse."""
+    saved_lora, lora = "lora" in saved, "lora" in current
+    if saved_lora == lora:
+        return None
+    if lora:
+        return (
+            f"Checkpoint {path} is from a full fine-tune, and this run has --lora: a LoRA run "
+            "cannot continue it (the checkpoint holds the whole model, not adapters). Drop "
+            "--lora to continue the full fine-tune, or start the LoRA run in another "
+            "--output_dir (or with --resume never). To fine-tune the result with LoRA, export it "
+            "first (python -m fsdp_utils.export CHECKPOINT FOLDER) and pass --model FOLDER."
+        )
+    return (
+        f"Checkpoint {path} is from a LoRA run (it holds the adapters only), and this run is a "
+        "full fine-tune: add --lora with the same --lora_* settings to continue it, or start the "
+        "full fine-tune in another --output_dir (or with --resume never). To fine-tune the "
+        "merged model fully, export it first (python -m fsdp_utils.export --merge CHECKPOINT "
+        "FOLDER) and pass --model FOLDER."
+    )
+
+
+def state_dict_options(*, lora: bool) -> StateDictOptions:
+    """DCP state-dict options of a training checkpoint: for LoRA the adapters only (the base is
+    the pretrained model, loaded again on resume). Loading is then not strict about the frozen
+    keys; `dcp.load` still fails on any adapter missing from the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def flops_per_token(full: float, info: Any, model: nn.Module) -> float:
+    """Training FLOPs per token of a LoRA run, from full fine-tuning's 6N + attention: the frozen
+    weights (N, counted before the adapters) still take forward and input-gradient matmuls (4N)
+    but no weight gradients (2N); the adapters take all three (6 per trainable parameter)."""
+    return full - 2.0 * info.non_embedding_parameters + 6.0 * trainable_parameters(model)
+
+
+def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
+    targets = config.lora_target_modules or "every linear layer of the decoder layers"
+    text = (
+        f"LoRA r={config.lora_r}, alpha={config.lora_alpha}, dropout={config.lora_dropout:g} "
+        f"on {targets}"
+    )
+    if model is not None:
+        adapted = len(adapted_modules(model))
+        text += f": {adapted} adapted modules, {trainable_parameters(model) / 1e6:,.3f}M trainable"
+    return text

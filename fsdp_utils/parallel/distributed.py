@@ -1,0 +1,177 @@
+"""Process group and device setup: nccl on CUDA (with gloo beside it for host tensors), gloo on
+CPU, or a plain single process.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we run as one process
+(still with a process group, so the same code path is exercised).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_utils.config.train_config import Sharding
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_group_backend(device_type: str) -> str:
+    """The backend string for `init_process_group` on `device_type` ("cuda" or "cpu").
+
+    On CUDA a device-mapped backend, as torchtitan and torchtune use: collectives on CUDA tensors
+    go to nccl, those on CPU tensors to gloo. Two things need the CPU half. With --cpu_offload,
+    FSDP2 keeps the sharded gradients in host memory, so the gradient-norm all-reduce meets CPU
+    tensors, which nccl alone refuses ("No backend type associated with device type cpu",
+    pytorch #148532). And the step's host-side scalars (target counts, the stop decision)
+    travel over gloo without entering the GPU's queue, so they cost no host-device sync.
+    """
+    if device_type == "cuda":
+        return "cuda:nccl,cpu:gloo"
+    if device_type == "cpu":
+        return "gloo"
+    raise ValueError(f"No process-group backend for device type {device_type!r}: use cuda or cpu.")
+
+
+def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30) -> DistEnv:
+    """Initialise the default process group for this process and pick its device.
+
+    `timeout_minutes` (--collective_timeout_minutes) bounds every collective: a rank that waits
+    longer for a dead or frozen peer fails (gloo raises; NCCL's watchdog aborts the process), so
+    torchrun and srun end the job instead of leaving it hanging until the time limit."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = world_size_from_env()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+
+    use_cuda = device_preference == "cuda" or (
+        device_preference == "auto" and torch.cuda.is_available()
+    )
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but no CUDA device is visible.")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"Local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this "
+                "node. Start as many processes per node as GPUs (torchrun --nproc_per_node)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = process_group_backend(device.type)
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python chess_finetune.py`
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if use_cuda else None,
+        )
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def build_mesh(env: DistEnv, sharding: Sharding) -> DeviceMesh:
+    """A 1-D mesh for full/shard_grad_op; 2-D (replicate, shard) for hybrid and no_shard.
+
+    hybrid shards within a node and replicates across nodes (HSDP); no_shard replicates
+    everywhere, which FSDP2 expresses as HSDP with a shard dimension of 1.
+    """
+    device_type = env.device.type  # "cpu" explicitly on CPU: a gloo mesh must not meet GPUs
+    if sharding == "hybrid":
+        shard = env.local_world_size
+        if env.world_size % shard != 0:
+            raise ValueError(
+                f"--sharding hybrid needs the same number of processes on every node: world size "
+                f"{env.world_size} is not a multiple of {shard} processes per node."
+            )
+        return init_device_mesh(
+            device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+        )
+    if sharding == "no_shard":
+        return init_device_mesh(
+            device_type, (env.world_size, 1), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def is_distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def all_reduce_host_sum(values: list[float]) -> list[float]:
+    """Sum host scalars over all ranks, as a CPU tensor: gloo on CPU, and on CUDA the gloo half
+    of the device-mapped backend, so the GPU's queue is neither waited for nor entered. float64
+    keeps integer counts exact (up to 2**53)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return [float(v) for v in all_reduce_sum(tensor).tolist()]
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def all_reduce_min(value: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return value
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def destroy(*, synchronize: bool = False) -> None:
+    """Tear the process group down. `synchronize` (on a clean end, never after an error, where a
+    peer may be gone): all ranks meet at a barrier first. A gloo peer that tears its connections
+    down while another rank is still at work (rank 0 writing files) can make that rank abort in
+    its own teardown ("terminate called without an active exception", SIGABRT, exit 1 from
+    torchrun after a run that completed): seen in this project's tests and benchmark."""
+    if dist.is_initialized():
+        if synchronize and is_distributed():
+            dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,193 @@
+"""Apply activation checkpointing and FSDP2 (or DDP) to a model, in torchtitan's fixed order:
+
+1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked);
+2. `torch.compile` on each decoder layer (`--compile`): identical layers share one compiled
+   graph, and FSDP2's hooks stay outside it;
+3. `fully_shard` on each decoder layer: one shard group per layer, so only one layer's full
+   parameters exist at a time;
+4. `fully_shard` on the root, which takes everything else (embeddings, final norm, lm_head).
+   Tied input/output embeddings must stay in one group (torch 2.13 fails at the first forward
+   if they are split), and the root holds both.
+
+The model is still on the meta device here; `fsdp_utils.model.build.materialize` allocates the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_utils.config.train_config import Precision, TrainConfig
+from fsdp_utils.model.build import (
+    build_meta_model,
+    compute_dtype,
+    count_parameters,
+    find_decoder_layers,
+)
+from fsdp_utils.parallel.distributed import DistEnv, build_mesh
+
+
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """Compute dtype for FSDP2. Gradients are reduced in fp32 for the mixed modes so that the
+    sum over ranks loses nothing; bf16-true keeps everything (and so its traffic) in bf16."""
+    if precision in ("bf16-mixed", "fp16-mixed"):
+        return MixedPrecisionPolicy(
+            param_dtype=compute_dtype(precision), reduce_dtype=torch.float32
+        )
+    return MixedPrecisionPolicy()
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, layers: list[nn.Module], every_n: int = 1
+) -> list[nn.Module]:
+    """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place.
+
+    Returns the decoder layers as they now are in the model (wrapped or not), in order.
+    Non-reentrant checkpointing works with keyword arguments (HF layers take many) and with
+    FSDP2's hooks; reentrant does neither well.
+    """
+    parents: dict[int, tuple[nn.Module, str]] = {}
+    for module in model.modules():
+        for child_name, child in module.named_children():
+            parents[id(child)] = (module, child_name)
+    result = []
+    for index, layer in enumerate(layers):
+        if index % every_n != 0:
+            result.append(layer)
+            continue
+        parent, child_name = parents[id(layer)]
+        wrapped = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        parent.register_module(child_name, wrapped)
+        result.append(wrapped)
+    return result
+
+
+def compile_layers(layers: list[nn.Module]) -> None:
+    """`torch.compile` each decoder layer in place, torchtitan's way: per block (the blocks are
+    identical, so they share one compiled graph and compile once), after activation
+    checkpointing (the checkpoint is traced into the graph) and before `fully_shard`.
+
+    `Module.compile` keeps the module and its parameter names (no `_orig_mod.` wrapper), so
+    checkpoints, weight loading and export see the same model. FSDP2's hooks are excluded from
+    tracing (`_dynamo_disable`): they run eagerly around the compiled layer.
+    """
+    for layer in layers:
+        layer.compile()
+
+
+def parallelize(
+    model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh | None, config: TrainConfig
+) -> nn.Module:
+    """Activation checkpointing, then FSDP2 per decoder layer, then the root (or DDP).
+
+    For DDP (`--no_fsdp`) only checkpointing is applied here; `wrap_ddp` runs after the
+    weights are loaded, because DDP needs real parameters.
+    """
+    if config.gradient_checkpointing:
+        layers = apply_activation_checkpointing(model, layers, config.checkpoint_every_n_layers)
+    if config.compile:
+        compile_layers(layers)
+    if config.no_fsdp:
+        return model
+    assert mesh is not None
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if config.cpu_offload
+        else OffloadPolicy()
+    )
+    fsdp_kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision_policy(config.precision),
+        "offload_policy": offload,
+    }
+    reshard = config.sharding != "shard_grad_op"
+    if not config.no_layer_wrap_policy:
+        for index, layer in enumerate(layers):
+            # The last layer's parameters are needed again right at the start of backward:
+            # resharding them after forward would only all-gather them again (torchtitan).
+            last = index == len(layers) - 1
+            fully_shard(layer, reshard_after_forward=reshard and not last, **fsdp_kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **fsdp_kwargs)
+    return model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the log, the run config and the planner report about the architecture."""
+
+    model_type: str
+    parameters: int  # tied weights counted once
+    non_embedding_parameters: int
+    decoder_layers: int
+    decoder_layer_class: str
+
+
+def build_parallel_model(
+    hf_config: Any, config: TrainConfig, env: DistEnv
+) -> tuple[nn.Module, ModelInfo]:
+    """Build on meta, find the decoder layers, add LoRA adapters if asked (`fsdp_utils.model.lora`),
+    parallelize (activation checkpointing, then FSDP2 per layer and root). Still on meta:
+    `materialize` next, then load weights. The trainer and the memory planner (which
+    materialises on fake tensors) share this."""
+    model = build_meta_model(hf_config, config.precision)
+    layers = find_decoder_layers(model)
+    total, non_embedding = count_parameters(model)
+    info = ModelInfo(
+        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
+    )
+    if config.lora:  # a model transform: before parallelize, as torchtitan's converters
+        from fsdp_utils.model.lora import apply_lora
+
+        apply_lora(model, layers, config)
+    mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
+    return parallelize(model, layers, mesh, config), info
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def fsdp_group_names(model: nn.Module) -> list[str]:
+    """Names of the modules that are FSDP2 shard groups ("" is the root)."""
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def autocast_context(config: TrainConfig, device: torch.device) -> Callable[[], Any]:
+    """Autocast for DDP mixed precision; FSDP2 casts through its policy, so nothing there."""
+    if config.no_fsdp and config.precision in ("bf16-mixed", "fp16-mixed"):
+        dtype = compute_dtype(config.precision)
+        return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext
+
+
+def gradient_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Skip (or do) the gradient reduction of the coming backward.
+
+    FSDP2: without sync the unsharded gradients accumulate locally (more memory) and are
+    reduce-scattered on the last micro-batch. DDP: `no_sync()`.
+    """
+    if isinstance(model, FSDPModule):
+        FSDPModule.set_requires_gradient_sync(model, sync)
+        return contextlib.nullcontext()
+    if not sync and isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()

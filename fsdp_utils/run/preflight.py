@@ -1,0 +1,178 @@
+"""`chess_finetune.py --preflight`: everything that can be checked before the expensive part.
+
+The sbatch script runs it on the job's first node before torchrun starts: config, batch
+arithmetic for the job's world size, model and data in the offline cache, sequence length, and,
+where the GPU's memory is known, the memory planner's verdict. A failure ends the job within
+seconds (the plan takes ~10 s for a 7B model) with the fix in the log. Only the planner's "does
+not fit" is a failure: a planner that cannot plan the run or crashes is a warning, and the job
+goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fsdp_utils.config.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from fsdp_utils.config.batch import BatchPlan
+
+GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
+# A 70B plan takes about a minute on a 2-core node; a planner that hangs must not hold the job.
+PLAN_TIMEOUT_S = 600
+
+
+def detect_gpu_memory() -> str | None:
+    """The smallest GPU of this node as a size the planner reads ("81559MiB"), from
+    nvidia-smi; None without GPUs. (nvidia-smi rather than torch.cuda: no CUDA context.)"""
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sizes = [int(x) for x in result.stdout.split() if x.strip().isdigit()]
+    return f"{min(sizes)}MiB" if result.returncode == 0 and sizes else None
+
+
+def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Path, Any]:
+    """Trackers, batch arithmetic, the model in the offline cache, the sequence length against
+    its context: (plan, model folder, model config). The trainer starts with the same checks."""
+    from fsdp_utils.config.batch import plan_batch
+    from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
+    from fsdp_utils.metrics.trackers import check_trackers
+    from fsdp_utils.model.build import check_seq_length
+
+    check_trackers(config)
+    plan = plan_batch(config, world_size)
+    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
+    hf_config = load_model_config(model_dir)
+    check_seq_length(hf_config, config.max_seq_length)
+    if config.lora:  # an unknown --lora_target_modules fails here, before any data work
+        from fsdp_utils.model.lora import check_target_modules
+
+        check_target_modules(hf_config, config)
+    return plan, model_dir, hf_config
+
+
+def check_basics(config: TrainConfig, world_size: int) -> str:
+    """Batch arithmetic, offline assets, sequence length: no weights, no process group."""
+    from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files
+
+    plan, model_dir, _ = check_batch_and_model(config, world_size)
+    files = resolve_dataset_files(
+        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+    )
+    data = describe_dataset_files(files, config.dataset_include)
+    return f"preflight OK: {plan.describe()}; model {model_dir}; data {data}"
+
+
+def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: str) -> str:
+    """Run the memory planner (in a child process with CUDA hidden: it traces on fake CPU
+    tensors and must not touch the GPUs the job is about to use). Raises ValueError with the
+    plan when the run does not fit; any other planner failure is a warning (`read_plan`)."""
+    if world_size % nodes:
+        raise ValueError(f"--world_size {world_size} is not a multiple of --nodes {nodes}.")
+    with tempfile.TemporaryDirectory() as tmp:
+        config_file = Path(tmp) / "config.json"
+        config_file.write_text(json.dumps(config.to_dict()))
+        command = [
+            sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
+            "--nodes", str(nodes), "--gpus-per-node", str(world_size // nodes),
+            "--gpu-memory", gpu_memory, "--no-fixes",
+        ]  # fmt: skip
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=PLAN_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return _skipped(f"the planner did not finish in {PLAN_TIMEOUT_S} s")
+    rerun = (
+        f"python chess_finetune.py --plan --nodes {nodes} --gpus-per-node "
+        f"{world_size // nodes} --gpu-memory {gpu_memory} <your training flags>"
+    )
+    return read_plan(result.returncode, result.stdout, result.stderr, rerun=rerun)
+
+
+def read_plan(returncode: int, stdout: str, stderr: str, *, rerun: str) -> str:
+    """The preflight's line from the planner's exit status and output.
+
+    Only a real "does not fit" (exit 1 with its verdict: an interpreter that dies on an
+    uncaught exception exits 1 too) stops the job. A run the planner cannot plan (2), a crash
+    (3, with its traceback), a killed planner or anything else only skips the plan: a failing
+    planner must not cost a job that may well fit.
+    """
+    from fsdp_utils.plan.cli import EXIT_CANNOT_PLAN, EXIT_CRASHED, EXIT_DOES_NOT_FIT, EXIT_FITS
+
+    verdict = next((line for line in stdout.splitlines() if line.startswith("verdict:")), "")
+    verdict = verdict.removeprefix("verdict: ")
+    if returncode == EXIT_FITS:
+        return f"memory plan: {verdict or 'fits'}"
+    if returncode == EXIT_DOES_NOT_FIT and verdict.startswith("DOES NOT FIT"):
+        raise ValueError(
+            f"The run does not fit in GPU memory:\n{stdout.strip()}\n"
+            f"For the cheapest changes that make it fit, run on the login node:\n  {rerun}"
+        )
+    error = _error_paragraph(stderr)
+    if returncode == EXIT_CANNOT_PLAN:
+        return _skipped(f"the planner cannot plan this run: {error}")
+    if returncode == EXIT_CRASHED:
+        tb = stderr[: stderr.rfind("error:")].strip() if "error:" in stderr else stderr.strip()
+        exception = tb.splitlines()[-1].strip() if tb else error
+        title = "the planner's traceback (a bug in fsdp_utils.plan: please report it)"
+        return _skipped(f"the planner crashed ({exception})", details=tb, title=title)
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (often: out of host memory)" if name == "SIGKILL" else ""
+        return _skipped(f"the planner was killed by {name}{hint}", details=stderr)
+    return _skipped(f"the planner exited with status {returncode}", details=stderr or stdout)
+
+
+def _error_paragraph(stderr: str) -> str:
+    """The planner's last `error: ...` paragraph (else its last line), on one line."""
+    text = stderr.strip()
+    if "error:" in text:
+        text = text[text.rfind("error:") + len("error:") :]
+    else:
+        text = text.splitlines()[-1] if text else "no message"
+    return " ".join(text.split())
+
+
+def _skipped(reason: str, *, details: str = "", title: str = "the planner's output") -> str:
+    """A warning, not a failure: training goes on without a plan. `details` (a traceback)
+    follows it in the job's log, indented, so that it can be reported."""
+    line = f"memory plan skipped: {reason}; GPU_MEMORY=off skips it"
+    if details.strip():
+        line += f"\n  {title}:\n" + "\n".join(
+            f"    {text}" for text in details.strip().splitlines()
+        )
+    return line
+
+
+def preflight(
+    config: TrainConfig, world_size: int, nodes: int = 1, gpu_memory: str = GPU_MEMORY_AUTO
+) -> str:
+    """All checks; returns what was checked, raises ValueError with the fix otherwise."""
+    lines = [check_basics(config, world_size)]
+    if config.no_fsdp or gpu_memory == GPU_MEMORY_OFF:
+        return lines[0]
+    memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
+    if memory is None:
+        lines.append("memory plan: skipped (no GPU on this node; --gpu_memory 80GiB plans anyway)")
+    else:
+        lines.append(check_memory(config, nodes, world_size, memory))
+    return "\n".join(lines)

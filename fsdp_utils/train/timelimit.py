@@ -1,0 +1,334 @@
+"""Knowing when to stop: the Slurm time limit, a signal, a stop file, or a step budget.
+
+Every rank calls `StopController.poll()` at each optimizer-step boundary; one all-reduce makes
+them agree, so all ranks save together and exit cleanly. The trainer sends the next step's target
+counts with it, so a step costs one scalar all-reduce in all, on host tensors. Sources of a stop:
+
+- the stop file (default `<output_dir>/STOP`): `slurm/finetune.sh` creates it when Slurm sends
+  `#SBATCH --signal=B:USR1@...` to the batch shell, because torchrun does not forward
+  SIGUSR1/SIGUSR2 to its workers (pytorch #154849);
+- SIGUSR1/SIGUSR2 delivered to a worker directly (`--signal` without `B:`, or `kill`);
+- the job's end time (`squeue -o %e`, or `FSDP_UTILS_JOB_END_TIME` in epoch seconds) minus a
+  margin estimated from the measured save and step times;
+- `--stop_after_steps` (a fixed budget of steps for this run).
+
+A stop does not always end the leg: when it comes at the last step, or when the work left
+(remaining steps, evaluations, the final save and export) fits in the time left before the
+trainer's own margin, the run finishes in this job instead of waiting in the queue again for
+a leg that would do only that (`choose_leg_end`). Requests by stop file or signal are then
+deferred; the job's end time still stops the run at the margin if the estimate was wrong.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.parallel import distributed as dist_utils
+
+END_TIME_ENV = "FSDP_UTILS_JOB_END_TIME"
+MIN_MARGIN_SECONDS = 120.0
+END_TIME_REFRESH_SECONDS = 300.0  # the limit can be changed with `scontrol update`
+# Finishing in this leg must fit with room to spare: estimates come from a few steps and one
+# save, and an export (one process writes the whole model) is slower than a sharded save.
+FINISH_SAFETY = 1.5
+EXPORT_SAVES = 2.0  # an export is estimated at this many sharded saves
+RECENT_STEPS = 20  # the step time is the median of this many recent steps (the first excluded)
+
+
+def parse_slurm_time(text: str) -> float | None:
+    """`2026-11-21T23:17:25` (the controller's local time) -> epoch seconds."""
+    text = text.strip()
+    if not text or text.upper() in ("N/A", "UNLIMITED", "NONE", "UNKNOWN"):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def job_end_time(environ: dict[str, str] | None = None) -> float | None:
+    """When the Slurm job will be killed, or None outside Slurm / without a limit."""
+    environ = dict(os.environ) if environ is None else environ
+    if environ.get(END_TIME_ENV):
+        return float(environ[END_TIME_ENV])
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%e"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_time(result.stdout) if result.returncode == 0 else None
+
+
+class _SignalFlag:
+    """Set by SIGUSR1/SIGUSR2; the handler only records, the loop acts at a step boundary."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+
+REASONS = {1: "stop_after_steps", 2: "stop file", 3: "signal", 4: "time limit"}
+
+
+@dataclass
+class Decision:
+    stop: str | None  # reason, or None to go on
+    save: bool  # periodic save due
+    sums: list[float] = field(default_factory=list)  # `poll(add=...)` summed over all ranks
+
+
+@dataclass(frozen=True)
+class RemainingWork:
+    """What is left to do in this run, with its estimated time."""
+
+    steps: int
+    step_seconds: float
+    evals: int
+    eval_seconds: float
+    saves: int
+    save_seconds: float
+    export: bool
+    export_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return (
+            self.steps * self.step_seconds
+            + self.evals * self.eval_seconds
+            + self.saves * self.save_seconds
+            + (self.export_seconds if self.export else 0.0)
+        )
+
+    def describe(self) -> str:
+        parts = [f"{self.steps} step(s)"] if self.steps else []
+        if self.evals:
+            parts.append(f"{self.evals} eval(s)")
+        if self.saves:
+            parts.append(f"{self.saves} save(s)")
+        if self.export:
+            parts.append("the final model")
+        return f"{', '.join(parts) or 'nothing'}: ~{self.seconds:.0f} s"
+
+
+def remaining_work(
+    config: TrainConfig,
+    *,
+    step: int,
+    step_seconds: float,
+    save_seconds: float,
+    eval_seconds: float | None,
+    has_eval: bool,
+    accumulation: int,
+) -> RemainingWork:
+    """The work between `step` and the end of the run, timed with what this leg measured
+    (an evaluation not yet measured: one step per `accumulation` eval batches, forward and
+    backward, which overestimates a forward-only pass)."""
+    last = config.max_training_steps
+    steps = max(last - step, 0)
+    evals = 0
+    if has_eval:
+        every = config.eval_every
+        evals = (last // every - step // every) if every else 0
+        evals += 1 if (not every or last % every) else 0  # the final evaluation
+    saves = 0
+    if steps:
+        every = config.save_every_steps
+        saves = (last // every - step // every) if every else 0
+        checkpointing = config.save_every_steps > 0 or config.save_every_minutes > 0
+        saves = max(saves, 1 if checkpointing else 0)  # the checkpoint at the end
+    if eval_seconds is None:
+        eval_seconds = step_seconds * max(1.0, config.eval_batches / max(accumulation, 1))
+    return RemainingWork(
+        steps=steps,
+        step_seconds=step_seconds,
+        evals=evals,
+        eval_seconds=eval_seconds,
+        saves=saves,
+        save_seconds=save_seconds,
+        export=not config.no_final_save,
+        export_seconds=EXPORT_SAVES * save_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class LegEnd:
+    finish: bool  # finish the run in this job; False: stop here (saved) and requeue
+    why: str
+
+
+def choose_leg_end(
+    reason: str, work: RemainingWork, time_left: float | None, margin: float
+) -> LegEnd:
+    """After a stop request (the checkpoint of this step is saved): finish the run in this
+    job, or stop and let the next leg continue. Before the last step, the rest must end before
+    the trainer's own margin (at which it would stop anyway); at the last step, the final
+    evaluation and export must end before the job does."""
+    if reason == "stop_after_steps" and work.steps:
+        return LegEnd(False, "this run's --stop_after_steps budget is used up")
+    if time_left is None:
+        if not work.steps:
+            why = (
+                "the stop came at the last step: the final evaluation and model are done now, "
+                "not in another leg"
+            )
+            return LegEnd(True, why)
+        why = (
+            f"the job's end time is unknown, so the remaining work ({work.describe()}) cannot "
+            "be planned in this job"
+        )
+        return LegEnd(False, why)
+    budget = time_left - (margin if work.steps else 0.0)
+    needed = FINISH_SAFETY * work.seconds
+    before = f" before the {margin:.0f} s margin" if work.steps else " before the job ends"
+    verdict = "fits" if needed <= budget else "does not fit"
+    why = (
+        f"the remaining work ({work.describe()}, x{FINISH_SAFETY:g} = {needed:.0f} s) "
+        f"{verdict} in the {max(budget, 0):.0f} s left{before}"
+    )
+    return LegEnd(needed <= budget, why)
+
+
+class StopController:
+    def __init__(
+        self,
+        stop_file: Path,
+        *,
+        save_every_steps: int,
+        save_every_minutes: float,
+        stop_after_steps: int | None,
+        margin_minutes: float | None,
+        is_main: bool,
+    ) -> None:
+        self.stop_file = stop_file
+        self.save_every_steps = save_every_steps
+        self.save_every_seconds = save_every_minutes * 60
+        self.stop_after_steps = stop_after_steps
+        self.fixed_margin = margin_minutes * 60 if margin_minutes is not None else None
+        self.is_main = is_main
+        self.flag = _SignalFlag()
+        self.flag.install()
+        self.started = time.monotonic()
+        self.last_save = time.monotonic()
+        self.steps_this_run = 0
+        self.save_seconds = 0.0
+        self.step_seconds = 0.0
+        self.recent_steps: list[float] = []
+        self.deferred = False  # stop file and signals ignored: the run finishes in this job
+        self.end_time: float | None = None
+        self._end_time_checked = -float("inf")
+        # A STOP file present at start is honoured, not taken for a stale one: the signal may
+        # have come while this run was starting. The launcher removes a previous leg's STOP
+        # (slurm/finetune.sh), and a run that stops because of it consumes it (consume_stop_file).
+
+    def end_time_known(self) -> bool:
+        return self.is_main and self._end_time() is not None
+
+    def end_time_text(self) -> str:
+        end = self._end_time()
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)) if end else "never"
+
+    def margin(self) -> float:
+        if self.fixed_margin is not None:
+            return self.fixed_margin
+        # Enough to finish the step in flight, save and exit, with room for a slow save.
+        return max(MIN_MARGIN_SECONDS, 2 * self.save_seconds + 3 * self.step_seconds)
+
+    def _end_time(self) -> float | None:
+        now = time.monotonic()
+        if now - self._end_time_checked >= END_TIME_REFRESH_SECONDS:
+            self.end_time = job_end_time()
+            self._end_time_checked = now
+        return self.end_time
+
+    def time_left(self) -> float | None:
+        """Seconds until the job ends (rank 0 only; None elsewhere or without a limit)."""
+        end = self._end_time() if self.is_main else None
+        return end - time.time() if end is not None else None
+
+    def typical_step_seconds(self) -> float:
+        """The median of recent steps (the leg's first, with its warm-up, left out)."""
+        return statistics.median(self.recent_steps) if self.recent_steps else self.step_seconds
+
+    def leg_end(self, reason: str, work: RemainingWork) -> LegEnd:
+        """Collective: rank 0 decides (it alone knows the end time), every rank follows.
+        Finishing defers further stop-file and signal requests (the file is consumed)."""
+        decision = choose_leg_end(reason, work, self.time_left(), self.margin())
+        # Host scalars, as in `poll`: the vote neither waits for nor enters the GPU's queue.
+        finish = dist_utils.all_reduce_host_sum([float(decision.finish and self.is_main)])[0] > 0
+        if finish:
+            self.deferred = True
+            self.consume_stop_file()
+        return LegEnd(finish, decision.why)
+
+    def _local_stop_code(self) -> int:
+        if self.flag.received is not None and not self.deferred:
+            return 3
+        if not self.is_main:
+            return 0
+        if self.stop_after_steps is not None and self.steps_this_run >= self.stop_after_steps:
+            return 1
+        if self.stop_file.exists() and not self.deferred:
+            return 2
+        end = self._end_time()
+        if end is not None and time.time() + self.margin() >= end:
+            return 4
+        return 0
+
+    def poll(self, step: int, step_seconds: float, *, add: Sequence[float] = ()) -> Decision:
+        """Collective: every rank calls it after every optimizer step.
+
+        `add`: host scalars to sum over all ranks in the same all-reduce (`Decision.sums`). It
+        is one sum of host (CPU) values: each rank votes for the reasons it sees, and the
+        decision is the highest-ranked reason any rank voted for. On CUDA the tensor goes over
+        the gloo half of the device-mapped backend: no wait for the GPU.
+        """
+        self.steps_this_run += 1
+        self.step_seconds = max(self.step_seconds, step_seconds)
+        if self.steps_this_run > 1:
+            self.recent_steps = [*self.recent_steps[-(RECENT_STEPS - 1) :], step_seconds]
+        save = (self.save_every_steps > 0 and step % self.save_every_steps == 0) or (
+            self.save_every_seconds > 0
+            and time.monotonic() - self.last_save >= self.save_every_seconds
+        )
+        votes = [0.0] * len(REASONS)
+        code = self._local_stop_code()
+        if code:
+            votes[code - 1] = 1.0
+        summed = dist_utils.all_reduce_host_sum([*votes, float(save and self.is_main), *add])
+        agreed = max((c for c in REASONS if summed[c - 1] > 0), default=0)
+        return Decision(
+            stop=REASONS.get(agreed),
+            save=summed[len(REASONS)] > 0,
+            sums=summed[len(REASONS) + 1 :],
+        )
+
+    def consume_stop_file(self) -> None:
+        if self.is_main:
+            self.stop_file.unlink(missing_ok=True)
+
+    def saved(self, seconds: float) -> None:
+        self.last_save = time.monotonic()
+        self.save_seconds = max(self.save_seconds, seconds)
