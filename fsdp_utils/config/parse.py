@@ -16,7 +16,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdp_utils.config.train_config import TrainConfig, validate_config
+from fsdp_utils.config.train_config import SECTIONS, TrainConfig, validate_config
 
 # --- command line and config files ---------------------------------------------------------
 
@@ -47,10 +47,13 @@ def _parse_optional(inner: type) -> Any:
 def add_config_arguments(
     parser: argparse.ArgumentParser, *, only: Collection[str] | None = None
 ) -> None:
-    """One flag per TrainConfig field (or per field in `only`); defaults are SUPPRESSed so we
-    know what was given."""
+    """One flag per TrainConfig field (or per field in `only`), in one `--help` section per
+    field's `section` (SECTIONS order); defaults are SUPPRESSed so we know what was given."""
     hints = _field_types()
-    for f in dataclasses.fields(TrainConfig):
+    groups = {name: parser.add_argument_group(title) for name, title in SECTIONS.items()}
+    for f in sorted(
+        dataclasses.fields(TrainConfig), key=lambda f: list(SECTIONS).index(f.metadata["section"])
+    ):
         if only is not None and f.name not in only:
             continue
         tp, optional = _unwrap_optional(hints[f.name])
@@ -66,7 +69,7 @@ def add_config_arguments(
         else:
             kwargs["type"] = _parse_optional(tp) if optional else tp
             kwargs["metavar"] = tp.__name__.upper()
-        parser.add_argument(f"--{f.name}", **kwargs)
+        groups[f.metadata["section"]].add_argument(f"--{f.name}", **kwargs)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

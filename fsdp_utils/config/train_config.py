@@ -33,8 +33,23 @@ def default_dataset_include(dataset: str) -> str | None:
     return DEFAULT_DATASET_INCLUDE if dataset == DEFAULT_DATASET else None
 
 
-def _opt(help: str, **extra: Any) -> Any:
-    return {"help": help, **extra}
+# The sections of `--help`, in order: every field names one (`_opt(..., section=...)`).
+SECTIONS = {
+    "assets": "assets (from the offline cache)",
+    "batch": "batch (the total batch is held fixed; accumulation is derived)",
+    "optimizer": "optimizer and learning-rate schedule",
+    "parallelism": "parallelism, precision and memory",
+    "data": "data",
+    "evaluation": "evaluation",
+    "checkpoints": "run folder, checkpoints, time limits and the final model",
+    "lora": "LoRA",
+    "logging": "logging and trackers",
+}
+
+
+def _opt(help: str, *, section: str, **extra: Any) -> Any:
+    assert section in SECTIONS, section
+    return {"help": help, "section": section, **extra}
 
 
 @dataclass
@@ -42,14 +57,17 @@ class TrainConfig:
     # --- assets -------------------------------------------------------------------------
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata=_opt("Hub id (resolved from the offline cache) or a local model folder."),
+        metadata=_opt(
+            "Hub id (resolved from the offline cache) or a local model folder.", section="assets"
+        ),
     )
     dataset: str = field(
         default=DEFAULT_DATASET,
         metadata=_opt(
             "Hub dataset id (from the offline cache), a local folder, or files: parquet in the "
             "laion/strategic_game_chess schema, or jsonl with a `text` field. Comma-separate "
-            "several files."
+            "several files.",
+            section="assets",
         ),
     )
     dataset_include: str | None = field(
@@ -58,22 +76,30 @@ class TrainConfig:
             "Glob(s) of dataset files to use, comma-separated, e.g. "
             "'chess_game_000[1-2].parquet'. Default: the files download_models.py fetched for "
             "a hub dataset (every shard it recorded), all files of a local folder; an empty "
-            "string: all data files."
+            "string: all data files.",
+            section="assets",
         ),
     )
     revision: str | None = field(
-        default=None, metadata=_opt("Model revision (branch, tag or commit) in the cache.")
+        default=None,
+        metadata=_opt("Model revision (branch, tag or commit) in the cache.", section="assets"),
     )
     dataset_revision: str | None = field(
-        default=None, metadata=_opt("Dataset revision (branch, tag or commit) in the cache.")
+        default=None,
+        metadata=_opt("Dataset revision (branch, tag or commit) in the cache.", section="assets"),
     )
     cache_dir: str | None = field(
         default=None,
-        metadata=_opt("Hugging Face hub cache written by download_models.py (default: HF_HOME)."),
+        metadata=_opt(
+            "Hugging Face hub cache written by download_models.py (default: HF_HOME).",
+            section="assets",
+        ),
     )
     output_dir: str = field(
         default="runs/chess",
-        metadata=_opt("Run folder: config, metrics, checkpoints, final model, logs."),
+        metadata=_opt(
+            "Run folder: config, metrics, checkpoints, final model, logs.", section="checkpoints"
+        ),
     )
 
     # --- batch ---------------------------------------------------------------------------
@@ -81,95 +107,137 @@ class TrainConfig:
         default=None,
         metadata=_opt(
             "Sequences per optimizer step, held fixed whatever the number of GPUs: gradient "
-            f"accumulation is derived from it (default {DEFAULT_TOTAL_BATCH_SIZE})."
+            f"accumulation is derived from it (default {DEFAULT_TOTAL_BATCH_SIZE}).",
+            section="batch",
         ),
     )
     batch_size_per_device: int = field(
-        default=1, metadata=_opt("Sequences per forward/backward pass on each device.")
+        default=1,
+        metadata=_opt("Sequences per forward/backward pass on each device.", section="batch"),
     )
     gradient_accumulation_steps: int | None = field(
         default=None,
         metadata=_opt(
             "Micro-batches per optimizer step. Normally derived from --total_batch_size; "
-            "if both are given they must agree."
+            "if both are given they must agree.",
+            section="batch",
         ),
     )
-    max_seq_length: int = field(default=1024, metadata=_opt("Tokens per sequence (block)."))
+    max_seq_length: int = field(
+        default=1024, metadata=_opt("Tokens per sequence (block).", section="batch")
+    )
 
     # --- optimisation ----------------------------------------------------------------------
-    learning_rate: float = field(default=2e-5, metadata=_opt("Peak learning rate."))
+    learning_rate: float = field(
+        default=2e-5, metadata=_opt("Peak learning rate.", section="optimizer")
+    )
     optimizer: OptimizerName = field(
         default="adamw",
-        metadata=_opt("adamw (2 fp32 states per parameter) or sgd (none without momentum)."),
+        metadata=_opt(
+            "adamw (2 fp32 states per parameter) or sgd (none without momentum).",
+            section="optimizer",
+        ),
     )
-    weight_decay: float = field(default=0.0, metadata=_opt("Decoupled weight decay."))
+    weight_decay: float = field(
+        default=0.0, metadata=_opt("Decoupled weight decay.", section="optimizer")
+    )
     momentum: float = field(
-        default=0.0, metadata=_opt("SGD momentum (0 keeps SGD stateless: least memory).")
+        default=0.0,
+        metadata=_opt("SGD momentum (0 keeps SGD stateless: least memory).", section="optimizer"),
     )
     lr_schedule: LrSchedule = field(
-        default="cosine", metadata=_opt("Decay after linear warmup: cosine, linear or constant.")
+        default="cosine",
+        metadata=_opt(
+            "Decay after linear warmup: cosine, linear or constant.", section="optimizer"
+        ),
     )
     warmup_steps: int | None = field(
-        default=None, metadata=_opt("Linear warmup steps (default: 5% of max_training_steps).")
+        default=None,
+        metadata=_opt(
+            "Linear warmup steps (default: 5% of max_training_steps).", section="optimizer"
+        ),
     )
     min_lr_ratio: float = field(
-        default=0.1, metadata=_opt("Final learning rate as a fraction of the peak.")
+        default=0.1,
+        metadata=_opt("Final learning rate as a fraction of the peak.", section="optimizer"),
     )
     grad_clip: float = field(
-        default=1.0, metadata=_opt("Clip the global gradient norm to this value (0: off).")
+        default=1.0,
+        metadata=_opt("Clip the global gradient norm to this value (0: off).", section="optimizer"),
     )
-    max_training_steps: int = field(default=100, metadata=_opt("Optimizer steps to run."))
-    seed: int = field(default=1234, metadata=_opt("Seed for model init, shuffling, dropout."))
+    max_training_steps: int = field(
+        default=100, metadata=_opt("Optimizer steps to run.", section="optimizer")
+    )
+    seed: int = field(
+        default=1234, metadata=_opt("Seed for model init, shuffling, dropout.", section="optimizer")
+    )
 
     # --- parallelism and memory ----------------------------------------------------------
     no_fsdp: bool = field(
-        default=False, metadata=_opt("Plain data parallel (DDP): every device holds everything.")
+        default=False,
+        metadata=_opt(
+            "Plain data parallel (DDP): every device holds everything.", section="parallelism"
+        ),
     )
     no_layer_wrap_policy: bool = field(
         default=False,
-        metadata=_opt("Shard only at the root (one FSDP group for the whole model)."),
+        metadata=_opt(
+            "Shard only at the root (one FSDP group for the whole model).", section="parallelism"
+        ),
     )
     sharding: Sharding = field(
         default="full",
         metadata=_opt(
             "full: shard params, grads, optimizer state; shard_grad_op: keep params gathered "
             "between forward and backward; hybrid: shard within a node, replicate across nodes; "
-            "no_shard: replicate (DDP-like)."
+            "no_shard: replicate (DDP-like).",
+            section="parallelism",
         ),
     )
     cpu_offload: bool = field(
         default=False,
-        metadata=_opt("Keep sharded params, grads and optimizer state in host RAM (FSDP2)."),
+        metadata=_opt(
+            "Keep sharded params, grads and optimizer state in host RAM (FSDP2).",
+            section="parallelism",
+        ),
     )
     gradient_checkpointing: bool = field(
-        default=False, metadata=_opt("Recompute decoder-layer activations in backward.")
+        default=False,
+        metadata=_opt("Recompute decoder-layer activations in backward.", section="parallelism"),
     )
     checkpoint_every_n_layers: int = field(
-        default=1, metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer.")
+        default=1,
+        metadata=_opt(
+            "With --gradient_checkpointing: checkpoint every Nth layer.", section="parallelism"
+        ),
     )
     defer_grad_sync: bool = field(
         default=False,
         metadata=_opt(
             "Reduce gradients only on the last micro-batch (less communication, but full "
-            "unsharded gradients stay in memory)."
+            "unsharded gradients stay in memory).",
+            section="parallelism",
         ),
     )
     precision: Precision = field(
         default="bf16-mixed",
         metadata=_opt(
             "bf16-mixed (fp32 master weights, bf16 compute), fp16-mixed (with a gradient "
-            "scaler), bf16-true (everything bf16: least memory), fp32."
+            "scaler), bf16-true (everything bf16: least memory), fp32.",
+            section="parallelism",
         ),
     )
     device: DeviceName = field(
-        default="auto", metadata=_opt("cuda if available, else cpu (gloo backend).")
+        default="auto",
+        metadata=_opt("cuda if available, else cpu (gloo backend).", section="parallelism"),
     )
     collective_timeout_minutes: float = field(
         default=30.0,
         metadata=_opt(
             "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
             "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
-            "the final save of a very large model takes longer (ranks wait for rank 0)."
+            "the final save of a very large model takes longer (ranks wait for rank 0).",
+            section="parallelism",
         ),
     )
 
@@ -178,38 +246,55 @@ class TrainConfig:
         default=False,
         metadata=_opt(
             "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
-            "as torchtitan does; the first step is slower while it compiles."
+            "as torchtitan does; the first step is slower while it compiles.",
+            section="parallelism",
         ),
     )
 
     # --- data ----------------------------------------------------------------------------
     template: str = field(
         default=DEFAULT_TEMPLATE,
-        metadata=_opt("How a chess game becomes text: {result}, {termination}, {moves}."),
+        metadata=_opt(
+            "How a chess game becomes text: {result}, {termination}, {moves}.", section="data"
+        ),
     )
-    text_field: str = field(default="text", metadata=_opt("Text column of jsonl datasets."))
+    text_field: str = field(
+        default="text", metadata=_opt("Text column of jsonl datasets.", section="data")
+    )
     no_packing: bool = field(
         default=False,
-        metadata=_opt("Pad each document to max_seq_length instead of packing full blocks."),
+        metadata=_opt(
+            "Pad each document to max_seq_length instead of packing full blocks.", section="data"
+        ),
     )
     max_examples: int | None = field(
-        default=None, metadata=_opt("Use at most this many documents (quick runs).")
+        default=None, metadata=_opt("Use at most this many documents (quick runs).", section="data")
     )
     eval_examples: int = field(
-        default=200, metadata=_opt("Documents held out for evaluation (0: no eval split).")
+        default=200,
+        metadata=_opt(
+            "Documents held out for evaluation (0: no eval split).", section="evaluation"
+        ),
     )
     eval_every: int = field(
-        default=50, metadata=_opt("Evaluate every N optimizer steps and at the end (0: end only).")
+        default=50,
+        metadata=_opt(
+            "Evaluate every N optimizer steps and at the end (0: end only).", section="evaluation"
+        ),
     )
     eval_batches: int = field(
-        default=20, metadata=_opt("At most this many batches per device per evaluation.")
+        default=20,
+        metadata=_opt("At most this many batches per device per evaluation.", section="evaluation"),
     )
     num_proc: int | None = field(
-        default=None, metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).")
+        default=None,
+        metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).", section="data"),
     )
     data_cache_dir: str | None = field(
         default=None,
-        metadata=_opt("Where tokenised/packed data is cached (default: beside the hub cache)."),
+        metadata=_opt(
+            "Where tokenised/packed data is cached (default: beside the hub cache).", section="data"
+        ),
     )
 
     # --- chess evaluation and document masking --------------------------------------------
@@ -217,36 +302,50 @@ class TrainConfig:
         default=False,
         metadata=_opt(
             "Packed documents do not attend to each other: position ids restart at every "
-            "document (transformers then masks attention per document; sdpa, eager, flex)."
+            "document (transformers then masks attention per document; sdpa, eager, flex).",
+            section="data",
         ),
     )
     chess_eval_every: int = field(
         default=0,
         metadata=_opt(
             "Run the chess evaluation (legal-move rate, next-move accuracy) on held-out games "
-            "every N optimizer steps and at the end (0: off)."
+            "every N optimizer steps and at the end (0: off).",
+            section="evaluation",
         ),
     )
     chess_eval_games: int = field(
         default=32,
-        metadata=_opt("Held-out games per chess evaluation (3 continuations each)."),
+        metadata=_opt(
+            "Held-out games per chess evaluation (3 continuations each).", section="evaluation"
+        ),
     )
     chess_eval_plies: int = field(
-        default=10, metadata=_opt("K: plies the model plays on from each game prefix.")
+        default=10,
+        metadata=_opt("K: plies the model plays on from each game prefix.", section="evaluation"),
     )
     chess_eval_temperature: float = field(
-        default=0.0, metadata=_opt("Sampling temperature of the chess evaluation (0: greedy).")
+        default=0.0,
+        metadata=_opt(
+            "Sampling temperature of the chess evaluation (0: greedy).", section="evaluation"
+        ),
     )
     chess_eval_batch_size: int | None = field(
         default=None,
-        metadata=_opt("Sequences per forward pass in the chess evaluation (default: 8)."),
+        metadata=_opt(
+            "Sequences per forward pass in the chess evaluation (default: 8).", section="evaluation"
+        ),
     )
 
     # --- metrics -------------------------------------------------------------------------
-    log_every: int = field(default=1, metadata=_opt("Log metrics every N optimizer steps."))
+    log_every: int = field(
+        default=1, metadata=_opt("Log metrics every N optimizer steps.", section="logging")
+    )
     peak_tflops: float | None = field(
         default=None,
-        metadata=_opt("Peak TFLOP/s of one device for MFU (detected for A100/H100/H200)."),
+        metadata=_opt(
+            "Peak TFLOP/s of one device for MFU (detected for A100/H100/H200).", section="logging"
+        ),
     )
 
     # --- trackers (fsdp_utils.metrics.trackers) ----------------------------------------------------
@@ -254,7 +353,8 @@ class TrainConfig:
         default=False,
         metadata=_opt(
             "Also write the metrics as TensorBoard event files into output_dir/tensorboard "
-            "(view on the login node: tensorboard --logdir runs/)."
+            "(view on the login node: tensorboard --logdir runs/).",
+            section="logging",
         ),
     )
     wandb: str | None = field(
@@ -262,49 +362,59 @@ class TrainConfig:
         metadata=_opt(
             "Also log to this W&B project, always offline, into output_dir/wandb (no network "
             "call; the end of the log gives the `wandb sync` command for the login node). "
-            "Needs pip install -e '.[wandb]'."
+            "Needs pip install -e '.[wandb]'.",
+            section="logging",
         ),
     )
 
     # --- checkpoints and time limits -----------------------------------------------------
     save_every_steps: int = field(
-        default=0, metadata=_opt("Save a sharded checkpoint every N steps (0: off).")
+        default=0,
+        metadata=_opt("Save a sharded checkpoint every N steps (0: off).", section="checkpoints"),
     )
     save_every_minutes: float = field(
-        default=30.0, metadata=_opt("Save a sharded checkpoint every M minutes (0: off).")
+        default=30.0,
+        metadata=_opt("Save a sharded checkpoint every M minutes (0: off).", section="checkpoints"),
     )
-    keep_last: int = field(default=2, metadata=_opt("Checkpoints to keep (older are deleted)."))
+    keep_last: int = field(
+        default=2, metadata=_opt("Checkpoints to keep (older are deleted).", section="checkpoints")
+    )
     resume: str = field(
         default="auto",
         metadata=_opt(
             "auto: continue from the newest complete checkpoint in output_dir if there is one; "
             "never: start fresh (the previous run moves to output_dir/previous-<time>/); or a "
-            "checkpoint folder. A requeued job's later legs always resume their own newest."
+            "checkpoint folder. A requeued job's later legs always resume their own newest.",
+            section="checkpoints",
         ),
     )
     time_limit_margin_minutes: float | None = field(
         default=None,
         metadata=_opt(
             "Save and stop this long before the Slurm job ends (default: estimated from the "
-            "measured save time, at least 2 minutes)."
+            "measured save time, at least 2 minutes).",
+            section="checkpoints",
         ),
     )
     stop_file: str | None = field(
         default=None,
         metadata=_opt(
             "Save and stop at the next step boundary once this file exists (the sbatch "
-            "script creates it when Slurm signals the job; default: output_dir/STOP)."
+            "script creates it when Slurm signals the job; default: output_dir/STOP).",
+            section="checkpoints",
         ),
     )
     stop_after_steps: int | None = field(
         default=None,
         metadata=_opt(
             "Save and stop after this many steps in this run, as if the time limit had come "
-            "(split a long run into shorter jobs; the next run resumes)."
+            "(split a long run into shorter jobs; the next run resumes).",
+            section="checkpoints",
         ),
     )
     no_final_save: bool = field(
-        default=False, metadata=_opt("Do not write the Hugging Face model at the end.")
+        default=False,
+        metadata=_opt("Do not write the Hugging Face model at the end.", section="checkpoints"),
     )
 
     # --- LoRA (fsdp_utils/model/lora.py) -----------------------------------------------------------
@@ -313,28 +423,31 @@ class TrainConfig:
         metadata=_opt(
             "Train LoRA adapters (peft) instead of the whole model: the base stays frozen in the "
             "compute dtype; checkpoints hold the adapters only; the final model is a PEFT "
-            "adapter folder."
+            "adapter folder.",
+            section="lora",
         ),
     )
-    lora_r: int = field(default=8, metadata=_opt("LoRA rank."))
+    lora_r: int = field(default=8, metadata=_opt("LoRA rank.", section="lora"))
     lora_alpha: int = field(
-        default=16, metadata=_opt("LoRA alpha: the update is scaled by alpha / r.")
+        default=16, metadata=_opt("LoRA alpha: the update is scaled by alpha / r.", section="lora")
     )
     lora_dropout: float = field(
-        default=0.05, metadata=_opt("Dropout on the adapters' input (0: none).")
+        default=0.05, metadata=_opt("Dropout on the adapters' input (0: none).", section="lora")
     )
     lora_target_modules: str | None = field(
         default=None,
         metadata=_opt(
             "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
-            "(default: every linear layer of the decoder layers)."
+            "(default: every linear layer of the decoder layers).",
+            section="lora",
         ),
     )
     merge: bool = field(
         default=False,
         metadata=_opt(
             "With --lora: also write the base model with the adapters merged in "
-            "(output_dir/final_merged), loadable without peft."
+            "(output_dir/final_merged), loadable without peft.",
+            section="lora",
         ),
     )
 
@@ -343,7 +456,8 @@ class TrainConfig:
         default="auto",
         metadata=_opt(
             "dtype of the final model's weights: auto (the source model's, from its "
-            "config.json), float32, bfloat16 or float16."
+            "config.json), float32, bfloat16 or float16.",
+            section="checkpoints",
         ),
     )
 
