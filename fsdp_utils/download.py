@@ -194,11 +194,25 @@ def _run(args: argparse.Namespace) -> int:
         return _offline_modes(args, request.specs, cache_dir)
 
     specs = request.specs if request.specs is not None else default_specs()
-    if not specs:
+    if not specs and not (args.prepare and request.train_config is not None):
         raise ValueError(f"{args.config} names no hub assets (only local paths): nothing to do.")
     # Checked before downloading, so that a bad --prepare does not cost a download first.
     prepare_config = _prepare_config(specs, request) if args.prepare else None
+    if specs:
+        _download(args, specs, cache_dir)
+    if args.dry_run:
+        return 0
+    if prepare_config is not None:
+        from fsdp_utils.data.prepare import prepare_dataset
 
+        started = time.monotonic()
+        path = prepare_dataset(prepare_config)
+        print(f"prepared in {time.monotonic() - started:.1f} s: {path}")
+    print("next: python download_models.py --check-offline   (then sbatch slurm/finetune.sh)")
+    return 0
+
+
+def _download(args: argparse.Namespace, specs: list[AssetSpec], cache_dir: Path) -> None:
     from huggingface_hub import constants
 
     from fsdp_utils.hub.download import download_assets
@@ -215,20 +229,12 @@ def _run(args: argparse.Namespace) -> int:
             specs, cache_dir, workers=args.workers, dry_run=args.dry_run, log=print
         )
     if args.dry_run:
-        return 0
+        return
     total = sum(f.size for e in entries for f in e.files)
     print(
         f"cached {len(entries)} asset(s), {format_bytes(total)}, in "
         f"{time.monotonic() - started:.1f} s; manifest: {manifest_path(cache_dir)}"
     )
-    if prepare_config is not None:
-        from fsdp_utils.data.prepare import prepare_dataset
-
-        started = time.monotonic()
-        path = prepare_dataset(prepare_config)
-        print(f"prepared in {time.monotonic() - started:.1f} s: {path}")
-    print("next: python download_models.py --check-offline   (then sbatch slurm/finetune.sh)")
-    return 0
 
 
 def _offline_modes(args: argparse.Namespace, specs: list[AssetSpec] | None, cache_dir: Path) -> int:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,3 +226,161 @@ def build_demo_assets(
     tokenizer = train_chess_tokenizer(list(iter_rendered(games)), vocab_size=vocab_size)
     model_dir = save_tiny_model(root / "model", tokenizer, arch=arch, seed=seed, **model_kwargs)
     return {"data": data_dir, "model": model_dir}
+
+
+# --- chat: tokenizers with chat templates, conversations -----------------------------------
+
+# Three template families users meet, written as the models ship them (shortened):
+# ChatML (Qwen 2.5: no generation markers, the end-of-turn token is the tokenizer's EOS),
+# Llama 3 (BOS written by the template itself, headers around each role) and ChatML with
+# `{% generation %}` markers (as TRL's training templates add them).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim }}{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+CHATML_GENERATION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Like Qwen3's: earlier answers lose their <think>...</think> part once the conversation goes
+# on, so a conversation's beginning renders differently alone and in the whole.
+THINK_DROPPING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}"
+    "{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CHAT_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+# style -> (chat template, special tokens); "plain" has no chat template.
+CHAT_STYLES: dict[str, tuple[str | None, dict[str, str]]] = {
+    "chatml": (CHATML_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "llama3": (
+        LLAMA3_TEMPLATE,
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>"},
+    ),
+    "chatml_generation": (
+        CHATML_GENERATION_TEMPLATE,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    ),
+    "think_dropping": (
+        THINK_DROPPING_TEMPLATE,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    ),
+    "plain": (None, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}),
+}
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "gi", "the", "and")
+
+
+def random_words(rng: random.Random, n: int) -> str:
+    """n pseudo-words of 1-3 syllables: text no model can predict beyond its letters."""
+    return " ".join(
+        "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(n)
+    )
+
+
+def random_conversations(
+    n: int,
+    seed: int = 0,
+    *,
+    turns: tuple[int, int] = (1, 1),
+    words: tuple[int, int] = (3, 12),
+    answer: str | None = None,
+    system: str | None = None,
+) -> list[list[dict[str, str]]]:
+    """n conversations of user/assistant turns (a number of turns drawn from `turns`).
+    Prompts are random words; answers too, or always `answer` when given."""
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": system}] if system else []
+        for _ in range(rng.randint(*turns)):
+            messages.append({"role": "user", "content": random_words(rng, rng.randint(*words))})
+            reply = answer if answer is not None else random_words(rng, rng.randint(*words))
+            messages.append({"role": "assistant", "content": reply})
+        conversations.append(messages)
+    return conversations
+
+
+def train_chat_tokenizer(vocab_size: int = 600, seed: int = 0) -> Any:
+    """A byte-level BPE (any text encodes, as with GPT-2, Llama 3 or Qwen) trained on random
+    conversations, with the special tokens of the chat templates above. Returns a
+    `tokenizers.Tokenizer`; `chat_tokenizer` wraps it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [
+        "\n".join(f"{m['role']}\n{m['content']}" for m in conversation)
+        for conversation in random_conversations(2000, seed, turns=(1, 3), system="be brief")
+    ]
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def chat_tokenizer(style: str = "chatml", *, base: Any = None) -> Any:
+    """A transformers tokenizer of a `CHAT_STYLES` family: its chat template and special
+    tokens. A BOS the template writes is also what the tokenizer adds by itself (as Llama 3's
+    does), so tokenising a rendered conversation with special tokens would double it."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    template, special = CHAT_STYLES[style]
+    tokenizer = copy.deepcopy(base) if base is not None else train_chat_tokenizer()
+    bos = special.get("bos_token")
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokenizer.token_to_id(bos))],
+        )
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+    if template is not None:
+        wrapped.chat_template = template
+    return wrapped
+
+
+def save_chat_model(
+    folder: str | Path, style: str = "chatml", *, base: Any = None, **model_kwargs: Any
+) -> Path:
+    """A tiny Llama with a chat tokenizer of `style` (see `chat_tokenizer`)."""
+    return save_tiny_model(folder, chat_tokenizer(style, base=base), **model_kwargs)

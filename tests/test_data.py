@@ -79,7 +79,7 @@ def test_jsonl_text_dataset(tiny_assets, tmp_path):
 def test_unknown_schema_is_explained(tiny_assets, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match="`text` text column"):
+    with pytest.raises(ValueError, match=r"columns \(content\) match no format.*--text_field"):
         prepare_dataset(_config(tiny_assets, tmp_path / "c", dataset=str(path)), log=lambda _: None)
 
 
@@ -143,3 +143,44 @@ def test_held_out_games_come_from_the_files_training_uses(tmp_path):
     )
     assert [f.name for f in dataset_files(config)] == [p.name for p in shards]
     assert len(held_out_games(config)) == 10 - 1
+
+
+def test_chess_preparation_is_the_games_token_stream(tiny_assets, tmp_path):
+    """Chess stays as it was before the masked formats: the blocks are the shuffled games'
+    texts, each tokenised with an EOS after it, one stream cut into blocks; no loss mask and
+    no row starts are written, and the cache key's inputs are the same fields as before."""
+    import datasets
+
+    from fsdp_utils.data.render import render_row
+
+    config = _config(tiny_assets, tmp_path)
+    folder = prepare_dataset(config, log=lambda _: None)
+    files = sorted(str(p) for p in Path(tiny_assets["data"]).glob("*.parquet"))
+    games = datasets.load_dataset(
+        "parquet", data_files=files, split="train", cache_dir=str(tmp_path / "raw")
+    )
+    texts = [render_row(g, config.template) for g in games.shuffle(seed=config.seed)]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
+    eos = tokenizer.eos_token_id
+
+    def stream(part: list[str]) -> np.ndarray:
+        ids = [tokenizer(t)["input_ids"] for t in part]
+        return np.concatenate([x if x[-1] == eos else [*x, eos] for x in ids])
+
+    for name, part in (("eval", texts[:20]), ("train", texts[20:])):
+        expected = stream(part)
+        blocks = TokenBlocks.load(folder, name)
+        assert blocks.loss_mask is None and blocks.row_starts is None
+        assert int(blocks.lengths.sum()) == len(expected)
+        np.testing.assert_array_equal(
+            np.asarray(blocks.input_ids).ravel()[: len(expected)], expected
+        )
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "eval_input_ids.npy", "eval_lengths.npy", "meta.json", "train_input_ids.npy",
+        "train_lengths.npy",
+    ]  # fmt: skip
+    spec = json.loads((folder / "meta.json").read_text())["spec"]
+    assert sorted(spec) == [
+        "eval_examples", "files", "format_version", "max_examples", "max_seq_length", "packing",
+        "seed", "template", "text_field", "tokenizer",
+    ]  # fmt: skip

@@ -120,6 +120,11 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
             )
         else:
             checked[name] = value
+    if checked.get("num_epochs") is not None and "max_training_steps" in checked:
+        raise ValueError(
+            f"{source}: num_epochs and max_training_steps both say how long to train; the "
+            "steps of --num_epochs follow from the prepared data. Give one of them."
+        )
     config = TrainConfig(**checked)
     validate_config(config)
     return config

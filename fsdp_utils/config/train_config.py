@@ -18,6 +18,8 @@ OptimizerName = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
+DataFormat = Literal["auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates"]
+LongExamples = Literal["drop", "truncate", "error"]
 
 DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
 DEFAULT_DATASET = "laion/strategic_game_chess"
@@ -64,9 +66,9 @@ class TrainConfig:
     dataset: str = field(
         default=DEFAULT_DATASET,
         metadata=_opt(
-            "Hub dataset id (from the offline cache), a local folder, or files: parquet in the "
-            "laion/strategic_game_chess schema, or jsonl with a `text` field. Comma-separate "
-            "several files.",
+            "Hub dataset id (from the offline cache), a local folder, or files (.parquet, .json, "
+            ".jsonl, .csv, .arrow). The format follows from the columns (--data_format). "
+            "Comma-separate several files.",
             section="assets",
         ),
     )
@@ -168,6 +170,15 @@ class TrainConfig:
     max_training_steps: int = field(
         default=100, metadata=_opt("Optimizer steps to run.", section="optimizer")
     )
+    num_epochs: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Instead of --max_training_steps: passes over the prepared training blocks; the "
+            "steps are epochs x (blocks // total batch), printed at start, the same on any "
+            "number of GPUs.",
+            section="optimizer",
+        ),
+    )
     seed: int = field(
         default=1234, metadata=_opt("Seed for model init, shuffling, dropout.", section="optimizer")
     )
@@ -259,7 +270,65 @@ class TrainConfig:
         ),
     )
     text_field: str = field(
-        default="text", metadata=_opt("Text column of jsonl datasets.", section="data")
+        default="text", metadata=_opt("Text column of plain-text datasets.", section="data")
+    )
+    data_format: DataFormat = field(
+        default="auto",
+        metadata=_opt(
+            "auto: from the columns (Moves/Termination/Result: chess; messages or "
+            "conversations: chat; prompt+completion; instruction+output: alpaca; text); or "
+            "name one. templates: --prompt_template/--response_template over any columns.",
+            section="data",
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_opt(
+            "A Jinja chat template file to render chat rows with, instead of the tokenizer's "
+            "own (needed for a model without one); the final model carries it.",
+            section="data",
+        ),
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata=_opt(
+            "The prompt of a row, with {column} placeholders, e.g. "
+            "'Summarize this dialog:\\n{dialogue}\\n---\\nSummary:\\n' (with "
+            "--response_template).",
+            section="data",
+        ),
+    )
+    response_template: str | None = field(
+        default=None,
+        metadata=_opt(
+            "The answer of a row, with {column} placeholders, e.g. '{summary}'; the loss is "
+            "on it and the EOS after it.",
+            section="data",
+        ),
+    )
+    dataset_module: str | None = field(
+        default=None,
+        metadata=_opt(
+            "FILE.py:FUNCTION returning the rows (a datasets.Dataset or a list of dicts) in "
+            "any format above, instead of --dataset; it runs wherever data is prepared.",
+            section="data",
+        ),
+    )
+    train_on_prompt: bool = field(
+        default=False,
+        metadata=_opt(
+            "Chat, prompt/completion, alpaca, templates: train on every token, not only on "
+            "the answers.",
+            section="data",
+        ),
+    )
+    long_examples: LongExamples = field(
+        default="drop",
+        metadata=_opt(
+            "Chat, prompt/completion, alpaca, templates: a row longer than --max_seq_length "
+            "is dropped, truncated (its start kept) or an error; counted in the log.",
+            section="data",
+        ),
     )
     no_packing: bool = field(
         default=False,
@@ -504,7 +573,15 @@ def validate_config(config: TrainConfig) -> None:
     if config.learning_rate <= 0:
         raise ValueError(f"--learning_rate must be positive, got {config.learning_rate}.")
     warmup = config.warmup_steps
-    if warmup is not None and (warmup < 0 or (warmup > 0 and warmup >= config.max_training_steps)):
+    if config.num_epochs is not None and config.num_epochs < 1:
+        raise ValueError(f"--num_epochs must be at least 1, got {config.num_epochs}.")
+    # With --num_epochs the steps are known once the data is prepared; checked again then.
+    steps_known = config.num_epochs is None
+    if (
+        steps_known
+        and warmup is not None
+        and (warmup < 0 or (warmup > 0 and warmup >= config.max_training_steps))
+    ):
         raise ValueError(
             f"--warmup_steps ({warmup}) must be between 0 and "
             f"--max_training_steps - 1 ({config.max_training_steps - 1})."
@@ -536,9 +613,36 @@ def validate_config(config: TrainConfig) -> None:
             f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
         )
     _validate_lora(config)
+    _validate_data_format(config)
     for field_name in ("{moves}",):
         if field_name not in config.template:
             raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")
+
+
+def _validate_data_format(config: TrainConfig) -> None:
+    templates = (config.prompt_template, config.response_template)
+    if (templates[0] is None) != (templates[1] is None):
+        raise ValueError(
+            "--prompt_template and --response_template go together: the prompt carries no "
+            "loss, the response does. Give both, e.g. --prompt_template "
+            "$'Summarize this dialog:\\n{dialogue}\\n---\\nSummary:\\n' "
+            "--response_template '{summary}'."
+        )
+    if templates[0] is not None and config.data_format not in ("auto", "templates"):
+        raise ValueError(
+            f"--prompt_template/--response_template make the format `templates`, but "
+            f"--data_format is {config.data_format}: drop one of them."
+        )
+    if config.data_format == "templates" and templates[0] is None:
+        raise ValueError(
+            "--data_format templates needs --prompt_template and --response_template, "
+            "strings with {column} placeholders."
+        )
+    module = config.dataset_module
+    if module is not None and (":" not in module or not module.rsplit(":", 1)[1].isidentifier()):
+        raise ValueError(
+            f"--dataset_module {module!r}: expected FILE.py:FUNCTION, e.g. my_data.py:build."
+        )
 
 
 def _validate_lora(config: TrainConfig) -> None:

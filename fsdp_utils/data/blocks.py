@@ -1,10 +1,12 @@
 """Prepared blocks at training time, and which of them every rank sees at every step.
 
 `TokenBlocks` memory-maps a split prepared by `fsdp_utils.data.prepare` and turns block indices
-into batches: `input_ids` and `labels` (IGNORE_INDEX on padding). With `--document_masking`
-batches also carry position ids that restart after every EOS (`fsdp_utils.data.document_masking`):
-derived at batch time, not stored, so the prepared layout and its cache key are unchanged.
-`StepSampler` makes the data order a pure function of the step, whatever the world size.
+into batches: `input_ids` and `labels` (IGNORE_INDEX on padding, and where the split's loss
+mask is off: the prompts of chat and instruction data). With `--document_masking` batches
+also carry position ids that restart at every document (`fsdp_utils.data.document_masking`):
+after every EOS for chess and text (derived at batch time, not stored), at the stored row
+starts for the masked formats. `StepSampler` makes the data order a pure function of the
+step, whatever the world size; `--num_epochs` turns into steps with `epoch_steps`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from fsdp_utils.config.batch import BatchPlan
-from fsdp_utils.data.document_masking import document_position_ids
+from fsdp_utils.config.train_config import TrainConfig, validate_config
+from fsdp_utils.data.document_masking import document_position_ids, positions_from_starts
 
 # --- training-time access -------------------------------------------------------------------
 
@@ -27,34 +30,56 @@ class TokenBlocks:
     input_ids: np.ndarray  # (blocks, seq_len) int32, memory-mapped
     lengths: np.ndarray  # (blocks,) int32
     document_eos: int | None = None  # set: batches carry per-document position ids
+    loss_mask: np.ndarray | None = None  # (blocks, seq_len) bool: masked formats only
+    row_starts: np.ndarray | None = None  # (blocks, seq_len) bool: document masking of rows
 
     @classmethod
-    def load(cls, folder: Path, split: str, *, document_eos: int | None = None) -> TokenBlocks:
+    def load(
+        cls,
+        folder: Path,
+        split: str,
+        *,
+        document_eos: int | None = None,
+        row_starts: bool = False,
+    ) -> TokenBlocks:
+        """A prepared split. `document_eos`: position ids restart after this token;
+        `row_starts`: they restart at the stored row starts (masked formats)."""
         ids = folder / f"{split}_input_ids.npy"
         if not ids.is_file():
             return cls(np.zeros((0, 1), np.int32), np.zeros(0, np.int32), document_eos)
+        mask = folder / f"{split}_loss_mask.npy"
         return cls(
             np.load(ids, mmap_mode="r"),
             np.load(folder / f"{split}_lengths.npy", mmap_mode="r"),
             document_eos,
+            np.load(mask, mmap_mode="r") if mask.is_file() else None,
+            np.load(folder / f"{split}_row_starts.npy", mmap_mode="r") if row_starts else None,
         )
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """input_ids and labels; labels are IGNORE_INDEX on padding (the model shifts them).
-        With document masking also position_ids, restarting at every document."""
+        """input_ids and labels; labels are IGNORE_INDEX on padding and outside the loss mask
+        (the model shifts them). With document masking also position_ids, restarting at
+        every document."""
         order = np.sort(indices)  # sequential reads from the memory map
-        rows = torch.from_numpy(np.ascontiguousarray(self.input_ids[order])).long()
-        lengths = torch.from_numpy(np.ascontiguousarray(self.lengths[order])).long()
         restore = np.argsort(np.argsort(indices))
-        rows, lengths = rows[restore], lengths[restore]
+
+        def read(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array[order]))[restore]
+
+        rows, lengths = read(self.input_ids).long(), read(self.lengths).long()
         positions = torch.arange(rows.shape[1]).unsqueeze(0)
         labels = rows.masked_fill(positions >= lengths.unsqueeze(1), IGNORE_INDEX)
-        if self.document_eos is None:
+        if self.loss_mask is not None:
+            labels = labels.masked_fill(~read(self.loss_mask), IGNORE_INDEX)
+        if self.row_starts is not None:
+            position_ids = positions_from_starts(read(self.row_starts))
+        elif self.document_eos is not None:
+            position_ids = document_position_ids(rows, self.document_eos)
+        else:
             return {"input_ids": rows, "labels": labels}
-        position_ids = document_position_ids(rows, self.document_eos)
         return {"input_ids": rows, "labels": labels, "position_ids": position_ids}
 
 
@@ -87,7 +112,7 @@ class StepSampler:
         self.num_blocks = num_blocks
         self.plan = plan
         self.seed = seed
-        self.steps_per_epoch = num_blocks // plan.total_batch_size
+        self.steps_per_epoch = steps_per_epoch(num_blocks, plan.total_batch_size)
         self._cached_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -113,6 +138,32 @@ class StepSampler:
             p.gradient_accumulation_steps, p.world_size, p.batch_size_per_device
         )
         return [grid[m, rank] for m in range(p.gradient_accumulation_steps)]
+
+
+def steps_per_epoch(num_blocks: int, total_batch_size: int) -> int:
+    """Full total batches in the training blocks: an epoch leaves out the remainder (another
+    one each epoch, as the order is reshuffled)."""
+    return num_blocks // total_batch_size
+
+
+def epoch_steps(config: TrainConfig, num_blocks: int, total_batch_size: int) -> TrainConfig:
+    """--num_epochs: the config with max_training_steps = epochs x steps per epoch. A pure
+    function of the prepared training blocks and the total batch (fixed whatever the number
+    of GPUs), so a resumed or requeued run, or another world size, gets the same count."""
+    assert config.num_epochs is not None
+    steps = config.num_epochs * steps_per_epoch(num_blocks, total_batch_size)
+    resolved = config.replace(max_training_steps=max(steps, 1), num_epochs=None)
+    validate_config(resolved)  # the warmup against the step count, now that it is known
+    return config.replace(max_training_steps=resolved.max_training_steps)
+
+
+def describe_epochs(config: TrainConfig, num_blocks: int, total_batch_size: int) -> str:
+    per_epoch = steps_per_epoch(num_blocks, total_batch_size)
+    return (
+        f"epochs: {config.num_epochs} x {per_epoch} steps ({num_blocks:,} training blocks // "
+        f"{total_batch_size} sequences per step) = {config.max_training_steps} steps, "
+        f"{config.resolved_warmup_steps} warmup"
+    )
 
 
 def eval_batches(

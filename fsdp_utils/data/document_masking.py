@@ -17,9 +17,12 @@ Two traps, both silent, both tested: transformers ignores the position ids for p
 an attention mask is passed (even all ones) or when a KV cache is in use (`use_cache=True`
 creates one), and falls back to plain causal attention over the whole block.
 
-The boundaries are derived from the EOS tokens the data preparation already writes between
-documents, so prepared data needs no new field and old caches stay valid. A document that
-contains the EOS token in its own text would be cut there (chess games never do).
+Where documents begin: for chess and text, after every EOS the preparation writes between
+documents (so their prepared data needs no new field; a document holding the EOS token in its
+own text would be cut there, which chess games never do). For chat and the other masked
+formats, at the row starts stored with the blocks (`fsdp_utils.data.packing`): their
+end-of-turn token is often the EOS (ChatML's <|im_end|> in Qwen), and restarting there would
+cut a conversation into its turns.
 """
 
 from __future__ import annotations
@@ -39,11 +42,20 @@ def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.T
     [[5, 7, EOS, 9, 4, EOS, 8]] -> [[0, 1, 2, 0, 1, 2, 0]]: the EOS belongs to the document
     it closes.
     """
-    rows, length = input_ids.shape
-    index = torch.arange(length, device=input_ids.device).expand(rows, length)
     starts = torch.zeros_like(input_ids, dtype=torch.bool)
-    starts[:, 0] = True
     starts[:, 1:] = input_ids[:, :-1] == eos_token_id
+    return positions_from_starts(starts)
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 where `starts` is True and at the start of each row.
+
+    [[T, F, F, T, F]] -> [[0, 1, 2, 0, 1]].
+    """
+    rows, length = starts.shape
+    index = torch.arange(length, device=starts.device).expand(rows, length)
+    starts = starts.clone()
+    starts[:, 0] = True
     last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - last_start
 

@@ -29,7 +29,12 @@ from fsdp_utils.hub.manifest import (
     load_manifest,
     manifest_path,
 )
-from fsdp_utils.hub.selection import DATA_SUFFIXES, select_data_paths, split_patterns
+from fsdp_utils.hub.selection import (
+    DATA_SUFFIXES,
+    is_data_file,
+    select_data_paths,
+    split_patterns,
+)
 from fsdp_utils.hub.specs import AssetSpec, download_command, looks_local
 
 __all__ = [
@@ -88,7 +93,7 @@ def resolve_dataset_files(
     revision: str | None = None,
     cache_dir: str | None = None,
 ) -> list[Path]:
-    """The data files (parquet or jsonl) that make up `dataset`, sorted by name.
+    """The data files (parquet, json, jsonl, csv, arrow) that make up `dataset`, sorted.
 
     `dataset` is a hub id, a folder, a file, or several of them comma-separated; `include`
     (comma-separated globs on file names) selects among them. Without `include` (None), a hub
@@ -121,12 +126,12 @@ def describe_dataset_files(files: list[Path], include: str | None) -> str:
 
 def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
     if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES)
+        found = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p.name))
         selected = _select(found, include)
         if not selected:
             raise MissingAssetError(
                 f"No data files in {path} match {include!r} "
-                f"(found {len(found)} parquet/jsonl files)."
+                f"(found {len(found)} {'/'.join(s[1:] for s in DATA_SUFFIXES)} files)."
             )
         return selected
     if path.is_file():

@@ -8,7 +8,7 @@ licence. With a `model.safetensors.index.json`, exactly the shards it names (not
 back to PyTorch `.bin` weights only for repos without safetensors.
 
 Datasets: the files matching the include globs; without globs, every data file (parquet,
-jsonl, json).
+jsonl, json, csv, arrow).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
-# Dataset-card side files that end in .json but hold no rows.
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")
+# Side files that end in .json but hold no rows: dataset cards', and `save_to_disk`'s.
 _DATASET_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json")
 
 WEIGHT_SUFFIXES = (

@@ -118,8 +118,9 @@ def specs_from_train_config(config: TrainConfig) -> list[AssetSpec]:
     specs = []
     if not looks_local(config.model):
         specs.append(AssetSpec(config.model, "model", revision=config.revision))
+    # A --dataset_module reads its own files; --dataset is not used then.
     names = [d.strip() for d in config.dataset.split(",") if d.strip()]
-    for name in names:
+    for name in names if config.dataset_module is None else []:
         if not looks_local(name):
             include = config.resolved_dataset_include
             specs.append(AssetSpec(name, "dataset", config.dataset_revision, include))

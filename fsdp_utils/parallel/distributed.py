@@ -11,12 +11,15 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_utils.config.train_config import Sharding
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,15 @@ def all_reduce_min(value: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return value
+
+
+def broadcast_object(value: T, src: int = 0) -> T:
+    """Rank `src`'s picklable `value` on every rank, over the CPU (gloo) half of the group."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
+    return box[0]
 
 
 def barrier() -> None:

@@ -70,10 +70,13 @@ def check_basics(config: TrainConfig, world_size: int) -> str:
     from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files
 
     plan, model_dir, _ = check_batch_and_model(config, world_size)
-    files = resolve_dataset_files(
-        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
-    )
-    data = describe_dataset_files(files, config.dataset_include)
+    if config.dataset_module is not None:  # its rows come when the data is prepared
+        data = f"rows from --dataset_module {config.dataset_module}"
+    else:
+        files = resolve_dataset_files(
+            config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+        )
+        data = describe_dataset_files(files, config.dataset_include)
     return f"preflight OK: {plan.describe()}; model {model_dir}; data {data}"
 
 

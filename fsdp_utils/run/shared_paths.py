@@ -70,7 +70,11 @@ def paths_to_check(config: TrainConfig) -> list[SharedPath]:
     ]
     hub = hub_cache_dir(config.cache_dir)
     hub_label = "hub cache (--cache_dir, HF_HUB_CACHE or HF_HOME/hub)"
-    for name, kind in ((config.model, "model"), (config.dataset, "dataset")):
+    # A --dataset_module reads its own files; --dataset is not used then.
+    assets = [(config.model, "model")]
+    if config.dataset_module is None:
+        assets.append((config.dataset, "dataset"))
+    for name, kind in assets:
         if looks_local(name):
             if Path(name).is_dir():
                 paths.append(SharedPath(f"{kind} folder (--{kind})", Path(name), written=False))

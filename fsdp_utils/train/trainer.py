@@ -30,7 +30,14 @@ from fsdp_utils.checkpoint.sharded import (
 from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import IGNORE_INDEX, StepSampler, batch_position_ids, eval_batches
+from fsdp_utils.data.blocks import (
+    IGNORE_INDEX,
+    StepSampler,
+    batch_position_ids,
+    describe_epochs,
+    epoch_steps,
+    eval_batches,
+)
 from fsdp_utils.data.document_masking import check_document_masking
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
@@ -133,6 +140,11 @@ class Trainer:
         self.chess_eval = TrainingChessEval.build(config, env, self.model_dir, self.log)
         self.data = self._prepare_data()
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
+        if config.num_epochs is not None:  # the steps follow from the data: before the schedule
+            blocks, total = len(self.train_blocks), self.plan.total_batch_size
+            self.config = config = epoch_steps(config, blocks, total)
+            self.log.max_steps = config.max_training_steps
+            self.log.info(describe_epochs(config, blocks, total))
 
         self.checkpointer = Checkpointer(
             self.layout.checkpoints,
@@ -186,7 +198,8 @@ class Trainer:
             f"batch: {p.describe()}\n"
             f"parallel: {self._parallel_description()}; precision {c.precision}; "
             f"optimizer {c.optimizer}, lr {c.learning_rate:g} ({c.lr_schedule}, "
-            f"{c.resolved_warmup_steps} warmup steps), grad clip {c.grad_clip or 'off'}"
+            + ("warmup: see epochs" if c.num_epochs else f"{c.resolved_warmup_steps} warmup steps")
+            + f"), grad clip {c.grad_clip or 'off'}"
         )
 
     def _parallel_description(self) -> str:
@@ -211,12 +224,12 @@ class Trainer:
         return ", ".join([kind, *extras])
 
     def _prepare_data(self) -> PreparedData:
-        # Rank 0 prepares (or finds) the cached data; the others then find it.
-        if self.env.is_main:
-            folder = prepare_dataset(self.config, log=self.log.info)
-        dist_utils.barrier()
-        if not self.env.is_main:
-            folder = prepare_dataset(self.config, log=lambda _: None)
+        # Rank 0 prepares (or finds) the cached data and tells the others where: a
+        # --dataset_module runs once, and every rank reads what rank 0 prepared.
+        main_folder = (
+            str(prepare_dataset(self.config, log=self.log.info)) if self.env.is_main else ""
+        )
+        folder = Path(dist_utils.broadcast_object(main_folder))
         meta = json.loads((folder / "meta.json").read_text())
         prepared = PreparedData(folder, meta)
         self.train_blocks = prepared.split("train", document_masking=self.config.document_masking)
@@ -261,7 +274,11 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
         path, seconds = self.checkpointer.save(
-            self.state.step, self.model, self.optimizer, extra, (self.hf_config, self.model_dir)
+            self.state.step,
+            self.model,
+            self.optimizer,
+            extra,
+            (self.hf_config, self.data.tokenizer_dir(self.model_dir)),
         )
         self.last_saved_step = self.state.step
         self.stop.saved(seconds)
@@ -718,11 +735,17 @@ class Trainer:
             from fsdp_utils.checkpoint.lora_adapters import save_lora_model
 
             path = save_lora_model(
-                model, self.config, self.hf_config, self.layout, self.model_dir, self.env.is_main
+                model,
+                self.config,
+                self.hf_config,
+                self.layout,
+                self.data.tokenizer_dir(self.model_dir),
+                self.env.is_main,
             )
         else:
             path = save_hf_model(
-                model, self.hf_config, self.layout.final_model, self.model_dir, self.env.is_main,
+                model, self.hf_config, self.layout.final_model,
+                self.data.tokenizer_dir(self.model_dir), self.env.is_main,
                 export_dtype=self.config.export_dtype,
             )  # fmt: skip
         dist_utils.barrier()

@@ -1,0 +1,297 @@
+"""Chat rows through the tokenizer's chat template, with the loss on the assistant's turns only.
+
+What carries loss: each trained assistant turn's content and the end-of-turn token(s) the
+template writes after it; never a system, user or tool turn, and never a role header.
+
+- A template with `{% generation %}` markers says so itself: `apply_chat_template(...,
+  return_assistant_tokens_mask=True)`.
+- Any other template (most, e.g. ChatML): assistant turn i spans the tokens from
+  len(tokens(render(messages[:i], add_generation_prompt=True))) to
+  len(tokens(render(messages[:i + 1]))): the header is what the generation prompt adds, and
+  the end of the turn is what the template writes to close it. Every prefix's tokens must
+  be a prefix of the whole conversation's tokens; a template that renders a conversation's
+  beginning differently once more follows (Qwen3's drops earlier <think> parts) is refused,
+  naming the template and the row: a mask is never guessed.
+
+Rendered text is tokenised without adding special tokens: a template that writes the BOS
+itself (Llama 3) gets exactly one. `check_end_of_turn` checks once per dataset that the token
+closing an answer is trained (a model that never learns it never stops).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# ShareGPT `from` values -> chat roles.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    text: str
+    source: str  # for messages: "the chat template of MODEL" or "--chat_template FILE"
+
+    @property
+    def has_generation_markers(self) -> bool:
+        return GENERATION_MARKER.search(self.text) is not None
+
+
+def chat_template(tokenizer: Any, *, template_file: str | None, model: str) -> ChatTemplate:
+    """The template to render with: `--chat_template FILE`, else the tokenizer's own."""
+    if template_file is not None:
+        path = Path(template_file).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"--chat_template {template_file}: no such file. Give a Jinja chat template "
+                "file, e.g. the chat_template.jinja of a model that has one."
+            )
+        return ChatTemplate(path.read_text(encoding="utf-8"), f"--chat_template {path}")
+    own = tokenizer.chat_template
+    if isinstance(own, dict):  # named templates: the default one
+        own = own.get("default")
+    if not own:
+        raise ValueError(
+            f"The tokenizer of {model} has no chat template, so chat rows cannot be rendered "
+            "the way the model will be prompted. Give one with --chat_template FILE (a Jinja "
+            "file, e.g. the chat_template.jinja of the instruct model of the same family); the "
+            "final model is saved with it."
+        )
+    return ChatTemplate(own, f"the chat template of {model}")
+
+
+def to_messages(raw: Sequence[Any], row: int) -> list[Message]:
+    """OpenAI-style messages ({role, content}) from `messages` or ShareGPT ({from, value})."""
+    messages = []
+    for m in raw:
+        if not isinstance(m, dict):
+            raise ValueError(f"Row {row}: a message must be an object, got {m!r:.100}.")
+        if m.get("role") is not None:
+            messages.append(m)
+        elif m.get("from") is not None:
+            role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise ValueError(
+                    f"Row {row}: unknown ShareGPT speaker {m['from']!r} (known: "
+                    f"{', '.join(SHAREGPT_ROLES)}). Map it to a role in a --dataset_module."
+                )
+            messages.append({"role": role, "content": m.get("value")})
+        else:
+            raise ValueError(
+                f"Row {row}: a message needs `role` and `content` (or ShareGPT `from` and "
+                f"`value`), got keys {sorted(m)}."
+            )
+    return messages
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[Message]
+    row: int  # the row's index in the dataset as read, for messages
+    trained_from: int = 0  # assistant messages before this index carry no loss (prompt)
+
+    def trained_turns(self) -> list[int]:
+        # An assistant message that opens a conversation answers nothing: not trained.
+        return [
+            i
+            for i, m in enumerate(self.messages)
+            if m["role"] == "assistant" and i >= max(self.trained_from, 1)
+        ]
+
+
+Encoded = tuple[list[int], list[int]]  # input_ids, loss_mask
+
+
+class ChatEncoder:
+    """Tokens and loss masks of conversations, a batch at a time (one render call per kind of
+    render, one tokeniser call for all texts)."""
+
+    def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_prompt: bool) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.train_on_prompt = train_on_prompt
+
+    def render(
+        self, conversations: Sequence[list[Message]], *, generation_prompt: bool
+    ) -> list[str]:
+        if not conversations:
+            return []
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    list(conversations),
+                    chat_template=self.template.text,
+                    add_generation_prompt=generation_prompt,
+                    tokenize=False,
+                )
+            )
+        except Exception as err:  # a Jinja error, or the template's raise_exception
+            raise ValueError(
+                f"{self.template.source} cannot render the conversation: {err}. Fix the rows "
+                "(a --dataset_module can), or give a template that accepts them with "
+                "--chat_template FILE."
+            ) from None
+
+    def tokens(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return list(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+
+    def __call__(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
+        """(input_ids, loss_mask) per conversation; None for one with no trained turn."""
+        if self.template.has_generation_markers and all(c.trained_from == 0 for c in conversations):
+            return self._by_markers(conversations)
+        return self._by_prefixes(conversations)
+
+    def _by_markers(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
+        if not conversations:
+            return []
+        try:
+            out = self.tokenizer.apply_chat_template(
+                [c.messages for c in conversations],
+                chat_template=self.template.text,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+        except Exception as err:
+            raise ValueError(
+                f"{self.template.source} cannot render the conversation: {err}."
+            ) from None
+        encoded: list[Encoded | None] = []
+        for c, ids, mask in zip(
+            conversations, out["input_ids"], out["assistant_masks"], strict=True
+        ):
+            if self.train_on_prompt:
+                mask = [1] * len(ids)
+            encoded.append(
+                (list(ids), list(mask)) if c.trained_turns() or self.train_on_prompt else None
+            )
+        return encoded
+
+    def _by_prefixes(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
+        turns = [(c, i) for c in conversations for i in c.trained_turns()]
+        openings = self.render([c.messages[:i] for c, i in turns], generation_prompt=True)
+        # A turn's end is the end of the render through it; the last turn's is the whole.
+        closing = [(c, i) for c, i in turns if i + 1 < len(c.messages)]
+        texts = self.render([c.messages for c in conversations], generation_prompt=False)
+        texts += self.render([c.messages[: i + 1] for c, i in closing], generation_prompt=False)
+        ids = self.tokens(texts + openings)
+        n = len(conversations)
+        whole = dict(zip((id(c) for c in conversations), ids[:n], strict=True))
+        ends = dict(zip(((id(c), i) for c, i in closing), ids[n : n + len(closing)], strict=True))
+        starts = ids[n + len(closing) :]
+
+        masks = {id(c): [0] * len(whole[id(c)]) for c in conversations}
+        for (c, i), start_ids in zip(turns, starts, strict=True):
+            full = whole[id(c)]
+            end_ids = ends.get((id(c), i), full)
+            for prefix, what in ((start_ids, "with the assistant header"), (end_ids, "")):
+                if full[: len(prefix)] != prefix:
+                    raise self._prefix_error(c, i, what)
+            masks[id(c)][len(start_ids) : len(end_ids)] = [1] * (len(end_ids) - len(start_ids))
+        encoded: list[Encoded | None] = []
+        for c in conversations:
+            full = whole[id(c)]
+            if self.train_on_prompt:
+                encoded.append((full, [1] * len(full)))
+            else:
+                encoded.append((full, masks[id(c)]) if c.trained_turns() else None)
+        return encoded
+
+    def _prefix_error(self, c: Conversation, turn: int, what: str) -> ValueError:
+        shown = repr(c.messages)
+        shown = shown if len(shown) <= 300 else shown[:300] + "...]"
+        rendered = f"messages[:{turn}] {what}".strip() if what else f"messages[:{turn + 1}]"
+        return ValueError(
+            f"{self.template.source} renders the start of a conversation differently once "
+            f"more messages follow: in row {c.row}, the tokens of {rendered} are not the "
+            "first tokens of the whole conversation. Templates that rewrite earlier turns "
+            "(Qwen3's drops earlier <think> parts) do this, and the assistant's tokens cannot "
+            "be found by rendering prefixes. Give a template that renders earlier turns "
+            "unchanged, or one with {% generation %} markers around the assistant's content "
+            f"and end-of-turn token, with --chat_template FILE. Row {c.row}: {shown}"
+        )
+
+
+@dataclass(frozen=True)
+class EndOfTurn:
+    token: str
+    id: int
+    special: bool  # a special or added token (<|im_end|>, <|eot_id|>), not text such as "\n"
+
+
+def check_end_of_turn(
+    encoder: ChatEncoder, conversations: Sequence[Conversation]
+) -> EndOfTurn | None:
+    """Check that the token after each trained answer (the end-of-turn token) is trained, on
+    the first conversation whose answers can be found in its rendered text; return that token,
+    or None if no conversation could be checked. A template that writes nothing after an
+    answer, or a mask that leaves the token out, is a ValueError."""
+    tokenizer = encoder.tokenizer
+    for c in conversations:
+        turns = [i for i in c.trained_turns() if isinstance(c.messages[i].get("content"), str)]
+        if not turns:
+            continue
+        (encoded,) = encoder([c])
+        if encoded is None:
+            continue
+        ids, mask = encoded
+        text = encoder.render([c.messages], generation_prompt=False)[0]
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert list(enc["input_ids"]) == list(ids), "the encoder tokenises the rendered text"
+        offsets = enc["offset_mapping"]
+        searched_from, seen = 0, None
+        for i in turns:
+            # Search after the turn's header: the answer's words may also be in the prompt.
+            opening = encoder.render([c.messages[:i]], generation_prompt=True)[0]
+            if text.startswith(opening):
+                searched_from = max(searched_from, len(opening))
+            content = c.messages[i]["content"].strip()
+            at = text.find(content, searched_from) if content else -1
+            if at < 0:
+                break  # the template rewrites the content: cannot tell where it ends
+            end = at + len(content)
+            searched_from = end
+            after = next((k for k, (_, stop) in enumerate(offsets) if stop > end), None)
+            if after is None:
+                raise ValueError(
+                    f"{encoder.template.source} writes nothing after an assistant answer (row "
+                    f"{c.row}): there is no end-of-turn token to train, and the model would "
+                    "never learn to stop. Give a template that closes every turn (e.g. with "
+                    "the EOS token) with --chat_template FILE."
+                )
+            token = tokenizer.convert_ids_to_tokens(ids[after])
+            if not mask[after]:
+                raise ValueError(
+                    f"The loss mask leaves out the end-of-turn token {token!r} after an "
+                    f"assistant answer (row {c.row}, {encoder.template.source}): the model "
+                    "would never learn to stop. With {% generation %} markers, put the "
+                    "end-of-turn token inside them (--chat_template FILE)."
+                )
+            special = (
+                ids[after] in tokenizer.all_special_ids or token in tokenizer.get_added_vocab()
+            )
+            seen = EndOfTurn(token, ids[after], special)
+        else:
+            return seen
+    return None

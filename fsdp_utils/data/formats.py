@@ -1,0 +1,103 @@
+"""Which format a dataset is in: from its columns, or `--data_format`; and the reason, for the log.
+
+    chess              Moves, Termination, Result       a game -> text (render.py)
+    text               text (or --text_field)           the text as is
+    chat               messages, or ShareGPT            the tokenizer's chat template (chat.py)
+                       conversations (from/value)
+    prompt_completion  prompt, completion               strings, or message lists (chat.py)
+    alpaca             instruction, output (+ input)    the Alpaca prompt (instruct.py)
+    templates          any, named by --prompt_template  {column} placeholders (instruct.py)
+                       and --response_template
+
+Chess and text are token streams cut into blocks, every token trained, as they always were.
+The other formats carry a loss mask: only the answers are trained (`--train_on_prompt`: all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.render import CHESS_COLUMNS
+
+STREAM_FORMATS = ("chess", "text")  # every token trained; documents cut into blocks
+MASKED_FORMATS = ("chat", "prompt_completion", "alpaca", "templates")  # rows with a loss mask
+
+CHAT_COLUMNS = ("messages", "conversations")
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    name: str  # one of STREAM_FORMATS + MASKED_FORMATS
+    reason: str  # why, for the log
+
+    @property
+    def masked(self) -> bool:
+        return self.name in MASKED_FORMATS
+
+
+def _required(name: str, config: TrainConfig) -> str:
+    """The columns a format needs, as the error names them."""
+    return {
+        "chess": ", ".join(CHESS_COLUMNS),
+        "text": f"`{config.text_field}` (--text_field)",
+        "chat": "`messages`, or ShareGPT `conversations`",
+        "prompt_completion": "`prompt` and `completion`",
+        "alpaca": "`instruction` and `output` (and optionally `input`)",
+        "templates": "the columns --prompt_template and --response_template name",
+    }[name]
+
+
+def _has(name: str, columns: Sequence[str], config: TrainConfig) -> bool:
+    return {
+        "chess": all(c in columns for c in CHESS_COLUMNS),
+        "text": config.text_field in columns,
+        "chat": any(c in columns for c in CHAT_COLUMNS),
+        "prompt_completion": "prompt" in columns and "completion" in columns,
+        "alpaca": "instruction" in columns and "output" in columns,
+        "templates": True,  # checked against the placeholders (instruct.check_templates)
+    }[name]
+
+
+def chat_column(columns: Sequence[str]) -> str:
+    return next(c for c in CHAT_COLUMNS if c in columns)
+
+
+def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
+    """The format of a dataset with these columns; a ValueError naming the fix when none fits."""
+    shown = ", ".join(columns)
+    if config.data_format != "auto":
+        if not _has(config.data_format, columns, config):
+            raise ValueError(
+                f"--data_format {config.data_format} needs the column(s) "
+                f"{_required(config.data_format, config)}, but the dataset has: {shown}. "
+                "Leave --data_format at auto to choose from the columns, or name them with "
+                "--prompt_template/--response_template."
+            )
+        return FormatChoice(config.data_format, "--data_format")
+    if config.prompt_template is not None:
+        return FormatChoice("templates", "--prompt_template and --response_template")
+    if config.text_field != "text" and config.text_field in columns:
+        return FormatChoice("text", f"column `{config.text_field}` (--text_field)")
+    if _has("chess", columns, config):
+        return FormatChoice("chess", "columns Moves, Termination, Result")
+    if _has("chat", columns, config):
+        column = chat_column(columns)
+        return FormatChoice("chat", f"column `{column}`" + (" (ShareGPT)" * (column != "messages")))
+    if _has("prompt_completion", columns, config):
+        return FormatChoice("prompt_completion", "columns `prompt` and `completion`")
+    if _has("alpaca", columns, config):
+        return FormatChoice("alpaca", "columns `instruction` and `output`")
+    if _has("text", columns, config):
+        return FormatChoice("text", "column `text`")
+    raise ValueError(
+        f"The dataset's columns ({shown}) match no format this trainer reads: chess "
+        "(Moves, Termination, Result), chat (messages, or ShareGPT conversations), "
+        "prompt_completion (prompt, completion), alpaca (instruction, output, optional input) "
+        f"or text (`{config.text_field}`; --text_field names another column). Say how a row "
+        "becomes a prompt and an answer with templates over its columns, e.g. "
+        "--prompt_template $'Question:\\n{question}\\nAnswer:\\n' --response_template "
+        "'{answer}', or return rows in one of these formats from a --dataset_module "
+        "my_data.py:build."
+    )
