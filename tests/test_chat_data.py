@@ -381,6 +381,25 @@ def test_the_end_of_turn_token_must_be_trained(base):
     assert found is not None and found.token == "<|im_end|>" and found.special
 
 
+@pytest.mark.parametrize("style", ["chatml", "llama3"])
+def test_encoded_tokens_are_apply_chat_templates_and_tails_match_whole_openings(base, style):
+    """The encoder's tokens are exactly transformers' own; openings tokenised from their last
+    added token on give the same turn starts as whole openings (the fallback when a
+    tokenizer breaks that: `tails_verified` False)."""
+    from fsdp_utils.synthetic import CHAT_STYLES, random_conversations
+
+    tokenizer = chat_tokenizer(style, base=base)
+    template = ChatTemplate(CHAT_STYLES[style][0] or "", style)
+    conversations = random_conversations(40, seed=5, turns=(1, 3), system="be brief")
+    rows = [Conversation(m, row) for row, m in enumerate(conversations)]
+    fast = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    whole = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    whole.tails_verified = False
+    assert fast(rows) == whole(rows) and fast.tails_verified is True
+    expected = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=False)
+    assert [ids for ids, _ in fast(rows)] == expected
+
+
 # --- packing with masks --------------------------------------------------------------------
 
 
@@ -587,3 +606,13 @@ def test_document_masking_gives_each_conversation_the_logits_it_has_alone(tmp_pa
                     assert (leaky[r, start:end] - alone[0]).abs().max() > 1e-3
                 checked += 1
     assert checked >= 4
+
+
+def test_a_checkpoint_identity_covers_the_data_settings():
+    """A resumed run must train on the same rows and masks; chess runs' identity is as it was."""
+    from fsdp_utils.checkpoint.sharded import IDENTITY_FIELDS, run_identity
+
+    chess = run_identity(TrainConfig(), 32)
+    assert set(chess) == {*IDENTITY_FIELDS, "dataset_include", "total_batch_size"}
+    chat = run_identity(TrainConfig(train_on_prompt=True, long_examples="truncate"), 32)
+    assert chat == {**chess, "train_on_prompt": True, "long_examples": "truncate"}

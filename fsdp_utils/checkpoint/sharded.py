@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from fsdp_utils.config.job import JobLeg
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.formats import data_identity
 from fsdp_utils.model.lora import checkpoint_kind_mismatch, lora_identity, state_dict_options
 from fsdp_utils.parallel import distributed as dist_utils
 
@@ -73,6 +74,7 @@ def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
     identity["dataset_include"] = config.resolved_dataset_include
     identity["total_batch_size"] = total_batch_size
     identity.update(lora_identity(config))  # LoRA runs only: full fine-tunes' stays as it was
+    identity.update(data_identity(config))  # masked formats' settings, when not the defaults
     return identity
 
 

@@ -15,8 +15,10 @@ The other formats carry a loss mask: only the answers are trained (`--train_on_p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import CHESS_COLUMNS
@@ -25,6 +27,29 @@ STREAM_FORMATS = ("chess", "text")  # every token trained; documents cut into bl
 MASKED_FORMATS = ("chat", "prompt_completion", "alpaca", "templates")  # rows with a loss mask
 
 CHAT_COLUMNS = ("messages", "conversations")
+
+# The settings beyond chess and text that decide what a run trains on (see `data_identity`).
+DATA_SETTINGS = (
+    "data_format",
+    "chat_template",
+    "prompt_template",
+    "response_template",
+    "dataset_module",
+    "train_on_prompt",
+    "long_examples",
+)
+
+
+def data_identity(config: TrainConfig) -> dict[str, Any]:
+    """The data settings that differ from their defaults, for a checkpoint's run identity: a
+    resumed run must train on the same rows and masks. Empty for chess and text runs, whose
+    checkpoints keep the identity they had."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return {
+        name: getattr(config, name)
+        for name in DATA_SETTINGS
+        if getattr(config, name) != defaults[name]
+    }
 
 
 @dataclass(frozen=True)

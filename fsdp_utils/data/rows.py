@@ -13,7 +13,7 @@ dropped ("" if kept). The rules after encoding are the same for every format:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, Conversation, Encoded, to_messages
@@ -48,6 +48,7 @@ class RowEncoder:
     template: ChatTemplate | None = None  # chat, and prompt/completion message lists
     prompt_template: str | None = None
     response_template: str | None = None
+    _chat_encoder: ChatEncoder | None = field(default=None, init=False, repr=False)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         rows = batch[ROW_INDEX]
@@ -97,9 +98,13 @@ class RowEncoder:
         return [(ids, mask) for ids, mask, _ in encoded], [m for _, _, m in encoded]
 
     def _chat(self) -> ChatEncoder:
-        if self.template is None:
-            raise ValueError("internal: chat rows need a chat template")  # checked in prepare
-        return ChatEncoder(self.tokenizer, self.template, train_on_prompt=self.train_on_prompt)
+        # One per RowEncoder (and so per map worker): it learns about the tokenizer once.
+        if self._chat_encoder is None:
+            assert self.template is not None, "chat rows need a chat template (prepare checks)"
+            self._chat_encoder = ChatEncoder(
+                self.tokenizer, self.template, train_on_prompt=self.train_on_prompt
+            )
+        return self._chat_encoder
 
     def conversations(self, batch: dict[str, list[Any]]) -> list[Conversation] | None:
         """The rows as conversations, or None for prompt/answer strings."""
