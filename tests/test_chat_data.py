@@ -400,6 +400,29 @@ def test_encoded_tokens_are_apply_chat_templates_and_tails_match_whole_openings(
     assert [ids for ids, _ in fast(rows)] == expected
 
 
+def test_a_tokenizer_whose_added_tokens_eat_whitespace_gets_whole_prefixes(base):
+    """An added token with rstrip=True swallows the newline after it, so a prefix's tail
+    tokenised alone differs from the whole's tokens: the first batch notices, and the encoder
+    tokenises prefixes whole from then on, with the same masks as the rule gives."""
+    import copy
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    raw = copy.deepcopy(base)
+    raw.add_special_tokens([AddedToken("<|end|>", rstrip=True, special=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>")
+    template = ChatTemplate(CHATML_TEMPLATE.replace("<|im_end|>", "<|end|>"), "rstrip")
+    rows = [Conversation(MULTI_TURN, 0), Conversation(ONE_TURN, 1)]
+    encoder = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    encoded = encoder(rows)
+    assert encoder.tails_verified is False
+    ids, mask = encoded[0]
+    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "kalo mine<|end|>sa ti<|end|>"  # the newline went into <|end|>
+    assert encoder(rows) == encoded
+
+
 # --- packing with masks --------------------------------------------------------------------
 
 

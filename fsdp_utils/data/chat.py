@@ -19,7 +19,7 @@ itself (Llama 3) gets exactly one. `check_end_of_turn` checks once per dataset t
 closing an answer is trained (a model that never learns it never stops).
 
 Cost: one render per prefix (cheap), one tokenisation of each whole conversation, and of each
-opening only the tail after its last special token (`ChatEncoder._opening_lengths`), so a
+prefix only the tail after its last special token (`ChatEncoder._prefix_lengths`), so a
 conversation costs about one tokenisation however many turns it has.
 """
 
@@ -135,9 +135,12 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.train_on_prompt = train_on_prompt
-        self.added_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", {}))
-        # Whether openings may be tokenised from their last added token on (see
-        # `_opening_lengths`): checked against whole openings on the first batch.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.added_ids = frozenset(added)
+        contents = sorted({str(t) for t in added.values()}, key=len, reverse=True)
+        self.added_pattern = re.compile("|".join(map(re.escape, contents))) if contents else None
+        # Whether prefixes may be tokenised from their last added token on (`_prefix_lengths`):
+        # decided on the first batch, against tokenising every prefix whole.
         self.tails_verified: bool | None = None
 
     def render(
@@ -169,19 +172,6 @@ class ChatEncoder:
         if backend is not None:  # ids only: the Rust tokenizer without offsets, ~1.5x faster
             return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return list(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
-
-    def tokens_and_offsets(
-        self, texts: Sequence[str]
-    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """(ids, each token's (first, end) character) of rendered texts."""
-        if not texts:
-            return []
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            encoded = backend.encode_batch(list(texts), add_special_tokens=False)
-            return [(e.ids, e.offsets) for e in encoded]
-        out = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
 
     def __call__(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
         """(input_ids, loss_mask) per conversation; None for one with no trained turn."""
@@ -216,91 +206,114 @@ class ChatEncoder:
         return encoded
 
     def _by_prefixes(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
-        """Turn i starts after the tokens of its opening (messages[:i] with the generation
-        prompt), checked to be the whole conversation's first tokens: the model is asked
-        exactly those at inference. It ends where the render through it ends (checked to be
-        the start of the whole text, on a token boundary), which the whole conversation's
-        token offsets give without tokenising that render again."""
+        """Turn i spans from the length of its opening's tokens (messages[:i] with the
+        generation prompt: what the model is asked at inference) to the length of the tokens
+        of the render through it; both renders must be the start of the whole text, and their
+        tokens the first tokens of the whole."""
         turns = [(c, i) for c in conversations for i in c.trained_turns()]
         openings = self.render([c.messages[:i] for c, i in turns], generation_prompt=True)
         # A turn's end is the end of the render through it; the last turn's is the whole.
         closing = [(c, i) for c, i in turns if i + 1 < len(c.messages)]
+        closings = self.render([c.messages[: i + 1] for c, i in closing], generation_prompt=False)
         texts = self.render([c.messages for c in conversations], generation_prompt=False)
-        closing_texts = self.render(
-            [c.messages[: i + 1] for c, i in closing], generation_prompt=False
-        )
-        keys = [id(c) for c in conversations]
-        whole = dict(zip(keys, texts, strict=True))
-        encoded_whole = dict(zip(keys, self.tokens_and_offsets(texts), strict=True))
-        ends = dict(zip(((id(c), i) for c, i in closing), closing_texts, strict=True))
-        starts_of_turns = self._opening_lengths(turns, openings, whole, encoded_whole)
+        whole = {
+            id(c): (text, ids)
+            for c, text, ids in zip(conversations, texts, self.tokens(texts), strict=True)
+        }
+        ends = dict(zip(((id(c), i) for c, i in closing), closings, strict=True))
+        prefixes = [(c, i, text, True) for (c, i), text in zip(turns, openings, strict=True)]
+        prefixes += [(c, i, ends.get((id(c), i), whole[id(c)][0]), False) for c, i in turns]
+        lengths = self._prefix_lengths(prefixes, whole)
+        starts, stops = lengths[: len(turns)], lengths[len(turns) :]
 
-        masks = {id(c): [0] * len(encoded_whole[id(c)][0]) for c in conversations}
-        for (c, i), start in zip(turns, starts_of_turns, strict=True):
-            offsets = encoded_whole[id(c)][1]
-            text = whole[id(c)]
-            through = ends.get((id(c), i), text)
-            end = _first_token_from(offsets, len(through))
-            if not text.startswith(through) or (end and offsets[end - 1][1] > len(through)):
-                raise self._prefix_error(c, i, "")
+        masks = {id(c): [0] * len(whole[id(c)][1]) for c in conversations}
+        for (c, _), start, end in zip(turns, starts, stops, strict=True):
             masks[id(c)][start:end] = [1] * (end - start)
         encoded: list[Encoded | None] = []
         for c in conversations:
-            full = encoded_whole[id(c)][0]
+            full = whole[id(c)][1]
             if self.train_on_prompt:
                 encoded.append((full, [1] * len(full)))
             else:
                 encoded.append((full, masks[id(c)]) if c.trained_turns() else None)
         return encoded
 
-    def _opening_lengths(
+    def _prefix_lengths(
         self,
-        turns: Sequence[tuple[Conversation, int]],
-        openings: Sequence[str],
-        whole: dict[int, str],
-        encoded_whole: dict[int, tuple[list[int], list[tuple[int, int]]]],
+        prefixes: Sequence[tuple[Conversation, int, str, bool]],
+        whole: dict[int, tuple[str, list[int]]],
     ) -> list[int]:
-        """len(tokens(opening)) of each turn, each opening checked to tokenise as the first
-        tokens of its whole conversation.
+        """len(tokens(prefix)) for each (conversation, turn, prefix text, is opening), each
+        prefix checked to be the start of its conversation's text and its tokens the first
+        tokens of the whole; a ValueError naming the template and row otherwise.
 
         A tokenizer cuts text at its added tokens (<|im_start|>, <|eot_id|>) before anything
-        else, so an opening that is the start of the whole text tokenises as the whole's
-        tokens up to its last added token, and then as its tail alone: only the tail
-        (`assistant\n` in ChatML) is tokenised. The first batch checks this against whole
-        openings; a tokenizer where it does not hold gets whole openings from then on.
+        else, so such a prefix tokenises as the whole's tokens up to the prefix's last added
+        token, then as its tail alone: only the tail (`assistant\n` in ChatML) is tokenised,
+        and a conversation costs one tokenisation however many turns it has. The first batch
+        checks this against tokenising each prefix whole; a tokenizer where it does not hold
+        gets whole prefixes from then on.
         """
+        for c, i, prefix, opening in prefixes:
+            if not whole[id(c)][0].startswith(prefix):
+                raise self._prefix_error(c, i, opening)
+        fast = self._by_tails(prefixes, whole) if self.tails_verified is not False else None
+        exact = None
+        if self.tails_verified is not True:
+            exact = [
+                len(t) if whole[id(c)][1][: len(t)] == t else None
+                for (c, _, _, _), t in zip(
+                    prefixes, self.tokens([p for _, _, p, _ in prefixes]), strict=True
+                )
+            ]
+            if self.tails_verified is None:
+                self.tails_verified = fast == exact
+        lengths = fast if self.tails_verified else exact
+        assert lengths is not None
+        checked = []
+        for (c, i, _, opening), n in zip(prefixes, lengths, strict=True):
+            if n is None:
+                raise self._prefix_error(c, i, opening)
+            checked.append(n)
+        return checked
+
+    def _by_tails(
+        self,
+        prefixes: Sequence[tuple[Conversation, int, str, bool]],
+        whole: dict[int, tuple[str, list[int]]],
+    ) -> list[int | None]:
+        """Token counts of prefixes from their tails (see `_prefix_lengths`); None for a
+        prefix whose tokens are not the first tokens of the whole."""
+        marks: dict[
+            int, tuple[list[int], list[int]]
+        ] = {}  # char ends of added tokens, their token indices
         cuts, tails = [], []
-        for (c, i), opening in zip(turns, openings, strict=True):
-            ids, offsets = encoded_whole[id(c)]
-            if not whole[id(c)].startswith(opening):
-                raise self._prefix_error(c, i, "with the assistant header")
-            k = _first_token_from(offsets, len(opening))  # tokens before start inside it
-            while k > 0 and ids[k - 1] not in self.added_ids:
-                k -= 1
-            cuts.append(k)
-            tails.append(opening[offsets[k - 1][1] :] if k else opening)
-        if self.tails_verified is False:
-            cuts, tails = [0] * len(openings), list(openings)
-        lengths = []
-        for (c, i), k, tail in zip(turns, cuts, self.tokens(tails), strict=True):
-            ids = encoded_whole[id(c)][0]
-            if ids[k : k + len(tail)] != tail:
-                raise self._prefix_error(c, i, "with the assistant header")
-            lengths.append(k + len(tail))
-        if self.tails_verified is None:
-            exact = self.tokens(openings)
-            self.tails_verified = all(
-                encoded_whole[id(c)][0][:n] == t
-                for (c, _), n, t in zip(turns, lengths, exact, strict=True)
-            )
-            if not self.tails_verified:
-                return self._opening_lengths(turns, openings, whole, encoded_whole)
+        for c, _, prefix, _ in prefixes:
+            if id(c) not in marks:
+                text, ids = whole[id(c)]
+                found = (
+                    [m.end() for m in self.added_pattern.finditer(text)]
+                    if self.added_pattern
+                    else []
+                )
+                at = [k for k, t in enumerate(ids) if t in self.added_ids]
+                marks[id(c)] = (found, at) if len(found) == len(at) else ([], [])
+            found, at = marks[id(c)]
+            m = bisect.bisect_right(found, len(prefix))  # added tokens inside the prefix
+            cuts.append(at[m - 1] + 1 if m else 0)
+            tails.append(prefix[found[m - 1] :] if m else prefix)
+        lengths: list[int | None] = []
+        for (c, _, _, _), k, tail in zip(prefixes, cuts, self.tokens(tails), strict=True):
+            ids = whole[id(c)][1]
+            lengths.append(k + len(tail) if ids[k : k + len(tail)] == tail else None)
         return lengths
 
-    def _prefix_error(self, c: Conversation, turn: int, what: str) -> ValueError:
+    def _prefix_error(self, c: Conversation, turn: int, opening: bool) -> ValueError:
         shown = repr(c.messages)
         shown = shown if len(shown) <= 300 else shown[:300] + "...]"
-        rendered = f"messages[:{turn}] {what}".strip() if what else f"messages[:{turn + 1}]"
+        rendered = (
+            f"messages[:{turn}] with the assistant header" if opening else f"messages[:{turn + 1}]"
+        )
         return ValueError(
             f"{self.template.source} renders the start of a conversation differently once "
             f"more messages follow: in row {c.row}, the tokens of {rendered} are not the "
@@ -310,11 +323,6 @@ class ChatEncoder:
             "unchanged, or one with {% generation %} markers around the assistant's content "
             f"and end-of-turn token, with --chat_template FILE. Row {c.row}: {shown}"
         )
-
-
-def _first_token_from(offsets: list[tuple[int, int]], char: int) -> int:
-    """Index of the first token that starts at or after `char` (offsets are sorted)."""
-    return bisect.bisect_left(offsets, (char,))
 
 
 @dataclass(frozen=True)
