@@ -128,8 +128,8 @@ Encoded = tuple[list[int], list[int]]  # input_ids, loss_mask
 
 
 class ChatEncoder:
-    """Tokens and loss masks of conversations, a batch at a time (one render call per kind of
-    render, one tokeniser call for all texts)."""
+    """Tokens and loss masks of conversations, a batch at a time: three render calls (whole
+    conversations, openings, turn ends) and two tokeniser calls (whole, tails) per batch."""
 
     def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_prompt: bool) -> None:
         self.tokenizer = tokenizer
@@ -169,7 +169,7 @@ class ChatEncoder:
         if not texts:
             return []
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:  # ids only: the Rust tokenizer without offsets, ~1.5x faster
+        if backend is not None:  # the Rust tokenizer, ids only: no offsets computed
             return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return list(self.tokenizer(list(texts), add_special_tokens=False)["input_ids"])
 
@@ -284,9 +284,8 @@ class ChatEncoder:
     ) -> list[int | None]:
         """Token counts of prefixes from their tails (see `_prefix_lengths`); None for a
         prefix whose tokens are not the first tokens of the whole."""
-        marks: dict[
-            int, tuple[list[int], list[int]]
-        ] = {}  # char ends of added tokens, their token indices
+        # Per conversation: where its added tokens end in the text, and their token indices.
+        marks: dict[int, tuple[list[int], list[int]]] = {}
         cuts, tails = [], []
         for c, _, prefix, _ in prefixes:
             if id(c) not in marks:
@@ -318,10 +317,12 @@ class ChatEncoder:
             f"{self.template.source} renders the start of a conversation differently once "
             f"more messages follow: in row {c.row}, the tokens of {rendered} are not the "
             "first tokens of the whole conversation. Templates that rewrite earlier turns "
-            "(Qwen3's drops earlier <think> parts) do this, and the assistant's tokens cannot "
-            "be found by rendering prefixes. Give a template that renders earlier turns "
-            "unchanged, or one with {% generation %} markers around the assistant's content "
-            f"and end-of-turn token, with --chat_template FILE. Row {c.row}: {shown}"
+            "(Qwen3's drops earlier <think> parts) do this, and so does a header ending in a "
+            "space that the answer's first word takes over; the assistant's tokens cannot be "
+            "found by rendering prefixes then. Give a template that renders earlier turns "
+            "unchanged and ends its headers with a newline, or one with {% generation %} "
+            "markers around the assistant's content and end-of-turn token, with "
+            f"--chat_template FILE. Row {c.row}: {shown}"
         )
 
 

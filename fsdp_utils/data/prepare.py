@@ -363,6 +363,12 @@ def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[s
     """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
     the games whose rendered text is the held-out data. A dataset that is not chess is a
     ValueError saying so."""
+    if config.dataset_module is not None:
+        raise ValueError(
+            "The chess evaluation plays held-out games from the --dataset files, and this run "
+            f"reads its rows from --dataset_module {config.dataset_module}. Leave "
+            "--chess_eval_every at 0, or give the games as --dataset."
+        )
     raw = _load_raw(config, dataset_files(config))
     if not is_chess_schema(raw.column_names):
         raise ValueError(
