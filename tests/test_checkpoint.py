@@ -27,6 +27,8 @@ from fsdp_utils.checkpoint.storage import plan_storage
 from fsdp_utils.config.parse import parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import load_model_config
+from fsdp_utils.model.build import build_meta_model
+from fsdp_utils.model.transforms import transform_model
 from fsdp_utils.synthetic import save_tiny_model
 from fsdp_utils.train.timelimit import END_TIME_ENV, job_end_time, parse_slurm_time
 from tests.train_helpers import (
@@ -166,10 +168,11 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
     # The storage check's size of a checkpoint is what real ones (2 processes, 1) hold.
     config, _ = parse_config(_ckpt_args(tiny_assets, split, data_cache))
     hf_config = load_model_config(tiny_assets["model"])
+    meta = transform_model(build_meta_model(hf_config, config.precision), config)
     for saved in list_checkpoints(split / "checkpoints")[-2:]:
         world_size = saved.meta["world_size"]
         plan = plan_storage(
-            config, hf_config, tiny_assets["model"], existing=0, world_size=world_size
+            meta.model, config, hf_config, tiny_assets["model"], existing=0, world_size=world_size
         )
         on_disk = sum(f.stat().st_size for f in saved.path.rglob("*") if f.is_file())
         assert plan.size.total == pytest.approx(on_disk, rel=0.03), (world_size, on_disk)

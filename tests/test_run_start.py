@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import load_model_config
 from fsdp_utils.model.build import build_meta_model
+from fsdp_utils.model.transforms import transform_model
 from fsdp_utils.run.start import SET_ASIDE_PREFIX, set_aside_previous_run, starts_fresh
 from fsdp_utils.train.timelimit import RemainingWork, choose_leg_end, remaining_work
 
@@ -213,24 +215,28 @@ def test_remaining_work_counts_evals_saves_and_the_export() -> None:
     assert (done.steps, done.evals, done.saves, done.seconds) == (0, 1, 0, 1.0)
 
 
+def _storage_plan(config: TrainConfig, hf_config: Any) -> StoragePlan:
+    """As the Trainer and the preflight plan it: on the transformed meta model."""
+    meta = transform_model(build_meta_model(hf_config, config.precision), config)
+    return plan_storage(meta.model, config, hf_config, CODELLAMA_7B, existing=0)
+
+
 def test_a_lora_checkpoint_is_counted_as_adapters_only(tmp_path: Path) -> None:
     """LoRA saves the adapters and their AdamW state, not the frozen base (megabytes for 7B);
     the final folder is the adapters, plus the whole model with --merge."""
     hf_config = load_model_config(CODELLAMA_7B)
     config = TrainConfig(lora=True, output_dir=str(tmp_path / "run"))
-    plan = plan_storage(config, hf_config, CODELLAMA_7B, existing=0)
+    plan = _storage_plan(config, hf_config)
     # r=8 on every linear layer of the 32 blocks: 8 x (in + out) fp32 values per layer.
     h, m = hf_config.hidden_size, hf_config.intermediate_size
     per_block = 4 * 8 * (h + h) + 3 * 8 * (h + m)
     assert plan.size.model_bytes == 4 * hf_config.num_hidden_layers * per_block  # 80 MB
     assert plan.size.optimizer_bytes == 2 * plan.size.model_bytes
     assert plan.final_bytes == plan.size.model_bytes
-    merged = plan_storage(config.replace(merge=True), hf_config, CODELLAMA_7B, existing=0)
+    merged = _storage_plan(config.replace(merge=True), hf_config)
     # A full fine-tune's final model is written in the source model's dtype (bf16 here).
-    full = plan_storage(config.replace(lora=False), hf_config, CODELLAMA_7B, existing=0)
+    full = _storage_plan(config.replace(lora=False), hf_config)
     assert full.final_bytes == full.size.model_bytes // 2  # fp32 master weights, bf16 export
     fp32 = config.replace(lora=False, export_dtype="float32")
-    assert plan_storage(fp32, hf_config, CODELLAMA_7B, existing=0).final_bytes == (
-        full.size.model_bytes
-    )
+    assert _storage_plan(fp32, hf_config).final_bytes == (full.size.model_bytes)
     assert merged.final_bytes > 13e9  # the merged model (7B in bf16) beside the adapters

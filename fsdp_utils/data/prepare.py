@@ -34,7 +34,12 @@ import numpy as np
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
-from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files, resolve_model_dir
+from fsdp_utils.hub.resolve import (
+    ResolvedAssets,
+    describe_dataset_files,
+    resolve_assets,
+    resolve_dataset_files,
+)
 
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 
@@ -87,6 +92,11 @@ class PreparedData:
     folder: Path
     meta: dict[str, Any]
 
+    @classmethod
+    def load(cls, folder: Path) -> PreparedData:
+        """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
+        return cls(folder, json.loads((folder / "meta.json").read_text()))
+
     def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks:
         """A split's blocks; with document masking their batches carry position ids that
         restart at every document (fsdp_utils.data.document_masking). A padded (unpacked) row
@@ -104,12 +114,15 @@ def dataset_files(config: TrainConfig) -> list[Path]:
     )
 
 
-def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
+def prepare_dataset(
+    config: TrainConfig, *, assets: ResolvedAssets | None = None, log: Any = print
+) -> Path:
     """Render, tokenise and pack `config.dataset` for `config.model`'s tokenizer; return the
-    cache folder (reused when it already exists)."""
-    files = dataset_files(config)
+    cache folder (reused when it already exists). `assets`: the run's resolved files (else
+    resolved here, as on the login node's `download_models.py --prepare`)."""
+    assets = assets or resolve_assets(config)
+    files, model_dir = list(assets.dataset_files), assets.model_dir
     log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     spec = preparation_spec(config, files, model_dir)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
     folder = default_data_cache_dir(config) / key

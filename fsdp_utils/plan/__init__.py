@@ -7,7 +7,7 @@
 only, no weights, no GPU) and measures it with PyTorch's FSDP memory tracker; see estimate.py.
 """
 
-from fsdp_utils.parallel.parallelize import ModelInfo
+from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.cli import main
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GPU_PRESETS, Gpu, parse_gpu_memory

@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.parallel.parallelize import ModelInfo
+from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.tracking import Breakdown
