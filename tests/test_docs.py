@@ -88,22 +88,20 @@ def anchors(text: str) -> set[str]:
 def broken_links(page: Path) -> list[str]:
     """Relative links of a Markdown page whose file or #anchor does not exist."""
     problems = []
-    for line in prose_lines(page.read_text()):
-        for target in LINK.findall(line):
-            if URL_SCHEME.match(target):
-                continue
-            path_part, _, anchor = target.partition("#")
-            destination = (page.parent / path_part).resolve() if path_part else page
-            if not destination.exists():
-                problems.append(f"{page.name}: ({target}): no such file {path_part}")
-            elif (
-                anchor
-                and destination.suffix == ".md"
-                and anchor not in anchors(destination.read_text())
-            ):
-                problems.append(
-                    f"{page.name}: ({target}): no heading #{anchor} in {destination.name}"
-                )
+    # Joined, so that a link whose text is wrapped over two lines is still found.
+    for target in LINK.findall("\n".join(prose_lines(page.read_text()))):
+        if URL_SCHEME.match(target):
+            continue
+        path_part, _, anchor = target.partition("#")
+        destination = (page.parent / path_part).resolve() if path_part else page
+        if not destination.exists():
+            problems.append(f"{page.name}: ({target}): no such file {path_part}")
+        elif (
+            anchor
+            and destination.suffix == ".md"
+            and anchor not in anchors(destination.read_text())
+        ):
+            problems.append(f"{page.name}: ({target}): no heading #{anchor} in {destination.name}")
     return problems
 
 
@@ -202,7 +200,7 @@ def test_links_planted(tmp_path: Path) -> None:
     page.write_text(
         "# Page\n\n## Twice\n\n## Twice\n\n```bash\n# not a heading\n```\n\n"
         "[ok](other.md#offline-assets-download_modelspy) [ok](#twice-1) [ok](https://example.org/x)\n"
-        "[bad](missing.md) [bad](other.md#offline-assets) [bad](#not-a-heading) "
+        "[bad](missing.md) [bad](other.md#offline-assets) [bad, wrapped\nover two lines](#not-a-heading) "
         "`[in code](missing.md)`\n"
     )
     assert [p.split(": (")[1].split(")")[0] for p in broken_links(page)] == [
