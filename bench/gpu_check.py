@@ -276,7 +276,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def render_table(result: dict[str, Any]) -> str:
-    """The markdown table the README quotes."""
+    """The markdown table to paste into docs/gpu-check.md."""
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)

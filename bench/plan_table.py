@@ -1,5 +1,5 @@
-"""The README's memory table: CodeLlama-7B on 4 x A100-80GB, batch per device 1 to 16, with and
-without activation checkpointing (the tutorial's questions), how long planning takes for 7B,
+"""The memory table of docs/plan.md: CodeLlama-7B on 4 x A100-80GB, batch per device 1 to 16,
+with and without activation checkpointing (the tutorial's questions), how long planning takes for 7B,
 13B and 70B, and how the fast planner agrees with the full trace.
 
     python bench/plan_table.py                      # from the configs in tests/fixtures/configs

@@ -101,7 +101,8 @@ class MemoryPlan:
 
     def parts_gib(self) -> list[str]:
         """Parameters, gradients, optimizer state, activations, temporaries and the peak they
-        sum to, in GiB with one decimal: the columns of the README's plan tables."""
+        sum to, in GiB with one decimal: the columns of the plan tables in docs/plan.md and
+        docs/lora.md."""
         parts = (
             self.parameter_bytes,
             self.gradient_bytes,
