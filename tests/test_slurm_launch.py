@@ -182,6 +182,20 @@ def test_command_line(tmp_path: Path) -> None:
     assert plan.stdout == ""
 
 
+def test_a_user_mistake_is_the_last_thing_after_run_prints(tmp_path: Path) -> None:
+    """finetune.sh runs `after-run` last: a run that failed on a user mistake (status.json's
+    `user_error`, written by chess_finetune.py) ends the job's log with its paragraph again,
+    after srun's and torchrun's reports; a crash or a finished run adds nothing."""
+    message = "The dataset has columns ['foo']: expected a `text` text column."
+    status = {"status": "failed", "step": 0, "reason": f"ValueError: {message}"}
+    (tmp_path / "status.json").write_text(json.dumps({**status, "user_error": message}))
+    after = run_launch("after-run", str(tmp_path), "1", env={})
+    assert after.stdout == "done\n"
+    assert after.stderr.strip().splitlines()[-1] == f"error: {message}"
+    (tmp_path / "status.json").write_text(json.dumps(status))  # a crash: no user_error
+    assert "error:" not in run_launch("after-run", str(tmp_path), "1", env={}).stderr
+
+
 def test_finetune_sh_exports_offline_mode_before_python() -> None:
     text = FINETUNE_SH.read_text()
     offline_line = next(line for line in text.splitlines() if "HF_HUB_OFFLINE=1" in line)

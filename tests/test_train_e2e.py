@@ -205,6 +205,9 @@ def test_a_data_error_on_rank_0_ends_every_rank_quietly_with_the_message_last(
     others = torchrun[: torchrun.index("Root Cause")]
     assert set(re.findall(r"exitcode\s*: (-?\d+)", others)) <= {"2", "-15"}, others
     assert message in _last_lines(torchrun), torchrun[-3000:]
+    # ... and status.json keeps it for slurm/finetune.sh, which repeats it last.
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and f"error: {status['user_error']}" == message
 
 
 def test_sharding_strategies_and_offload_change_memory_not_the_math(
