@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,11 +221,14 @@ def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
     return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
 
 
-def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[str, Any]]:
+def held_out_games(
+    config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
+) -> list[dict[str, Any]]:
     """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
-    the games whose rendered text is the held-out data. A dataset that is not chess is a
-    ValueError saying so."""
-    raw = _load_raw(config, dataset_files(config))
+    the games whose rendered text is the held-out data. `files`: the run's data files, as
+    resolved once (`ResolvedAssets.dataset_files`; else resolved here). A dataset that is not
+    chess is a ValueError saying so."""
+    raw = _load_raw(config, list(files) if files is not None else dataset_files(config))
     if not is_chess_schema(raw.column_names):
         raise ValueError(
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "

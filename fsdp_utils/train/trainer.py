@@ -119,7 +119,7 @@ class Trainer:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
         self._print_header()
-        self.chess_eval = TrainingChessEval.build(config, env, self.model_dir, self.log)
+        self.chess_eval = TrainingChessEval.build(config, env, self.assets, self.log)
         # The model on meta first (no memory): the storage check, the checkpoint key map and
         # the log read it there, and a run that cannot fit on the disk stops before any data work.
         meta = self._meta_model()
