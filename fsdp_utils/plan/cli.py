@@ -35,7 +35,9 @@ examples:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.plan")
+    # `python -m fsdp_utils.plan` (argparse would say `__main__.py`), or `chess_finetune.py --plan`.
+    module = os.path.basename(sys.argv[0]) == "__main__.py"
+    parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.plan" if module else None)
     # Underscores, as every training flag; the first, dashed spellings still work (deprecated).
     where = parser.add_argument_group("the GPUs the run will have")
     where.add_argument(
