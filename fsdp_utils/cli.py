@@ -30,36 +30,38 @@ Run with torchrun (one process per GPU; gloo on CPU) or as a plain process."""
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = build_parser(DESCRIPTION)
-    parser.add_argument(
+    return build_parser(DESCRIPTION, command_options=_add_check_options)
+
+
+def _add_check_options(checks: argparse._ArgumentGroup) -> None:
+    checks.add_argument(
         "--preflight",
         action="store_true",
         help="Check config, batch arithmetic for --world_size processes, offline assets and "
         "sequence length in seconds, without loading weights; exit 0 if all is well.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--world_size",
         type=int,
         default=None,
         help="With --preflight: the number of processes the run will have.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--nodes", type=int, default=1, help="With --preflight: the number of nodes (1)."
     )
-    parser.add_argument(
+    checks.add_argument(
         "--gpu_memory",
         default="auto",
         metavar="SIZE",
         help="With --preflight: memory of one GPU for the memory plan (80GiB, a100-80gb, ...); "
         "auto: this node's GPUs (none: no plan); off: no plan.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--plan",
         action="store_true",
         help="Plan the GPU memory of this run and exit: the same as `python -m fsdp_utils.plan` "
-        "(add --nodes, --gpus-per-node, --gpu-memory, --find-max-batch).",
+        "(add --nodes, --gpus_per_node, --gpu_memory, --find_max_batch).",
     )
-    return parser
 
 
 def _rank() -> int:

@@ -47,7 +47,16 @@ def test_rendezvous_port_is_stable_and_in_range() -> None:
     ports = {rendezvous_port(str(job)) for job in range(1_234_560, 1_234_600)}
     assert len(ports) == 40  # neighbouring jobs never share a port
     assert all(RDZV_PORT_BASE <= p < RDZV_PORT_BASE + RDZV_PORT_SPAN for p in ports)
-    assert rendezvous_port("1234567") == rendezvous_port("1234567")
+    # Every node computes it in its own interpreter (another str hash seed): the same port.
+    elsewhere = [
+        subprocess.run(
+            [sys.executable, "-c", "from fsdp_utils.slurm.launch import rendezvous_port as p; "
+             "print(p('1234567'))"],
+            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    ]  # fmt: skip
+    assert elsewhere == [str(rendezvous_port("1234567"))] * 2
 
 
 def test_loopback_head_fails_fast_only_for_multi_node() -> None:

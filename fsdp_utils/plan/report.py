@@ -153,7 +153,7 @@ class MemoryPlan:
     @property
     def verdict(self) -> str:
         if self.gpu is None:
-            return "no verdict: give --gpu-memory (e.g. 80GiB or a100-80gb)"
+            return "no verdict: give --gpu_memory (e.g. 80GiB or a100-80gb)"
         have, need = self.gpu.memory_bytes, self.required_bytes
         if need <= have:
             return (
@@ -276,7 +276,7 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.fixes:
         lines += ["", *format_fixes(plan.fixes)]
     elif plan.fits is False:
-        lines += ["", "No single change was tried (--no-fixes)."]
+        lines += ["", "No single change was tried (--no_fixes)."]
     return "\n".join(lines)
 
 

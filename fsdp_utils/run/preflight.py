@@ -81,8 +81,8 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
         config_file.write_text(json.dumps(config.to_dict()))
         command = [
             sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
-            "--nodes", str(nodes), "--gpus-per-node", str(world_size // nodes),
-            "--gpu-memory", gpu_memory, "--no-fixes",
+            "--nodes", str(nodes), "--gpus_per_node", str(world_size // nodes),
+            "--gpu_memory", gpu_memory, "--no_fixes",
         ]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
@@ -92,8 +92,8 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
         except subprocess.TimeoutExpired:
             return _skipped(f"the planner did not finish in {PLAN_TIMEOUT_S} s")
     rerun = (
-        f"python chess_finetune.py --plan --nodes {nodes} --gpus-per-node "
-        f"{world_size // nodes} --gpu-memory {gpu_memory} <your training flags>"
+        f"python chess_finetune.py --plan --nodes {nodes} --gpus_per_node "
+        f"{world_size // nodes} --gpu_memory {gpu_memory} <your training flags>"
     )
     return read_plan(result.returncode, result.stdout, result.stderr, rerun=rerun)
 
