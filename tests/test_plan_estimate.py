@@ -203,7 +203,7 @@ def test_extrapolated_plan_equals_the_full_trace(tmp_path, case):
     fast = estimate(config, Cluster(2, 2))
     full = estimate(config, Cluster(2, 2), full_trace=True)
     assert fast.method.startswith("extrapolated from") and f"of {layers} layers" in fast.method
-    assert full.method == f"all {layers} layers traced (--full-trace)"
+    assert full.method == f"all {layers} layers traced (--full_trace)"
     assert fast.model == full.model
     # Byte for byte, every figure the plan reports; the issue asked for 1%.
     for name in ("peak", "peak_before_optimizer", "peak_in_optimizer", "before_optimizer"):

@@ -57,7 +57,7 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(
-                f"--nodes and --gpus-per-node must be at least 1, got {self.nodes} and "
+                f"--nodes and --gpus_per_node must be at least 1, got {self.nodes} and "
                 f"{self.gpus_per_node}."
             )
 
@@ -250,7 +250,7 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     with fake_world(cluster) as env:
         # The device mesh is built in here, outside FakeTensorMode, or it fails.
         model, facts = build_parallel_model(hf_config, config, env)
-        memory, method = None, "--full-trace"
+        memory, method = None, "--full_trace"
         if not full_trace:
             memory, method = _extrapolated(model, facts, hf_config, config, env, batch)
         if memory is None:
