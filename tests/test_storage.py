@@ -32,7 +32,9 @@ from tests.train_helpers import check_ok, run_finetune, tiny_args
 CODELLAMA_7B = Path(__file__).parent / "fixtures" / "configs" / "codellama-7b"
 
 
-def _plan(config: TrainConfig, hf_config: Any, model_dir: Path, world_size: int = 1) -> StoragePlan:
+def _storage_plan(
+    config: TrainConfig, hf_config: Any, model_dir: Path, world_size: int = 1
+) -> StoragePlan:
     """The storage plan as the Trainer and the preflight make it: on the transformed meta
     model."""
     meta = transform_model(build_meta_model(hf_config, config.precision), config)
@@ -120,19 +122,19 @@ def test_a_lora_checkpoint_is_counted_as_adapters_only(tmp_path: Path) -> None:
     the final folder is the adapters, plus the whole model with --merge."""
     hf_config = load_model_config(CODELLAMA_7B)
     config = TrainConfig(lora=True, output_dir=str(tmp_path / "run"))
-    plan = _plan(config, hf_config, CODELLAMA_7B)
+    plan = _storage_plan(config, hf_config, CODELLAMA_7B)
     # r=8 on every linear layer of the 32 blocks: 8 x (in + out) fp32 values per layer.
     h, m = hf_config.hidden_size, hf_config.intermediate_size
     per_block = 4 * 8 * (h + h) + 3 * 8 * (h + m)
     assert plan.size.model_bytes == 4 * hf_config.num_hidden_layers * per_block  # 80 MB
     assert plan.size.optimizer_bytes == 2 * plan.size.model_bytes
     assert plan.final_bytes == plan.size.model_bytes
-    merged = _plan(config.replace(merge=True), hf_config, CODELLAMA_7B)
+    merged = _storage_plan(config.replace(merge=True), hf_config, CODELLAMA_7B)
     # A full fine-tune's final model is written in the source model's dtype (bf16 here).
-    full = _plan(config.replace(lora=False), hf_config, CODELLAMA_7B)
+    full = _storage_plan(config.replace(lora=False), hf_config, CODELLAMA_7B)
     assert full.final_bytes == full.size.model_bytes // 2  # fp32 master weights, bf16 export
     fp32 = config.replace(lora=False, export_dtype="float32")
-    assert _plan(fp32, hf_config, CODELLAMA_7B).final_bytes == (full.size.model_bytes)
+    assert _storage_plan(fp32, hf_config, CODELLAMA_7B).final_bytes == (full.size.model_bytes)
     assert merged.final_bytes > 13e9  # the merged model (7B in bf16) beside the adapters
 
 
@@ -166,6 +168,6 @@ def test_the_size_is_what_a_real_save_writes(real_checkpoints, tiny_assets, worl
     assert checkpoint.meta["world_size"] == world_size
     config, _ = parse_config(args)
     hf_config = load_model_config(tiny_assets["model"])
-    plan = _plan(config, hf_config, tiny_assets["model"], world_size=world_size)
+    plan = _storage_plan(config, hf_config, tiny_assets["model"], world_size=world_size)
     on_disk = sum(f.stat().st_size for f in checkpoint.path.rglob("*") if f.is_file())
     assert plan.size.total == pytest.approx(on_disk, rel=0.03)
