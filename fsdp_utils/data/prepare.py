@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,12 @@ from fsdp_utils.data.instruct import check_templates
 from fsdp_utils.data.packing import pack_rows, pack_stream, pad_documents
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
-from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files, resolve_model_dir
+from fsdp_utils.hub.resolve import (
+    ResolvedAssets,
+    describe_dataset_files,
+    resolve_assets,
+    resolve_dataset_files,
+)
 from fsdp_utils.hub.selection import SAFETENSORS_INDEX, SUPPORT_SUFFIXES
 
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
@@ -137,6 +143,11 @@ class PreparedData:
     folder: Path
     meta: dict[str, Any]
 
+    @classmethod
+    def load(cls, folder: Path) -> PreparedData:
+        """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
+        return cls(folder, json.loads((folder / "meta.json").read_text()))
+
     def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks:
         """A split's blocks; with document masking their batches carry position ids that
         restart at every document (fsdp_utils.data.document_masking): after each EOS for
@@ -178,23 +189,28 @@ class DataSource:
         return _load_raw(config, self.files)
 
 
-def open_source(config: TrainConfig, log: Any) -> DataSource:
+def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSource:
     if config.dataset_module is not None:
         module = load_dataset_module(config.dataset_module)
         log(f"data: {config.dataset_module}: {len(module.dataset):,} rows")
         return DataSource([], module, list(module.dataset.column_names))
-    files = dataset_files(config)
+    files = list(assets.dataset_files)
     log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
     return DataSource(files, None, peek_columns(files))
 
 
-def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
+def prepare_dataset(
+    config: TrainConfig, *, assets: ResolvedAssets | None = None, log: Any = print
+) -> Path:
     """Render, tokenise and pack the dataset (`--dataset`, or `--dataset_module`'s rows) for
-    `config.model`'s tokenizer; return the cache folder (reused when it already exists)."""
-    source = open_source(config, log)
+    `config.model`'s tokenizer; return the cache folder (reused when it already exists).
+    `assets`: the run's resolved files (else resolved here, as on the login node's
+    `download_models.py --prepare`)."""
+    assets = assets or resolve_assets(config)
+    model_dir = assets.model_dir
+    source = open_source(config, assets, log)
     choice = choose_format(source.columns, config)
     log(f"data: format {choice.name} ({choice.reason})")
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     tokenizer = template = None
     if choice.masked:
         tokenizer = _load_tokenizer(model_dir)
@@ -359,17 +375,20 @@ def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
     return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
 
 
-def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[str, Any]]:
+def held_out_games(
+    config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
+) -> list[dict[str, Any]]:
     """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
-    the games whose rendered text is the held-out data. A dataset that is not chess is a
-    ValueError saying so."""
+    the games whose rendered text is the held-out data. `files`: the run's data files, as
+    resolved once (`ResolvedAssets.dataset_files`; else resolved here). A dataset that is not
+    chess is a ValueError saying so."""
     if config.dataset_module is not None:
         raise ValueError(
             "The chess evaluation plays held-out games from the --dataset files, and this run "
             f"reads its rows from --dataset_module {config.dataset_module}. Leave "
             "--chess_eval_every at 0, or give the games as --dataset."
         )
-    raw = _load_raw(config, dataset_files(config))
+    raw = _load_raw(config, list(files) if files is not None else dataset_files(config))
     if not is_chess_schema(raw.column_names):
         raise ValueError(
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "
