@@ -4,6 +4,8 @@ fix, exit 2, no traceback. One process (the data is prepared before any model is
 from __future__ import annotations
 
 import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +64,27 @@ CASES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def results(assets) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case's chess_finetune.py, two at a time (each is mostly Python's imports)."""
+
+    def run(case: str) -> subprocess.CompletedProcess[str]:
+        model, dataset, options, _ = CASES[case]
+        folder = assets["root"] / case.replace(" ", "_")
+        args = tiny_args(
+            {"model": assets[model], "data": assets[dataset]}, folder / "run", folder / "prep",
+            **options,
+        )  # fmt: skip
+        return run_finetune(1, args, timeout=180)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CASES, pool.map(run, CASES), strict=True))
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_data_is_one_clear_message(assets, tmp_path, case):
-    model, dataset, options, expected = CASES[case]
-    args = tiny_args(
-        {"model": assets[model], "data": assets[dataset]}, tmp_path / "run", tmp_path / "prep",
-        **options,
-    )  # fmt: skip
-    result = run_finetune(1, args, timeout=120)
+def test_bad_data_is_one_clear_message(results, case):
+    expected = CASES[case][3]
+    result = results[case]
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     message = result.stderr.split("error: ", 1)[-1]
@@ -87,7 +102,6 @@ def test_an_unknown_data_format_is_refused_by_the_parser(assets, tmp_path):
 def test_download_models_prepare_runs_the_dataset_module(assets, tmp_path):
     """On the login node: download_models.py --config train.yaml --prepare runs the module
     and prepares; the training job then finds the preparation (same key)."""
-    import subprocess
     import sys
 
     from fsdp_utils.config.parse import load_config_file
