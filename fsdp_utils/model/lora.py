@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from fsdp_utils.config.train_config import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out
+_Source = TypeVar("_Source")  # where a weight is in the checkpoint (`model.weights`)
 
 
 def linear_types() -> tuple[type[nn.Module], ...]:
@@ -210,7 +211,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             param.copy_(full)
 
 
-def base_key_map(model: nn.Module, key_map: dict[str, str]) -> dict[str, str]:
+def base_key_map(model: nn.Module, key_map: dict[str, _Source]) -> dict[str, _Source]:
     """The pretrained-weights key map (model key -> checkpoint key) of the model before LoRA,
     renamed for the LoRA model: the weights of an adapted `m` are `m.base_layer.*` there."""
     adapted = set(adapted_modules(model))
@@ -222,8 +223,8 @@ def base_key_map(model: nn.Module, key_map: dict[str, str]) -> dict[str, str]:
 
 
 def init_adapters_and_key_map(
-    model: nn.Module, key_map: dict[str, str], *, seed: int
-) -> dict[str, str]:
+    model: nn.Module, key_map: dict[str, _Source], *, seed: int
+) -> dict[str, _Source]:
     """After `to_empty`: initialise the adapters; return the key map to load the base with."""
     init_adapters(model, seed)
     return base_key_map(model, key_map)
