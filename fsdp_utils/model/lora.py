@@ -283,9 +283,10 @@ def state_dict_options(*, lora: bool) -> StateDictOptions:
 
 def flops_per_token(full: float, info: Any, model: nn.Module) -> float:
     """Training FLOPs per token of a LoRA run, from full fine-tuning's 6N + attention: the frozen
-    weights (N, counted before the adapters) still take forward and input-gradient matmuls (4N)
-    but no weight gradients (2N); the adapters take all three (6 per trainable parameter)."""
-    return full - 2.0 * info.non_embedding_parameters + 6.0 * trainable_parameters(model)
+    weights (N active per token, counted before the adapters) still take forward and
+    input-gradient matmuls (4N) but no weight gradients (2N); the adapters take all three (6 per
+    trainable parameter)."""
+    return full - 2.0 * info.active_parameters + 6.0 * trainable_parameters(model)
 
 
 def describe(config: TrainConfig, model: nn.Module | None = None) -> str:

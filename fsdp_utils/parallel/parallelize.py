@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.model.build import (
+    active_parameters,
     build_meta_model,
     compute_dtype,
     count_parameters,
@@ -138,6 +139,16 @@ class ModelInfo:
     non_embedding_parameters: int
     decoder_layers: int
     decoder_layer_class: str
+    # Mixture of experts: the non-embedding parameters one token passes through (its top-k
+    # routed experts and everything else); None for a dense model, where that is all of them.
+    active_non_embedding_parameters: int | None = None
+
+    @property
+    def active_parameters(self) -> int:
+        """What a token computes with: the N of 6N in the FLOPs per token."""
+        if self.active_non_embedding_parameters is None:
+            return self.non_embedding_parameters
+        return self.active_non_embedding_parameters
 
 
 def build_parallel_model(
@@ -150,8 +161,14 @@ def build_parallel_model(
     model = build_meta_model(hf_config, config.precision)
     layers = find_decoder_layers(model)
     total, non_embedding = count_parameters(model)
+    active = active_parameters(model, hf_config, non_embedding)
     info = ModelInfo(
-        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
+        hf_config.model_type,
+        total,
+        non_embedding,
+        len(layers),
+        type(layers[0]).__name__,
+        active_non_embedding_parameters=active if active != non_embedding else None,
     )
     if config.lora:  # a model transform: before parallelize, as torchtitan's converters
         from fsdp_utils.model.lora import apply_lora

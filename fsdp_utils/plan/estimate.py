@@ -45,6 +45,7 @@ from fsdp_utils.plan.extrapolate import (
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.trainer import Trainer, TrainState
 
 
@@ -147,6 +148,7 @@ class TracedTrainer(Trainer):
         self.optimizer = build_optimizer(model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.scaler = self._grad_scaler()
+        self.router_loss = RouterLoss.build(config, hf_config)
         self.use_micro_batches(1)
 
     def _grad_scaler(self) -> Any:

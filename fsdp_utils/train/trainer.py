@@ -60,6 +60,7 @@ from fsdp_utils.train.optim import (
     optimizer_settings,
     settings_in_optimizer,
 )
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
 
@@ -97,6 +98,8 @@ def _local_counts(batches: list[dict[str, torch.Tensor]]) -> list[float]:
 
 
 class Trainer:
+    router_loss: RouterLoss | None = None  # MoE load balancing (--router_aux_loss_coef)
+
     def __init__(self, config: TrainConfig, env: DistEnv) -> None:
         self.config = config
         self.env = env
@@ -146,6 +149,9 @@ class Trainer:
         watch = Stopwatch()
         self.model = self._build_model(load_weights=resume_from is None)
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
+        self.router_loss = RouterLoss.build(config, self.hf_config)
+        if (router := RouterLoss.describe(config, self.hf_config)) is not None:
+            self.log.info(router)
         if config.document_masking:
             check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
         self.autocast = autocast_context(config, env.device)
@@ -168,7 +174,7 @@ class Trainer:
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
         self.flops_per_token = flops_per_token(
-            self.hf_config, self.model_info.non_embedding_parameters, config.max_seq_length
+            self.hf_config, self.model_info.active_parameters, config.max_seq_length
         )
         if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
             self.flops_per_token = lora.flops_per_token(
@@ -292,7 +298,13 @@ class Trainer:
         self.fsdp_groups = fsdp_group_names(model)
         self.log.info(
             f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
-            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
+            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding"
+            + (
+                f", {info.active_parameters / 1e6:,.2f}M active per token"
+                if info.active_non_embedding_parameters is not None
+                else ""
+            )
+            + "), "
             f"{info.decoder_layers} x {info.decoder_layer_class}; "
             f"{len(self.fsdp_groups)} FSDP shard group(s)"
             + (f"\nlora: {lora.describe(config, model)}" if config.lora else "")
@@ -330,6 +342,7 @@ class Trainer:
                 "fsdp_groups": self.fsdp_groups,
                 "parameters": self.model_info.parameters,
                 "non_embedding_parameters": self.model_info.non_embedding_parameters,
+                "active_non_embedding_parameters": self.model_info.active_parameters,
                 "flops_per_token": self.flops_per_token,
                 "prepared_data": str(self.data.folder),
                 "data_stats": self.data.meta.get("stats"),
@@ -519,8 +532,13 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        aux_loss = None
+        if self.router_loss is not None:  # its own all-reduce, on checked steps only
+            aux_loss = self.router_loss.step_value(global_targets) if check else None
+            self.router_loss.reset()
         return {
             "loss": loss,
+            "aux_loss": aux_loss,
             "grad_norm": norm,
             "lr": lr,
             "tokens": int(global_tokens),
@@ -533,16 +551,21 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
         input_ids = batch["input_ids"].to(self.env.device, non_blocking=True)
         labels = batch["labels"].to(self.env.device, non_blocking=True)
+        router = self.router_loss
         with self.autocast():
-            logits = self.model(
+            outputs = self.model(
                 input_ids=input_ids,
                 position_ids=batch_position_ids(batch, self.env.device),
                 use_cache=False,
-            ).logits
-        loss_sum = token_loss_sum(logits, labels)
+                **(router.forward_kwargs if router is not None else {}),
+            )
+        loss_sum = token_loss_sum(outputs.logits, labels)
+        objective = loss_sum
+        if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)
+            objective = loss_sum + router.objective_term(outputs, count_targets(batch["labels"]))
         # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
         # average into the sum over all ranks' tokens, divided by the global token count.
-        loss = loss_sum * (self.env.world_size / max(global_targets, 1.0))
+        loss = objective * (self.env.world_size / max(global_targets, 1.0))
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
@@ -688,6 +711,7 @@ class Trainer:
         record = {
             "step": self.state.step,
             "loss": metrics["loss"],
+            **({"aux_loss": metrics["aux_loss"]} if metrics.get("aux_loss") is not None else {}),
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             "tokens_per_s": tokens_per_s,
