@@ -65,7 +65,7 @@ def checkpoint_key_map(model: nn.Module, model_dir: Path) -> dict[str, WeightSou
             "`AutoModelForCausalLM.from_pretrained(...).save_pretrained(..., "
             "safe_serialization=True)` or download the safetensors files."
         )
-    check_not_quantized(model, model_dir)
+    check_not_quantized(getattr(model, "config", None), model_dir)
     state = get_model_state_dict(model)
     model_keys = set(state)
     mapping: dict[str, WeightSource] = {}
@@ -159,10 +159,10 @@ def _fused_plans(
     return plans
 
 
-def check_not_quantized(model: nn.Module, model_dir: Path) -> None:
+def check_not_quantized(hf_config: Any, model_dir: Path) -> None:
     """Pre-quantized checkpoints (gpt-oss's MXFP4 expert blocks, GPTQ, AWQ, FP8, ...) store
     other tensors than the model trains; refuse them with the way to a trainable copy."""
-    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    quantization = getattr(hf_config, "quantization_config", None)
     if not quantization:
         return
     method = (
@@ -173,7 +173,7 @@ def check_not_quantized(model: nn.Module, model_dir: Path) -> None:
     method = getattr(method, "value", method)
     if method == "mxfp4":
         fix = (
-            "Dequantize it once to bf16 (on the login node, about twice the disk): "
+            "Dequantize it once to bf16 on the login node (the copy is several times larger): "
             "`AutoModelForCausalLM.from_pretrained(FOLDER, dtype=torch.bfloat16, "
             "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained(OUT)`, then "
             "pass --model OUT"
@@ -184,8 +184,8 @@ def check_not_quantized(model: nn.Module, model_dir: Path) -> None:
             "transformers and save_pretrained the result"
         )
     raise ValueError(
-        f"{model_dir} holds a {method}-quantized checkpoint (its config.json has a "
-        "quantization_config): its tensors are packed blocks and scales, not weights that "
+        f"{model_dir} holds a pre-quantized checkpoint (config.json: quantization_config, "
+        f"quant_method {method}): its tensors are packed blocks and scales, not weights that "
         f"FSDP2 can shard and train. {fix}."
     )
 

@@ -52,6 +52,7 @@ def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPl
     from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
     from fsdp_utils.metrics.trackers import check_trackers
     from fsdp_utils.model.build import check_seq_length
+    from fsdp_utils.model.weights import check_not_quantized
     from fsdp_utils.train.router_loss import resolve_coefficient
 
     check_trackers(config)
@@ -59,6 +60,7 @@ def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPl
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     hf_config = load_model_config(model_dir)
     check_seq_length(hf_config, config.max_seq_length)
+    check_not_quantized(hf_config, model_dir)
     resolve_coefficient(config, hf_config)  # --router_aux_loss_coef on a model with routers
     if config.lora:  # an unknown --lora_target_modules fails here, before any data work
         from fsdp_utils.model.lora import check_target_modules
