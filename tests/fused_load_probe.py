@@ -43,7 +43,9 @@ def main() -> int:
         key_map = checkpoint_key_map(model, folder)
         fused = {k: v for k, v in key_map.items() if isinstance(v, FusedTensor)}
         for layer in find_decoder_layers(model):
-            fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p, d=dim: Shard(d))
+            # The fused expert tensors (3-D) on `dim`, everything else on dim 0.
+            place = lambda p, d=dim: Shard(d if p.dim() == 3 else 0)  # noqa: E731
+            fully_shard(layer, mesh=mesh, shard_placement_fn=place)
         fully_shard(model, mesh=mesh)
         materialize(model, torch.device("cpu"))
         load_pretrained_weights(model, folder, key_map)

@@ -106,7 +106,7 @@ def write_hf_folder(
     """
     from huggingface_hub import save_torch_state_dict
 
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: _compact(v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     # A meta build costs no memory; it is what transformers looks its conversion rules up in.
     state = hub_layout(state, build_meta_model(hf_config, "fp32"))
     with folder_written_atomically(destination) as tmp:
@@ -118,6 +118,16 @@ def write_hf_folder(
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
     return Path(destination)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in storage of its own size. A gathered FSDP2 tensor whose dim 0 is smaller
+    than the world size (Qwen2-MoE's shared_expert_gate, [1, hidden]) is a view into the padded
+    all-gather buffer, and safetensors refuses to write a tensor that does not cover its
+    storage."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 def save_hf_model(

@@ -292,16 +292,19 @@ def fill_local_block(
     return read
 
 
-def load_fused_tensors(model: nn.Module, model_dir: Path, fused: dict[str, FusedTensor]) -> None:
+def load_fused_tensors(model: nn.Module, model_dir: Path, fused: dict[str, FusedTensor]) -> int:
     """Fill the model's fused tensors (model key -> plan) from `model_dir`, each rank its own
-    shard. No collective: every rank reads its own slices of the memory-mapped files."""
+    shard. No collective: every rank reads its own slices of the memory-mapped files. Returns
+    the number of elements this rank read: what its shards hold, nothing twice."""
     from fsdp_utils.model.build import _all_named_parameters
 
     params = dict(_all_named_parameters(model))
+    read = 0
     with SafetensorsFolder(model_dir) as files:
         for key, plan in fused.items():
             local, offset = local_block(params[key])
-            fill_local_block(local, offset, plan, files)
+            read += fill_local_block(local, offset, plan, files)
+    return read
 
 
 # --- export: back to the checkpoint's layout ---------------------------------------------------
