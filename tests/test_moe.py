@@ -233,6 +233,20 @@ def test_flops_count_the_routed_experts_a_token_uses(arch):
     )
 
 
+def test_routing_with_data_dependent_sizes_cannot_be_planned_exit_2(tmp_path, capsys):
+    """transformers' default experts implementation (grouped_mm) plans (the runs below check it
+    against the real step); the eager per-expert loop sizes its buffers from the routing."""
+    from fsdp_utils.plan import main as plan_main
+
+    config = tiny_model_config("mixtral", vocab_size=512).to_dict()
+    config["experts_implementation"] = "eager"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(tmp_path), "--gpus-per-node", "2", "--max_seq_length", "64"]
+    assert plan_main([*argv, "--gpu-memory", "80GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "experts implementation 'eager'" in err and "remove experts_implementation" in err
+
+
 # --- real runs --------------------------------------------------------------------------------
 
 
@@ -287,7 +301,19 @@ def runs(tiny_assets, moe_models, data_cache, tmp_path_factory) -> dict:
     attention and experts (probed), and one measured step for the planner; per other family: 4
     steps. Then, on 1 process, the last leg of each split run."""
     root = tmp_path_factory.mktemp("moe_runs")
-    two, one, folders, measured_args = [], [], {}, {}
+    two: list[dict] = []
+    one: list[dict] = []
+    folders: dict[str, Path] = {}
+    measured: dict[str, tuple[Path, list[str]]] = {}  # case -> (StepMemory JSON, its flags)
+
+    def measure(case: str, assets: dict, **overrides) -> None:
+        args = tiny_args(
+            assets, root / case / "measured", data_cache, no_final_save=True,
+            precision="bf16-mixed", **overrides,
+        )  # fmt: skip
+        measured[case] = (root / f"{case}.json", args)
+        two.append({"args": args, "measure": str(root / f"{case}.json")})
+
     for arch in DEEP:
         assets, base = _assets(tiny_assets, moe_models, arch), root / arch
         folders[arch] = base
@@ -302,12 +328,10 @@ def runs(tiny_assets, moe_models, data_cache, tmp_path_factory) -> dict:
         one.append({"args": _deep_args(assets, base / "split", data_cache)})
         lora = tiny_args(assets, base / "lora", data_cache, **LORA)
         two.append({"args": lora, "probe": str(base / "lora.pt")})
-        measured = tiny_args(
-            assets, base / "measured", data_cache, no_final_save=True, precision="bf16-mixed",
-            router_aux_loss_coef=0.02,
-        )  # fmt: skip
-        two.append({"args": measured, "measure": str(base / "measured.json")})
-        measured_args[arch] = measured
+        measure(arch, assets, router_aux_loss_coef=0.02)
+    # LoRA on the experts: peft's parametrization adds W + B @ A per layer to the step.
+    mixtral = _assets(tiny_assets, moe_models, "mixtral")
+    measure("mixtral-lora-experts", mixtral, **{**LORA, "merge": False})
     for arch in OTHERS:
         folders[arch] = root / arch
         two.append(
@@ -317,7 +341,7 @@ def runs(tiny_assets, moe_models, data_cache, tmp_path_factory) -> dict:
     last_legs = _launch(1, one, root / "one.json")
     return {
         "folders": folders,
-        "measured_args": measured_args,
+        "measured": measured,
         "stdout": result.stdout,
         "last_legs": last_legs.stdout,
     }
@@ -407,12 +431,14 @@ def test_lora_on_attention_and_experts_exports_what_it_trained(runs, moe_models,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", DEEP)
-def test_the_plan_is_the_measured_step(runs, arch):
-    """Every expert's weights, gradients and AdamW state, and the routed experts' activations:
-    the planner's fake-tensor trace equals the tracker on the real 2-process step."""
-    real = StepMemory.from_dict(json.loads((runs["folders"][arch] / "measured.json").read_text()))
-    config, _ = parse_config(runs["measured_args"][arch], build_parser())
+@pytest.mark.parametrize("case", [*DEEP, "mixtral-lora-experts"])
+def test_the_plan_is_the_measured_step(runs, case):
+    """Every expert's weights, gradients and AdamW state, and the routed experts' activations
+    (and with LoRA on the experts, the W + B @ A that peft builds per layer): the planner's
+    fake-tensor trace equals the tracker on the real 2-process step."""
+    path, args = runs["measured"][case]
+    real = StepMemory.from_dict(json.loads(path.read_text()))
+    config, _ = parse_config(args, build_parser())
     planned = estimate(config, Cluster(nodes=1, gpus_per_node=2)).memory
     assert planned.state_bytes == real.state_bytes
     gc_slack = 256  # scalars the real run's garbage collector may not have freed yet

@@ -446,8 +446,10 @@ class TrainConfig:
     lora_target_modules: str | None = field(
         default=None,
         metadata=_opt(
-            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
-            "(default: every linear layer of the decoder layers).",
+            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj; "
+            "mixture-of-experts models also take their fused expert tensors (gate_up_proj, "
+            "down_proj, or experts for both; needs --lora_dropout 0). Default: every linear "
+            "layer of the decoder layers outside mixture-of-experts blocks.",
             section="lora",
         ),
     )

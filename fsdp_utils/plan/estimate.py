@@ -233,12 +233,23 @@ def check_plannable(config: TrainConfig) -> None:
         )
 
 
-def _untraceable(err: Exception) -> ValueError:
+def _untraceable(err: Exception, hf_config: Any) -> ValueError:
+    real_steps = "a run with a few real steps and read the peak memory in metrics.jsonl"
+    experts = getattr(hf_config, "_experts_implementation", None)
+    if experts not in (None, "grouped_mm"):
+        # transformers' grouped_mm sorts the tokens by expert into buffers of fixed size; the
+        # eager loop gathers each expert's tokens (`nonzero`), sized by the router's choices.
+        return ValueError(
+            f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}): its "
+            f"mixture-of-experts layers run the experts implementation {experts!r}, whose "
+            "buffers are sized by the router's choices, which the planner cannot know without "
+            "the weights. transformers' default, grouped_mm, has fixed sizes and plans: remove "
+            f"experts_implementation from the model's config.json, or plan {real_steps}."
+        )
     return ValueError(
         f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}). Its "
         "forward pass reads tensor values (data-dependent control flow), which the planner "
-        "cannot follow without the weights. Plan a run with a few real steps instead and read "
-        "the peak memory in metrics.jsonl."
+        f"cannot follow without the weights. Plan {real_steps} instead."
     )
 
 
@@ -330,4 +341,4 @@ def _trace(
         DynamicOutputShapeException,
         UnsupportedFakeTensorException,
     ) as err:
-        raise _untraceable(err) from err
+        raise _untraceable(err, hf_config) from err
