@@ -217,6 +217,14 @@ def test_the_router_loss_enters_the_step_with_its_coefficient(moe_models):
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHITECTURES)
+def test_every_family_returns_its_router_loss(arch):
+    model = AutoModelForCausalLM.from_config(tiny_model_config(arch, vocab_size=64))
+    outputs = model(input_ids=torch.randint(0, 64, (2, 8)), **RouterLoss.forward_kwargs)
+    # 2 of 4 experts per token: 2 when balanced, up to 4 (everything on the same 2 experts).
+    assert 1.5 < outputs.aux_loss.item() <= 4.0
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHITECTURES)
 def test_flops_count_the_routed_experts_a_token_uses(arch):
     """6N with N = everything but the embeddings and the routed experts, plus top-k / experts of
     the routed experts (2 of 4 here); a shared expert counts whole."""

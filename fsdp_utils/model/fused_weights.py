@@ -65,15 +65,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class FusedTensor:
-    """A model tensor assembled from several checkpoint tensors, and the rule that says how."""
+    """A model tensor assembled from several checkpoint tensors: where each one goes."""
 
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    rule: str
-
-    @property
-    def checkpoint_keys(self) -> list[str]:
-        return [piece.key for piece in self.pieces]
 
 
 # --- the plan: transformers' operations run on shapes ------------------------------------------
@@ -195,7 +190,7 @@ def plan_fused_tensor(
         raise UnsupportedConversionError(
             f"it makes a {list(result.shape)} tensor where the model has {list(expected_shape)}"
         )
-    return FusedTensor(result.shape, result.pieces, repr(converter))
+    return FusedTensor(result.shape, result.pieces)
 
 
 # --- reading: each rank its own rows ---------------------------------------------------------
