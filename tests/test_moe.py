@@ -285,6 +285,7 @@ LORA = {
     "merge": True,
     "learning_rate": 1e-2,
     "max_training_steps": 6,
+    "save_every_steps": 6,
 }
 
 
@@ -414,7 +415,7 @@ def test_resume_is_exact_two_to_two_then_two_to_one(runs, tmp_path, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", DEEP)
-def test_lora_on_attention_and_experts_exports_what_it_trained(runs, moe_models, arch):
+def test_lora_on_attention_and_experts_exports_what_it_trained(runs, moe_models, tmp_path, arch):
     """peft's target_parameters under FSDP2: the adapter folder on its base under PEFT, and the
     merged model (in the source's layout), give the trained model's logits."""
     from peft import PeftModel
@@ -436,6 +437,16 @@ def test_lora_on_attention_and_experts_exports_what_it_trained(runs, moe_models,
     torch.testing.assert_close(with_adapter, probe["logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged, with_adapter, rtol=1e-4, atol=1e-4)
     assert _shapes(merged_dir) == _shapes(moe_models[arch])
+
+    # The offline export of the checkpoint (one CPU process, base read by the sliced loader).
+    from fsdp_utils.checkpoint.export import export_checkpoint
+
+    checkpoint = base / "lora" / "checkpoints" / "step_00000006"
+    exported = export_checkpoint(checkpoint, tmp_path / "merged", merge=True, base=moe_models[arch])
+    assert _shapes(exported) == _shapes(moe_models[arch])
+    reference = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert all(torch.equal(reference[k], reloaded[k]) for k in reference)
 
 
 @pytest.mark.slow
