@@ -147,7 +147,8 @@ def lora_targets(
             f"the decoder layers ({type(layers[0]).__name__}). The linear layers there are: "
             f"{', '.join(short)} ({', '.join(available)} with their paths).{expert_note} Give "
             f"some of these, e.g. --lora_target_modules {','.join(short[:2])}, or leave the "
-            "option out for the default."
+            "option out to adapt all of them"
+            + (" outside the mixture-of-experts blocks." if tensors else ".")
         )
     return LoraTargets(
         [

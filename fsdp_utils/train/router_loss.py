@@ -75,9 +75,12 @@ class RouterLoss:
         if coef > 0:
             source = "" if config.router_aux_loss_coef is not None else " (the model config's)"
             return f"router loss: load balancing x {coef:g}{source}, logged as aux_loss"
+        why = (
+            "--router_aux_loss_coef 0" if config.router_aux_loss_coef == 0 else "the model config's"
+        )
         return (
-            "router loss: off (the model config leaves it off; --router_aux_loss_coef "
-            f"{getattr(hf_config, 'router_aux_loss_coef', 0.001):g} adds it)"
+            f"router loss: off ({why}; --router_aux_loss_coef "
+            f"{getattr(hf_config, 'router_aux_loss_coef', None) or 0.001:g} adds it)"
         )
 
     # What the model's forward needs to return its router loss (`outputs.aux_loss`).

@@ -533,8 +533,9 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         aux_loss = None
-        if self.router_loss is not None:  # its own all-reduce, on checked steps only
-            aux_loss = self.router_loss.step_value(global_targets) if check else None
+        if self.router_loss is not None and check:  # its own all-reduce, on checked steps only
+            aux_loss = self.router_loss.step_value(global_targets)
+        elif self.router_loss is not None:
             self.router_loss.reset()
         return {
             "loss": loss,
