@@ -25,7 +25,15 @@ from fsdp_utils.checkpoint.hf_folder import (
     resolve_export_dtype,
     write_hf_folder,
 )
-from fsdp_utils.model.lora import ADAPTER, adapted_modules, peft_config
+from fsdp_utils.model.lora import (
+    ADAPTER,
+    adapted_modules,
+    adapted_tensor_name,
+    expert_delta,
+    is_tensor_adapter,
+    peft_config,
+    without_base_layer,
+)
 
 if TYPE_CHECKING:
     from fsdp_utils.checkpoint.sharded import CheckpointInfo
@@ -55,22 +63,24 @@ def adapter_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def merged_state(state: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapter merged in, under the base model's names.
 
-    W' = W + scaling x B @ A (transposed for Conv1D, whose weight is stored (in, out)), computed
-    in fp32 and stored in W's dtype, as peft's `merge_and_unload` does.
+    W' = W + scaling x B @ A (transposed for Conv1D, whose weight is stored (in, out); one pair
+    per expert for fused expert tensors: `expert_delta`), computed in fp32 and stored in W's
+    dtype, as peft's `merge_and_unload` does.
     """
     merged = {
-        key.replace(".base_layer.", "."): value
-        for key, value in state.items()
-        if not _is_adapter_key(key)
+        without_base_layer(key): value for key, value in state.items() if not _is_adapter_key(key)
     }
     for name, module in adapted_modules(model).items():
         a = state[f"{name}.lora_A.{ADAPTER}.weight"].float()
         b = state[f"{name}.lora_B.{ADAPTER}.weight"].float()
-        delta = (b @ a) * module.scaling[ADAPTER]
-        if module.fan_in_fan_out:
-            delta = delta.T
-        weight = merged[f"{name}.weight"]
-        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+        if is_tensor_adapter(module):
+            key, delta = adapted_tensor_name(name, module), expert_delta(a, b, module)
+        else:
+            key, delta = f"{name}.weight", (b @ a) * module.scaling[ADAPTER]
+            if module.fan_in_fan_out:
+                delta = delta.T
+        weight = merged[key]
+        merged[key] = (weight.float() + delta).to(weight.dtype)
     return merged
 
 
@@ -82,16 +92,36 @@ def saved_target_modules(model: nn.Module) -> list[str]:
 
     from fsdp_utils.model.lora import linear_types
 
-    adapted = set(adapted_modules(model))
+    adapted = {name for name, m in adapted_modules(model).items() if not is_tensor_adapter(m)}
     short = sorted({name.rpartition(".")[2] for name in adapted})
     candidates = {
         name.replace(_CHECKPOINT_PREFIX, "")
         for name, module in model.named_modules()
         if isinstance(module, (*linear_types(), LoraLayer))
+        and not is_tensor_adapter(module)
         and not any(part in name for part in (".base_layer", ".lora_A.", ".lora_B."))
     }
     matched = {name for name in candidates if name.rpartition(".")[2] in short}
     return short if matched == adapted else sorted(adapted)
+
+
+def saved_target_parameters(model: nn.Module) -> list[str]:
+    """`target_parameters` for adapter_config.json: the adapted fused expert tensors, as
+    `experts.gate_up_proj` when that picks exactly them in every layer, else by full name."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    adapted = {
+        adapted_tensor_name(name, module)
+        for name, module in adapted_modules(model).items()
+        if is_tensor_adapter(module)
+    }
+    short = sorted({".".join(name.split(".")[-2:]) for name in adapted})
+    everywhere = set()
+    for name, param in model.named_parameters():
+        plain = without_base_layer(name.replace(_CHECKPOINT_PREFIX, ""))
+        if param.dim() == 3 and ".".join(plain.split(".")[-2:]) in short:
+            everywhere.add(plain)
+    return short if everywhere == adapted else sorted(adapted)
 
 
 def write_adapter_folder(
@@ -130,6 +160,7 @@ def write_lora_outputs(
         config,
         saved_target_modules(model),
         fan_in_fan_out=any(m.fan_in_fan_out for m in adapted_modules(model).values()),
+        parameters=saved_target_parameters(model),
     )
     lora_config.base_model_name_or_path = config.model
     lora_config.revision = config.revision

@@ -165,6 +165,15 @@ class TrainConfig:
         default=1.0,
         metadata=_opt("Clip the global gradient norm to this value (0: off).", section="optimizer"),
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata=_opt(
+            "Mixture-of-experts models: weight of the routers' load-balancing loss added to the "
+            "language-model loss and logged as aux_loss (0: off; default: the model config's "
+            "router_aux_loss_coef if it sets output_router_logits, else off).",
+            section="optimizer",
+        ),
+    )
     max_training_steps: int = field(
         default=100, metadata=_opt("Optimizer steps to run.", section="optimizer")
     )
@@ -437,8 +446,10 @@ class TrainConfig:
     lora_target_modules: str | None = field(
         default=None,
         metadata=_opt(
-            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
-            "(default: every linear layer of the decoder layers).",
+            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj; "
+            "mixture-of-experts models also take their fused expert tensors (gate_up_proj, "
+            "down_proj, or experts for both; needs --lora_dropout 0). Default: every linear "
+            "layer of the decoder layers outside mixture-of-experts blocks.",
             section="lora",
         ),
     )

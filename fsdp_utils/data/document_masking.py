@@ -31,6 +31,10 @@ import torch
 # Implementations whose transformers mask code turns packed position ids into a
 # block-diagonal mask for any batch size.
 HONOURS_PACKING = ("sdpa", "eager", "flex_attention")
+# Model types whose transformers forward builds its masks without the position ids, so that
+# packed documents see each other whatever the implementation (5.23: gpt-oss's GptOssModel
+# calls create_causal_mask without them). tests/test_document_masking.py checks both ways.
+IGNORES_POSITION_IDS = ("gpt_oss",)
 
 
 def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -55,6 +59,13 @@ def attention_implementation(model: Any) -> str:
 
 def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
     """Refuse an attention implementation that would silently let documents see each other."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in IGNORES_POSITION_IDS:
+        raise ValueError(
+            f"--document_masking: transformers' {model_type} forward builds its attention masks "
+            "without the position ids, so packed documents would see each other. Train without "
+            "--document_masking (add --no_packing for one document per sequence)."
+        )
     impl = attention_implementation(model)
     if impl in HONOURS_PACKING:
         return

@@ -40,16 +40,23 @@ def _config_int(hf_config: Any, *names: str) -> int:
     raise ValueError(f"config has none of {names}")
 
 
-def flops_per_token(hf_config: Any, non_embedding_params: int, seq_len: int) -> float:
+def flops_per_token(hf_config: Any, active_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·H·Q·T for
     attention scores and values (PaLM appendix B; torchtitan, nanoGPT). Recomputation by
-    activation checkpointing is not counted: MFU measures useful work."""
+    activation checkpointing is not counted: MFU measures useful work.
+
+    N is the non-embedding parameters a token passes through (`ModelInfo.active_parameters`):
+    all of them for a dense model; for a mixture of experts, top-k / experts of the routed
+    experts' parameters plus everything else (attention, routers, shared experts), as
+    torchtitan counts its MoE models. Router softmax and top-k are left out (a few FLOPs per
+    expert, against thousands per weight).
+    """
     layers = _config_int(hf_config, "num_hidden_layers", "n_layer")
     heads = _config_int(hf_config, "num_attention_heads", "n_head")
     head_dim = getattr(hf_config, "head_dim", None) or (
         _config_int(hf_config, "hidden_size", "n_embd") // heads
     )
-    return 6.0 * non_embedding_params + 12.0 * layers * heads * head_dim * seq_len
+    return 6.0 * active_params + 12.0 * layers * heads * head_dim * seq_len
 
 
 def _read_status_kib(field: str) -> int | None:

@@ -174,6 +174,45 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return total, total - embedding
 
 
+def routed_expert_parameters(model: nn.Module) -> int:
+    """Parameters of the routed experts of a mixture-of-experts model, of which each token uses
+    only its top-k: transformers names that module `experts` in every MoE family (a shared
+    expert, which every token uses, is `shared_expert`). 0 for dense models."""
+    seen: set[int] = set()
+    total = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "experts":
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    total += param.numel()
+    return total
+
+
+def experts_per_token(hf_config: Any) -> tuple[int, int] | None:
+    """(experts a token is routed to, routed experts per layer) from a transformers MoE config:
+    `num_experts_per_tok` of `num_local_experts` (Mixtral, gpt-oss) or `num_experts` (Qwen-MoE,
+    OLMoE, DeepSeek's `n_routed_experts`); None for dense models."""
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        experts = getattr(hf_config, name, None)
+        if isinstance(top_k, int) and isinstance(experts, int) and experts > 0:
+            return top_k, experts
+    return None
+
+
+def active_parameters(model: nn.Module, hf_config: Any, non_embedding: int) -> int:
+    """Non-embedding parameters one token passes through: all of a dense model's; for a
+    mixture of experts top-k / experts of the routed experts' and all the rest (attention,
+    routers, shared experts, norms)."""
+    routing = experts_per_token(hf_config)
+    routed = routed_expert_parameters(model)
+    if routing is None or routed == 0:
+        return non_embedding
+    top_k, experts = routing
+    return non_embedding - routed + round(routed * top_k / experts)
+
+
 # --- materialisation and weight loading -----------------------------------------------------
 
 

@@ -26,8 +26,9 @@ as in full fine-tuning, each rank reading its own slices (`base_key_map` adds `.
 from __future__ import annotations
 
 import math
+import re
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from fsdp_utils.config.train_config import TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out
+_Source = TypeVar("_Source")  # where a weight is in the checkpoint (`model.weights`)
 
 
 def linear_types() -> tuple[type[nn.Module], ...]:
@@ -58,49 +60,127 @@ def _requested(text: str | None) -> list[str]:
     return [name.strip() for name in (text or "").split(",") if name.strip()]
 
 
-def target_modules(
+class LoraTargets(NamedTuple):
+    """What LoRA adapts: linear layers (peft's `target_modules`) and fused expert tensors of
+    mixture-of-experts layers (peft's `target_parameters`), by full name."""
+
+    modules: list[str]
+    parameters: list[str]
+
+
+def _moe_blocks(layer: nn.Module) -> list[str]:
+    """Names (in the layer) of its mixture-of-experts blocks: the modules holding `experts`."""
+    return [name for name, module in layer.named_modules() if hasattr(module, "experts")]
+
+
+def _expert_tensors(layer: nn.Module) -> list[str]:
+    """The fused expert weights in a decoder layer (`mlp.experts.gate_up_proj`, [experts, out,
+    in]): 3-D parameters of the `experts` modules (their biases are 2-D)."""
+    return [
+        f"{name}.{param_name}"
+        for name, module in layer.named_modules()
+        if name.rpartition(".")[2] == "experts"
+        for param_name, param in module.named_parameters(recurse=False)
+        if param.dim() == 3
+    ]
+
+
+def lora_targets(
     layers: list[nn.Module], layer_names: list[str], requested: str | None
-) -> list[str]:
-    """Full names of the linear modules to adapt, inside the decoder layers only.
+) -> LoraTargets:
+    """Full names of the linear modules and expert tensors to adapt, inside the decoder layers.
 
     `requested` is a comma-separated list of names relative to a decoder layer, matched as peft
-    matches them (the whole name or its last parts: `q_proj`, `self_attn.q_proj`); None: every
-    linear layer in the decoder layers. A name that matches nothing is a ValueError listing the
-    linear layers there are.
+    matches them (the whole name or its last parts: `q_proj`, `self_attn.q_proj`); a name also
+    matches the fused expert tensors it names (`gate_up_proj`, `experts.down_proj`), or all of
+    them (`experts`). None: every linear layer of the decoder layers outside their
+    mixture-of-experts blocks (for MoE models the attention projections: adapting the routers
+    would move the load balance, and the experts hold most of the weights). A name that matches
+    nothing is a ValueError listing what there is.
     """
     linear = linear_types()
-    relative = [
-        [name for name, module in layer.named_modules() if name and isinstance(module, linear)]
-        for layer in layers
-    ]
+    relative, experts = [], []
+    for layer in layers:
+        blocks = _moe_blocks(layer)
+        relative.append(
+            [
+                (name, any(name.startswith(block + ".") for block in blocks))
+                for name, module in layer.named_modules()
+                if name and isinstance(module, linear)
+            ]
+        )
+        experts.append(_expert_tensors(layer))
     wanted = _requested(requested)
     if not wanted:
-        return [
-            f"{prefix}.{name}"
-            for prefix, names in zip(layer_names, relative, strict=True)
-            for name in names
-        ]
-    available = list(dict.fromkeys(name for names in relative for name in names))
+        return LoraTargets(
+            [
+                f"{prefix}.{name}"
+                for prefix, names in zip(layer_names, relative, strict=True)
+                for name, in_moe_block in names
+                if not in_moe_block
+            ],
+            [],
+        )
 
     def matches(name: str, target: str) -> bool:
         return name == target or name.endswith("." + target)
 
-    unknown = [t for t in wanted if not any(matches(name, t) for name in available)]
+    def matches_tensor(name: str, target: str) -> bool:
+        return matches(name, target) or matches(name.rpartition(".")[0], target)
+
+    available = list(dict.fromkeys(name for names in relative for name, _ in names))
+    tensors = list(dict.fromkeys(name for names in experts for name in names))
+    unknown = [
+        t
+        for t in wanted
+        if not any(matches(name, t) for name in available)
+        and not any(matches_tensor(name, t) for name in tensors)
+    ]
     if unknown:
         short = list(dict.fromkeys(name.rpartition(".")[2] for name in available))
+        expert_note = (
+            f" The fused expert tensors are {', '.join(tensors)} (`experts` names all of them)."
+            if tensors
+            else ""
+        )
         raise ValueError(
             f"--lora_target_modules {','.join(unknown)}: no linear layer of that name inside "
             f"the decoder layers ({type(layers[0]).__name__}). The linear layers there are: "
-            f"{', '.join(short)} ({', '.join(available)} with their paths). Give some of these, "
-            f"e.g. --lora_target_modules {','.join(short[:2])}, or leave the option out to adapt "
-            "all of them."
+            f"{', '.join(short)} ({', '.join(available)} with their paths).{expert_note} Give "
+            f"some of these, e.g. --lora_target_modules {','.join(short[:2])}, or leave the "
+            "option out to adapt all of them"
+            + (" outside the mixture-of-experts blocks." if tensors else ".")
         )
-    return [
-        f"{prefix}.{name}"
-        for prefix, names in zip(layer_names, relative, strict=True)
-        for name in names
-        if any(matches(name, t) for t in wanted)
-    ]
+    return LoraTargets(
+        [
+            f"{prefix}.{name}"
+            for prefix, names in zip(layer_names, relative, strict=True)
+            for name, _ in names
+            if any(matches(name, t) for t in wanted)
+        ],
+        [
+            f"{prefix}.{name}"
+            for prefix, names in zip(layer_names, experts, strict=True)
+            for name in names
+            if any(matches_tensor(name, t) for t in wanted)
+        ],
+    )
+
+
+def target_modules(
+    layers: list[nn.Module], layer_names: list[str], requested: str | None
+) -> list[str]:
+    """The linear modules of `lora_targets`."""
+    return lora_targets(layers, layer_names, requested).modules
+
+
+def _check_expert_options(targets: LoraTargets, config: TrainConfig) -> None:
+    if targets.parameters and config.lora_dropout:
+        raise ValueError(
+            f"--lora_target_modules {config.lora_target_modules} adapts fused expert tensors, "
+            "which peft adapts by adding B @ A to the weight (lora.ParamWrapper): it cannot "
+            "apply dropout to their input. Add --lora_dropout 0."
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -114,7 +194,8 @@ def check_target_modules(hf_config: Any, config: TrainConfig) -> None:
 
     model = build_meta_model(hf_config, config.precision)
     layers = find_decoder_layers(model)
-    target_modules(layers, _module_names(model, layers), config.lora_target_modules)
+    targets = lora_targets(layers, _module_names(model, layers), config.lora_target_modules)
+    _check_expert_options(targets, config)
 
 
 def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -122,7 +203,13 @@ def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
     return [names[id(module)] for module in modules]
 
 
-def peft_config(config: TrainConfig, targets: list[str], *, fan_in_fan_out: bool = False) -> Any:
+def peft_config(
+    config: TrainConfig,
+    targets: list[str],
+    *,
+    fan_in_fan_out: bool = False,
+    parameters: list[str] | None = None,
+) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(
@@ -130,6 +217,7 @@ def peft_config(config: TrainConfig, targets: list[str], *, fan_in_fan_out: bool
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=targets,
+        target_parameters=parameters or None,
         fan_in_fan_out=fan_in_fan_out,
         bias="none",
         task_type="CAUSAL_LM",
@@ -142,13 +230,15 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
 
     from peft import inject_adapter_in_model
 
-    targets = target_modules(layers, _module_names(model, layers), config.lora_target_modules)
-    conv1d = any(not isinstance(model.get_submodule(t), nn.Linear) for t in targets)
+    targets = lora_targets(layers, _module_names(model, layers), config.lora_target_modules)
+    _check_expert_options(targets, config)
+    conv1d = any(not isinstance(model.get_submodule(t), nn.Linear) for t in targets.modules)
+    lora_config = peft_config(
+        config, targets.modules, fan_in_fan_out=conv1d, parameters=targets.parameters
+    )
     with warnings.catch_warnings():  # peft warns when it sets fan_in_fan_out for Conv1D itself
         warnings.simplefilter("ignore", UserWarning)
-        inject_adapter_in_model(
-            peft_config(config, targets, fan_in_fan_out=conv1d), model, low_cpu_mem_usage=True
-        )
+        inject_adapter_in_model(lora_config, model, low_cpu_mem_usage=True)
     # The frozen base is kept in the dtype it computes in: no fp32 master copy.
     frozen, adapter = compute_dtype(config.precision), param_dtype_for(config.precision)
     for module in model.modules():
@@ -171,6 +261,30 @@ def adapted_modules(model: nn.Module) -> dict[str, Any]:
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
+
+
+def is_tensor_adapter(module: Any) -> bool:
+    """peft's adapter of a fused expert tensor (lora.ParamWrapper), not of a linear layer."""
+    from peft.tuners.lora import ParamWrapper
+
+    return isinstance(module, ParamWrapper)
+
+
+def adapted_tensor_name(name: str, module: Any) -> str:
+    """The expert tensor a ParamWrapper named `name` adapts, as named before LoRA."""
+    return f"{without_base_layer(name + '.')[:-1]}.{module.parameter_name}"
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, module: Any) -> torch.Tensor:
+    """The update scaling x B @ A of a fused expert tensor, as peft's ParamWrapper computes it:
+    A is (experts x r, in) and B (out, r x experts), one rank-r pair per expert, and the result
+    is laid out as the tensor is ([experts, out, in] for transformers' experts, [experts, in,
+    out] for transposed ones such as gpt-oss's)."""
+    experts = module.num_experts
+    a = a.reshape(experts, -1, a.shape[-1])
+    b = b.reshape(b.shape[0], -1, experts)
+    layout = "e o i" if module._did_swap_in_out_features else "e i o"
+    return torch.einsum(f"o r e, e r i -> {layout}", b, a) * module.scaling[ADAPTER]
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -211,20 +325,27 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             param.copy_(full)
 
 
-def base_key_map(model: nn.Module, key_map: dict[str, str]) -> dict[str, str]:
+def without_base_layer(name: str) -> str:
+    """A LoRA model's name as in the model before LoRA: peft puts each adapted module's weights
+    under `base_layer`, and nests wrappers when it adapts several tensors of one module
+    (`mlp.experts.base_layer.base_layer.gate_up_proj` -> `mlp.experts.gate_up_proj`)."""
+    return re.sub(r"(\.base_layer)+(?=\.)", "", name)
+
+
+def base_key_map(model: nn.Module, key_map: dict[str, _Source]) -> dict[str, _Source]:
     """The pretrained-weights key map (model key -> checkpoint key) of the model before LoRA,
-    renamed for the LoRA model: the weights of an adapted `m` are `m.base_layer.*` there."""
-    adapted = set(adapted_modules(model))
-    renamed = {}
-    for model_key, ckpt_key in key_map.items():
-        module, _, attr = model_key.rpartition(".")
-        renamed[f"{module}.base_layer.{attr}" if module in adapted else model_key] = ckpt_key
-    return renamed
+    renamed for the LoRA model, where the weights of an adapted `m` are `m.base_layer.*`."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    names = [name for name, _ in _all_named_parameters(model)]
+    names += [name.replace(_CHECKPOINT_PREFIX, "") for name, _ in model.named_buffers()]
+    lora_name = {without_base_layer(name): name for name in names}
+    return {lora_name.get(key, key): source for key, source in key_map.items()}
 
 
 def init_adapters_and_key_map(
-    model: nn.Module, key_map: dict[str, str], *, seed: int
-) -> dict[str, str]:
+    model: nn.Module, key_map: dict[str, _Source], *, seed: int
+) -> dict[str, _Source]:
     """After `to_empty`: initialise the adapters; return the key map to load the base with."""
     init_adapters(model, seed)
     return base_key_map(model, key_map)
@@ -283,13 +404,16 @@ def state_dict_options(*, lora: bool) -> StateDictOptions:
 
 def flops_per_token(full: float, info: Any, model: nn.Module) -> float:
     """Training FLOPs per token of a LoRA run, from full fine-tuning's 6N + attention: the frozen
-    weights (N, counted before the adapters) still take forward and input-gradient matmuls (4N)
-    but no weight gradients (2N); the adapters take all three (6 per trainable parameter)."""
-    return full - 2.0 * info.non_embedding_parameters + 6.0 * trainable_parameters(model)
+    weights (N active per token, counted before the adapters) still take forward and
+    input-gradient matmuls (4N) but no weight gradients (2N); the adapters take all three (6 per
+    trainable parameter)."""
+    return full - 2.0 * info.active_parameters + 6.0 * trainable_parameters(model)
 
 
 def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
-    targets = config.lora_target_modules or "every linear layer of the decoder layers"
+    targets = config.lora_target_modules or (
+        "every linear layer of the decoder layers outside mixture-of-experts blocks"
+    )
     text = (
         f"LoRA r={config.lora_r}, alpha={config.lora_alpha}, dropout={config.lora_dropout:g} "
         f"on {targets}"

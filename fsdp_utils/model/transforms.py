@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.model.build import count_parameters, find_decoder_layers
+from fsdp_utils.model.build import active_parameters, count_parameters, find_decoder_layers
 from fsdp_utils.model.lora import apply_lora
 
 
@@ -27,6 +27,16 @@ class ModelInfo:
     non_embedding_parameters: int
     decoder_layers: int
     decoder_layer_class: str
+    # Mixture of experts: the non-embedding parameters one token passes through (its top-k
+    # routed experts and everything else); None for a dense model, where that is all of them.
+    active_non_embedding_parameters: int | None = None
+
+    @property
+    def active_parameters(self) -> int:
+        """What a token computes with: the N of 6N in the FLOPs per token."""
+        if self.active_non_embedding_parameters is None:
+            return self.non_embedding_parameters
+        return self.active_non_embedding_parameters
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,14 @@ def transform_model(model: nn.Module, config: TrainConfig) -> MetaModel:
     layers = find_decoder_layers(model)
     total, non_embedding = count_parameters(model)
     hf_config: Any = model.config
+    active = active_parameters(model, hf_config, non_embedding)
     info = ModelInfo(
-        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
+        hf_config.model_type,
+        total,
+        non_embedding,
+        len(layers),
+        type(layers[0]).__name__,
+        active_non_embedding_parameters=active if active != non_embedding else None,
     )
     if config.lora:
         apply_lora(model, layers, config)

@@ -13,7 +13,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.model import lora
 from fsdp_utils.model.build import materialize
 from fsdp_utils.model.transforms import MetaModel
-from fsdp_utils.model.weights import load_pretrained_weights
+from fsdp_utils.model.weights import WeightSource, load_pretrained_weights
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import parallelize_model, wrap_ddp
 
@@ -23,7 +23,7 @@ def build_model(
     config: TrainConfig,
     env: DistEnv,
     model_dir: Path,
-    key_map: dict[str, str],
+    key_map: dict[str, WeightSource],
     *,
     load_weights: bool,
 ) -> nn.Module:

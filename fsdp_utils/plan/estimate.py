@@ -46,6 +46,7 @@ from fsdp_utils.plan.extrapolate import (
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.step import Batch, TrainStep
 
 
@@ -160,6 +161,7 @@ def traced_step(model: Any, config: TrainConfig, env: DistEnv) -> TrainStep:
         device=env.device,
         scaler=None,
         autocast=autocast_context(config, env.device),
+        router_loss=RouterLoss.build(config, model.config),
     )
 
 
@@ -224,12 +226,23 @@ def check_plannable(config: TrainConfig) -> None:
         )
 
 
-def _untraceable(err: Exception) -> ValueError:
+def _untraceable(err: Exception, hf_config: Any) -> ValueError:
+    real_steps = "a run with a few real steps and read the peak memory in metrics.jsonl"
+    experts = getattr(hf_config, "_experts_implementation", None)
+    if experts not in (None, "grouped_mm"):
+        # transformers' grouped_mm sorts the tokens by expert into buffers of fixed size; the
+        # eager loop gathers each expert's tokens (`nonzero`), sized by the router's choices.
+        return ValueError(
+            f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}): its "
+            f"mixture-of-experts layers run the experts implementation {experts!r}, whose "
+            "buffers are sized by the router's choices, which the planner cannot know without "
+            "the weights. transformers' default, grouped_mm, has fixed sizes and plans: remove "
+            f"experts_implementation from the model's config.json, or plan {real_steps}."
+        )
     return ValueError(
         f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}). Its "
         "forward pass reads tensor values (data-dependent control flow), which the planner "
-        "cannot follow without the weights. Plan a run with a few real steps instead and read "
-        "the peak memory in metrics.jsonl."
+        f"cannot follow without the weights. Plan {real_steps} instead."
     )
 
 
@@ -324,4 +337,4 @@ def _trace(
         DynamicOutputShapeException,
         UnsupportedFakeTensorException,
     ) as err:
-        raise _untraceable(err) from err
+        raise _untraceable(err, hf_config) from err

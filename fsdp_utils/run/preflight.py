@@ -24,7 +24,9 @@ from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resol
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.build import check_seq_length
 from fsdp_utils.model.lora import check_target_modules
+from fsdp_utils.model.weights import check_not_quantized
 from fsdp_utils.run.start import storage_preflight
+from fsdp_utils.train.router_loss import resolve_coefficient
 
 GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 # A 70B plan takes about a minute on a 2-core node; a planner that hangs must not hold the job.
@@ -55,6 +57,10 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
     check_seq_length(assets.model_config, config.max_seq_length)
+    check_not_quantized(assets.model_config, assets.model_dir)
+    resolve_coefficient(
+        config, assets.model_config
+    )  # --router_aux_loss_coef on a model with routers
     if config.lora:  # an unknown --lora_target_modules fails here, before any data work
         check_target_modules(assets.model_config, config)
     return plan, assets

@@ -62,6 +62,7 @@ from fsdp_utils.train.optim import (
     build_optimizer,
     build_scheduler,
 )
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.step import Batch, TrainStep, local_counts, make_grad_scaler
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
@@ -139,6 +140,8 @@ class Trainer:
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
         if config.document_masking:
             check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
+        if (router := RouterLoss.describe(config, self.hf_config)) is not None:
+            self.log.info(router)
         self.autocast = autocast_context(config, env.device)
         self.optimizer = build_optimizer(self.model, config)
         self.train_step = TrainStep(
@@ -150,6 +153,7 @@ class Trainer:
             device=env.device,
             scaler=make_grad_scaler(config, env.device),
             autocast=self.autocast,
+            router_loss=RouterLoss.build(config, self.hf_config),
         )
         if resume_from is not None:
             self._resume(resume_from)
@@ -167,7 +171,7 @@ class Trainer:
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
         self.flops_per_token = flops_per_token(
-            self.hf_config, meta.info.non_embedding_parameters, config.max_seq_length
+            self.hf_config, meta.info.active_parameters, config.max_seq_length
         )
         if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
             self.flops_per_token = lora.flops_per_token(self.flops_per_token, meta.info, self.model)
@@ -229,7 +233,13 @@ class Trainer:
         self.fsdp_groups = fsdp_group_names(model)
         self.log.info(
             f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
-            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
+            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding"
+            + (
+                f", {info.active_parameters / 1e6:,.2f}M active per token"
+                if info.active_non_embedding_parameters is not None
+                else ""
+            )
+            + "), "
             f"{info.decoder_layers} x {info.decoder_layer_class}; "
             f"{len(self.fsdp_groups)} FSDP shard group(s)"
             + (f"\nlora: {lora.describe(self.config, model)}" if self.config.lora else "")
@@ -357,6 +367,7 @@ class Trainer:
         record = {
             "step": self.state.step,
             "loss": metrics["loss"],
+            **({"aux_loss": metrics["aux_loss"]} if "aux_loss" in metrics else {}),
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             **throughput(
