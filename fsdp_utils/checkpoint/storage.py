@@ -1,9 +1,10 @@
 """Will the run's checkpoints fit on the disk of its run folder? Checked before training.
 
 A checkpoint holds what `Checkpointer.save` writes: the model's state dict in its storage dtype
-(fp32 master weights for bf16-mixed/fp16-mixed/fp32, bf16 for bf16-true), the optimizer state
-(AdamW: two tensors per trainable parameter in the same dtype; SGD: one with momentum, none
-without), and `hf/` (model config and tokenizer files). For CodeLlama-7B with bf16-mixed AdamW
+(fp32 master weights for bf16-mixed/fp16-mixed/fp32, bf16 for bf16-true; with --lora or
+--freeze_layers only what trains), the optimizer state (AdamW: two tensors per trainable
+parameter in the same dtype; SGD: one with momentum, none without), and `hf/` (model config
+and tokenizer files). For CodeLlama-7B with bf16-mixed AdamW
 that is 6.74 G parameters x (4 + 8) bytes = 81 GB. At the peak of a save the folder holds
 `--keep_last` complete checkpoints and the one being written (older ones are deleted only after
 it is complete), so the run needs up to `keep_last + 1` of them, plus the final model.
@@ -24,6 +25,7 @@ from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import format_bytes, free_bytes, nearest_existing
+from fsdp_utils.model.freeze import trains_a_subset
 
 OPTIMIZER_STATES = {"adamw": 2}  # state tensors per trainable parameter (exp_avg, exp_avg_sq)
 
@@ -83,9 +85,10 @@ def checkpoint_size(
 
     parameters = model_bytes = entries = 0
     trainable: dict[int, int] = {}
+    subset = trains_a_subset(config)
     for tensor in model.state_dict(keep_vars=True).values():
         frozen = isinstance(tensor, nn.Parameter) and not tensor.requires_grad
-        if config.lora and frozen:  # a LoRA checkpoint holds the adapters, not the base
+        if subset and frozen:  # LoRA, --freeze_layers: what trains, not the pretrained rest
             continue
         size = tensor.numel() * tensor.element_size()
         parameters += tensor.numel()
@@ -181,14 +184,11 @@ def plan_storage(
 ) -> StoragePlan:
     """The storage plan of this run, from a meta build of its model (no memory)."""
     from fsdp_utils.config.layout import RunLayout
-    from fsdp_utils.model.build import build_meta_model
+    from fsdp_utils.model.build import build_meta_model, find_decoder_layers
+    from fsdp_utils.model.transforms import apply_transforms
 
     model = build_meta_model(hf_config, config.precision)
-    if config.lora:
-        from fsdp_utils.model.build import find_decoder_layers
-        from fsdp_utils.model.lora import apply_lora
-
-        apply_lora(model, find_decoder_layers(model), config)
+    apply_transforms(model, find_decoder_layers(model), hf_config, config)
     size = checkpoint_size(model, config, model_dir, world_size)
     # The end of the run writes the model in the export dtype (--export_dtype), tied weights
     # once; a LoRA run writes its adapters, and with --merge the merged model too.

@@ -42,6 +42,7 @@ from fsdp_utils.model.build import (
     count_parameters,
     find_decoder_layers,
 )
+from fsdp_utils.model.transforms import apply_transforms
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
 
 
@@ -143,20 +144,21 @@ class ModelInfo:
 def build_parallel_model(
     hf_config: Any, config: TrainConfig, env: DistEnv
 ) -> tuple[nn.Module, ModelInfo]:
-    """Build on meta, find the decoder layers, add LoRA adapters if asked (`fsdp_utils.model.lora`),
-    parallelize (activation checkpointing, then FSDP2 per layer and root). Still on meta:
-    `materialize` next, then load weights. The trainer and the memory planner (which
-    materialises on fake tensors) share this."""
-    model = build_meta_model(hf_config, config.precision)
+    """Build on meta (with --attn_implementation), find the decoder layers, apply the model
+    transforms (LoRA adapters or frozen layers: `fsdp_utils.model.transforms`), parallelize
+    (activation checkpointing, then FSDP2 per layer and root). Still on meta: `materialize`
+    next, then load weights. The trainer and the memory planner (which materialises on fake
+    tensors) share this."""
+    model = build_meta_model(
+        hf_config, config.precision, attn_implementation=config.attn_implementation
+    )
     layers = find_decoder_layers(model)
     total, non_embedding = count_parameters(model)
     info = ModelInfo(
         hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
     )
-    if config.lora:  # a model transform: before parallelize, as torchtitan's converters
-        from fsdp_utils.model.lora import apply_lora
-
-        apply_lora(model, layers, config)
+    # Before parallelize, as torchtitan's model converters.
+    apply_transforms(model, layers, hf_config, config)
     mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
     return parallelize(model, layers, mesh, config), info
 

@@ -47,21 +47,29 @@ def detect_gpu_memory() -> str | None:
 
 def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Path, Any]:
     """Trackers, batch arithmetic, the model in the offline cache, the sequence length against
-    its context: (plan, model folder, model config). The trainer starts with the same checks."""
+    its context, the attention implementation, LoRA's targets and adapter, the frozen layers:
+    (plan, model folder, model config). The trainer starts with the same checks."""
     from fsdp_utils.config.batch import plan_batch
     from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
     from fsdp_utils.metrics.trackers import check_trackers
+    from fsdp_utils.model.attention import check_attn_implementation
     from fsdp_utils.model.build import check_seq_length
+    from fsdp_utils.parallel.distributed import device_type
 
     check_trackers(config)
     plan = plan_batch(config, world_size)
     model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     hf_config = load_model_config(model_dir)
     check_seq_length(hf_config, config.max_seq_length)
-    if config.lora:  # an unknown --lora_target_modules fails here, before any data work
+    check_attn_implementation(hf_config, config, device_type=device_type(config.device))
+    if config.lora:  # a wrong target or adapter fails here, before any data work
         from fsdp_utils.model.lora import check_target_modules
 
         check_target_modules(hf_config, config)
+    if config.freeze_layers:
+        from fsdp_utils.model.freeze import check_freeze_layers
+
+        check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
     return plan, model_dir, hf_config
 
 

@@ -31,14 +31,20 @@ from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX, StepSampler, batch_position_ids, eval_batches
-from fsdp_utils.data.document_masking import check_document_masking
+from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
-from fsdp_utils.metrics.throughput import detect_peak_tflops, flops_per_token, memory_snapshot
+from fsdp_utils.metrics.profile import StepProbes
+from fsdp_utils.metrics.throughput import (
+    detect_peak_tflops,
+    memory_snapshot,
+    training_flops_per_token,
+)
 from fsdp_utils.metrics.trackers import open_trackers
-from fsdp_utils.model import lora
+from fsdp_utils.model import freeze, lora
 from fsdp_utils.model.build import build_meta_model, materialize
-from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
+from fsdp_utils.model.transforms import load_initial_weights
+from fsdp_utils.model.weights import checkpoint_key_map
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import (
@@ -167,13 +173,10 @@ class Trainer:
                 f"time limit: the job ends at {self.stop.end_time_text()}; saving and stopping "
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
-        self.flops_per_token = flops_per_token(
-            self.hf_config, self.model_info.non_embedding_parameters, config.max_seq_length
+        # MFU counts useful work: no weight gradients for frozen weights (LoRA, --freeze_layers)
+        self.flops_per_token = training_flops_per_token(
+            self.hf_config, self.model, self.model_info.non_embedding_parameters, config
         )
-        if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
-            self.flops_per_token = lora.flops_per_token(
-                self.flops_per_token, self.model_info, self.model
-            )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config()
 
@@ -282,10 +285,9 @@ class Trainer:
         )
         model, self.model_info = build_parallel_model(self.hf_config, config, env)
         materialize(model, env.device)
-        if config.lora:  # adapters from the seed; the base always loads (checkpoints lack it)
-            key_map = lora.init_adapters_and_key_map(model, key_map, seed=config.seed)
-        if load_weights or config.lora:  # a resumed run gets its weights from the checkpoint
-            load_pretrained_weights(model, self.model_dir, key_map)
+        # A resumed full fine-tune gets its weights from the checkpoint; LoRA and frozen layers
+        # load the pretrained weights always (their checkpoints hold only what trains).
+        load_initial_weights(model, self.model_dir, key_map, config, resuming=not load_weights)
         if config.no_fsdp:
             model = wrap_ddp(model, env.device)
         info = self.model_info
@@ -294,8 +296,10 @@ class Trainer:
             f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
             f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
             f"{info.decoder_layers} x {info.decoder_layer_class}; "
-            f"{len(self.fsdp_groups)} FSDP shard group(s)"
+            f"{len(self.fsdp_groups)} FSDP shard group(s); attention "
+            f"{attention_implementation(getattr(model, 'module', model))}"
             + (f"\nlora: {lora.describe(config, model)}" if config.lora else "")
+            + (f"\nfreeze: {freeze.describe(config, model)}" if config.freeze_layers else "")
         )
         model.train()
         return model
@@ -369,10 +373,12 @@ class Trainer:
         last: dict[str, Any] = {}
         batches = self.step_batches(self.state.step)
         global_counts: list[float] | None = None  # the first step reduces its own
+        self.probes = self._step_probes()  # --profile_steps, --flop_counter
         while self.state.step < config.max_training_steps:
             self._seed_step()
             log_now = self._is_log_step(self.state.step + 1)
-            metrics = self.train_step(batches, global_counts=global_counts, check=log_now)
+            with self.probes.around(self.state.step + 1):
+                metrics = self.train_step(batches, global_counts=global_counts, check=log_now)
             self.state.step += 1
             self.state.tokens_seen += metrics["tokens"]
             more = self.state.step < config.max_training_steps
@@ -389,6 +395,7 @@ class Trainer:
                 self.chess_eval.maybe_run(self.model, self.state.step, autocast=self.autocast)
             if decision.stop and not self._end_of_leg(decision.stop).finish:
                 self.stop.consume_stop_file()  # handled: the next run must not stop at once
+                self.probes.close()
                 return {
                     "status": "interrupted",
                     "reason": decision.stop,
@@ -399,6 +406,7 @@ class Trainer:
             if decision.save and self.last_saved_step != self.state.step:
                 self._periodic_save()
             watch.lap()  # eval and save time is not step time
+        self.probes.close()
         final_eval = None
         if not config.eval_every or self.state.step % config.eval_every:
             final_eval = self.evaluate()
@@ -415,6 +423,19 @@ class Trainer:
             "eval": final_eval,
             "seconds": time.perf_counter() - started,
         }
+
+    def _step_probes(self) -> StepProbes:
+        tokens_per_rank = self.plan.tokens_per_step / self.env.world_size
+        return StepProbes.from_config(
+            self.config,
+            self.layout.root,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            device=self.env.device,
+            start=self.state.step,
+            flops_per_rank_step=self.flops_per_token * tokens_per_rank,
+            log=self.log,
+        )
 
     def _timed_evaluate(self) -> None:
         watch = Stopwatch()
