@@ -38,6 +38,15 @@ def profile_dir(run_root: Path) -> Path:
     return run_root / PROFILE_DIR
 
 
+def profile_window(first: int, last: int, *, start: int) -> tuple[int, int, int]:
+    """(the step the profiler starts before, warm-up steps, recorded steps) for steps `first`
+    to `last` in a job whose first step is `start + 1`. The warm-up is the step before the
+    window when this job runs it; a resumed job inside the window records what is left of it,
+    and one past it nothing (0 recorded steps)."""
+    begin = first - 1 if first > start + 1 else start + 1
+    return begin, first - begin if first > begin else 0, max(last - max(first, start + 1) + 1, 0)
+
+
 class StepProfiler:
     """The torch profiler over optimizer steps `first` to `last` (counted from 1) of a run
     whose first step in this job is `start + 1` (`start`: steps completed before, on resume)."""
@@ -47,11 +56,7 @@ class StepProfiler:
     ) -> None:
         self.first, self.last = first, last
         self.folder, self.rank, self.device = folder, rank, device
-        # A warm-up step before the window when it runs in this job; none if the window starts
-        # at this job's first step (or before it: a resumed run inside the window).
-        self.begin = first - 1 if first > start + 1 else start + 1
-        self.warmup = first - self.begin if first > self.begin else 0
-        self.active = last - max(first, start + 1) + 1
+        self.begin, self.warmup, self.active = profile_window(first, last, start=start)
         self.profiler: torch.profiler.profile | None = None
         self.traces: list[Path] = []
         self.snapshot: Path | None = None

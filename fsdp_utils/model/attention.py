@@ -74,7 +74,14 @@ def _check_with_transformers(hf_config: Any, config: TrainConfig) -> None:
     implementation = config.attn_implementation
     try:
         build_meta_model(hf_config, config.precision, attn_implementation=implementation)
-    except (ValueError, ImportError) as err:
+    except ImportError as err:  # the model supports it; its package is missing or unusable
+        raise ValueError(
+            f"--attn_implementation {implementation} is not usable in this environment: "
+            f"{' '.join(str(err).split())} Install it into the environment the job runs in "
+            "(for flash_attention_2: pip install flash-attn --no-build-isolation, on the login "
+            "node), or use --attn_implementation sdpa."
+        ) from err
+    except ValueError as err:  # the model class does not support it
         supported = supported_implementations(hf_config)
         raise ValueError(
             f"--attn_implementation {implementation} cannot serve this model "
