@@ -127,6 +127,22 @@ def test_cpu_attention_and_grouped_matmuls_are_counted():
     assert grouped.total == looped.total == 2 * 16 * 8 * 8
 
 
+def test_grouped_query_attention_counts_and_a_failing_formula_never_stops_the_step():
+    """Torch before 2.13 asserted equal query and key/value heads in its SDPA formula, which
+    stopped the first step of a GQA model (seen on an H100 with torch 2.11): the count broadcasts
+    the key/value heads as the kernels do, and any formula that still fails counts 0, by name."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    q, kv = torch.randn(1, 8, 32, 16), torch.randn(1, 2, 32, 16)
+    count = FlopCount()
+    with count.counting():
+        nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    assert count.total == sdpa_flop_count(q.shape, q.shape, q.shape) > 0
+    assert not count.skipped
+    broken = count._safe("aten.broken", lambda *args, **kwargs: 1 // 0, raw=True)
+    assert broken(q) == 0 and count.skipped == {"aten.broken"}
+
+
 def test_format_flops():
     assert format_flops(1.234e14) == "123.4 TFLOP"
     assert format_flops(4.614e8) == "461.4 MFLOP"

@@ -16,11 +16,16 @@ numerator, which counts useful work only):
 - with --gradient_checkpointing every checkpointed layer's forward again (about 8N instead of
   6N), and LoRA's frozen weights as the estimate counts them.
 
-torch 2.13's registry lacks two kernels this trainer runs, which would count as zero: the CPU's
-SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`, pytorch#195460; counted here with
-torch's own SDPA formulas, as pytorch#195801 registers them) and `_grouped_mm`, with which
-transformers 5 runs the experts of mixture-of-experts layers. Both go in through
-FlopCounterMode's `custom_mapping`; torch's own formulas win once it has them.
+Given to FlopCounterMode beside torch's registry (`custom_mapping`, nothing global changed):
+- the SDPA kernels, counted with torch's own formulas but with grouped-query attention (the
+  kernels broadcast the key/value heads; torch's formula asserts equal heads before 2.13, which
+  stopped a GQA model's first step on an H100 with torch 2.11), and the CPU's kernel
+  (`_scaled_dot_product_flash_attention_for_cpu`), which torch 2.13 does not count at all
+  (pytorch#195460, registered upstream by pytorch#195801);
+- `_grouped_mm`, with which transformers 5 runs the experts of mixture-of-experts layers, where
+  torch has no formula for it.
+Every formula is guarded: one that fails counts 0 and is named in the log line, never stopping
+the run.
 """
 
 from __future__ import annotations
@@ -31,20 +36,35 @@ from typing import Any
 
 import torch
 
+_SDPA_FORWARD = (  # (query, key, value, ...)
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+_SDPA_BACKWARD = tuple(f"{name}_backward" for name in _SDPA_FORWARD)  # (grad_out, q, k, v, ...)
 
-def _cpu_sdpa_forward(
-    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
-) -> int:
+
+def _with_query_heads(query_shape: Any, *shapes: Any) -> list[Any]:
+    """Grouped-query attention: the kernels broadcast the key/value heads to the query's, and
+    so does the count (torch's own SDPA formulas assert equal heads before torch 2.13)."""
+    heads = query_shape[1]
+    return [(shape[0], heads, *shape[2:]) for shape in shapes]
+
+
+def _sdpa_forward(query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any) -> int:
     from torch.utils.flop_counter import sdpa_flop_count
 
+    key_shape, value_shape = _with_query_heads(query_shape, key_shape, value_shape)
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
-def _cpu_sdpa_backward(
-    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *a: Any, **k: Any
+def _sdpa_backward(
+    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any
 ) -> int:
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
+    key_shape, value_shape = _with_query_heads(query_shape, key_shape, value_shape)
     return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
 
 
@@ -62,29 +82,60 @@ def _grouped_mm(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]  # (g, m, k) @ (g, k, n)
 
 
-def missing_formulas() -> dict[Any, Any]:
-    """Formulas for the ops torch's registry lacks (none once torch counts them itself)."""
+def our_formulas() -> dict[Any, Any]:
+    """The formulas given to FlopCounterMode beside (or instead of) torch's: SDPA's kernels
+    counted with grouped-query attention whatever torch's version, and `_grouped_mm` where torch
+    has no formula for it. Ops this torch does not have are left out."""
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
-    ours = {
-        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
-        aten._grouped_mm: _grouped_mm,
-    }
-    return {op: formula for op, formula in ours.items() if op not in flop_registry}
+    ours: dict[Any, Any] = {}
+    for names, formula in ((_SDPA_FORWARD, _sdpa_forward), (_SDPA_BACKWARD, _sdpa_backward)):
+        for name in names:
+            if hasattr(aten, name):
+                ours[getattr(aten, name)] = formula
+    if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in flop_registry:
+        ours[aten._grouped_mm] = _grouped_mm
+    return ours
+
+
+def missing_formulas() -> dict[Any, Any]:
+    """The ops of `our_formulas` that torch's registry lacks (none once torch counts them)."""
+    from torch.utils.flop_counter import flop_registry
+
+    return {op: f for op, f in our_formulas().items() if op not in flop_registry}
 
 
 class FlopCount:
-    """Counts the FLOPs of whatever runs inside `counting()`."""
+    """Counts the FLOPs of whatever runs inside `counting()`. A formula that fails (an op whose
+    shapes a torch version's formula does not expect) counts 0 and is named in `skipped`, so
+    that a diagnostic never stops a training run."""
 
     total: int = 0
 
+    def __init__(self) -> None:
+        self.skipped: set[str] = set()
+
+    def _safe(self, op: Any, formula: Any, *, raw: bool) -> Any:
+        def count(*args: Any, **kwargs: Any) -> int:
+            try:
+                return int(formula(*args, **kwargs))
+            except Exception:  # any failure: count nothing, and say so
+                self.skipped.add(str(op))
+                return 0
+
+        count._get_raw = raw  # type: ignore[attr-defined]  # FlopCounterMode: args as given
+        return count
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        from torch.utils.flop_counter import FlopCounterMode
+        from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-        mode = FlopCounterMode(display=False, custom_mapping=missing_formulas())
+        # torch's registered formulas take the op's arguments (they turn them into shapes
+        # themselves); ours take shapes, which FlopCounterMode makes for them.
+        mapping = {op: self._safe(op, f, raw=True) for op, f in flop_registry.items()}
+        mapping.update({op: self._safe(op, f, raw=False) for op, f in our_formulas().items()})
+        mode = FlopCounterMode(display=False, custom_mapping=mapping)
         with mode:
             yield
         self.total = int(mode.get_total_flops())

@@ -170,7 +170,7 @@ class StepProbes:
                 count = FlopCount()
                 with count.counting():
                     yield
-                self._report_flops(count.total, step)
+                self._report_flops(count, step)
             else:
                 yield
         if self.profiler is not None:
@@ -178,13 +178,20 @@ class StepProbes:
             if self.profiler.profiler is None and not self._reported:
                 self._report_profile()
 
-    def _report_flops(self, counted: int, step: int) -> None:
+    def _report_flops(self, count: FlopCount, step: int) -> None:
         assert self.flops_estimate is not None
         line = describe_step_flops(
-            counted, self.flops_estimate, step=step, world_size=self.world_size
+            count.total, self.flops_estimate, step=step, world_size=self.world_size
         )
+        if count.skipped:
+            line += f" (not counted, their formulas failed: {', '.join(sorted(count.skipped))})"
         self.log.event(
-            "flop_count", line, step=step, counted=counted, estimated=self.flops_estimate
+            "flop_count",
+            line,
+            step=step,
+            counted=count.total,
+            estimated=self.flops_estimate,
+            skipped=sorted(count.skipped),
         )
         self.flops_estimate = None  # once, on this job's first step
 

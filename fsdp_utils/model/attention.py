@@ -92,9 +92,10 @@ def _check_with_transformers(hf_config: Any, config: TrainConfig) -> None:
 
 
 def model_class(hf_config: Any) -> Any:
-    from transformers import AutoModelForCausalLM
+    """The class `AutoModelForCausalLM` builds for this config."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return AutoModelForCausalLM._model_mapping[type(hf_config)]
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
 
 
 def supported_implementations(hf_config: Any) -> list[str]:

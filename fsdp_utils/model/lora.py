@@ -20,6 +20,9 @@ After `to_empty`, `init_adapters` fills the adapters as peft does (A: Kaiming-un
 so training starts from the base model's outputs), from generators seeded by (seed, parameter
 name) over the full shape: every world size starts from the same adapters. Base weights load
 as in full fine-tuning, each rank reading its own slices (`base_key_map` adds `.base_layer`).
+Then `finish_adapters`: DoRA's magnitudes (`--lora_dora`) from the loaded base, and with
+`--lora_from` every adapter tensor from the adapter folder, whose settings (`lora_settings`)
+decide rank, alpha, targets and DoRA.
 """
 
 from __future__ import annotations
@@ -356,12 +359,10 @@ def finish_adapters(model: nn.Module, config: TrainConfig) -> None:
     settings = lora_settings(config)
     if settings.adapter is None:
         return
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     from fsdp_utils.model.peft_adapter import adapter_key_map
     from fsdp_utils.model.weights import load_pretrained_weights
 
-    keys = list(get_model_state_dict(model))
+    keys = [name for name, _ in _all_named_parameters(model)]
     load_pretrained_weights(model, settings.adapter, adapter_key_map(keys))
 
 
