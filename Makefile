@@ -15,7 +15,7 @@ help:
 	@echo "make demo        tiny chess model + random games, 2-process FSDP run on CPU (< 5 min)"
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
-	@echo "make lint        ruff check + ruff format --check + mypy"
+	@echo "make lint        ruff check + ruff format --check + mypy + import layers and circles"
 	@echo "make bench       throughput (tokens/s) and the memory-plan table, results in bench/results/"
 	@echo "make gpu-check   on a GPU node: run the CUDA paths, measure tokens/s, MFU, memory vs plan"
 
@@ -50,6 +50,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_imports.py
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

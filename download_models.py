@@ -3,7 +3,7 @@
     python download_models.py                  # the trainer's default model and dataset subset
     python download_models.py --help           # --model/--dataset/--config, --verify, --check-offline
 
-Everything lives in `fsdp_utils.hub`; see docs/readme/download.md.
+Everything lives in `fsdp_utils.hub`; see docs/download.md.
 """
 
 import sys

@@ -276,7 +276,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def render_table(result: dict[str, Any]) -> str:
-    """The markdown table the README quotes."""
+    """The markdown table to paste into docs/gpu-check.md."""
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -345,9 +345,9 @@ class Kit:
         """The planner's prediction for exactly this configuration (None if it cannot plan)."""
         flags = self.common_flags(model, data, self.work / "plan-unused", spec)
         command = [sys.executable, "-m", "fsdp_utils.plan", *flags, "--json"]
-        command += ["--gpus-per-node", str(self.gpus), "--no-fixes"]
+        command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
         if self.args.gpu_memory:
-            command += ["--gpu-memory", self.args.gpu_memory]
+            command += ["--gpu_memory", self.args.gpu_memory]
         result = subprocess.run(command, capture_output=True, text=True, env=self.env, cwd=REPO)
         try:
             return json.loads(result.stdout)

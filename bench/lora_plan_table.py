@@ -1,4 +1,4 @@
-"""The README's LoRA table: CodeLlama-7B, LoRA against full fine-tuning, on the hardware of the
+"""The LoRA table of docs/lora.md: CodeLlama-7B, LoRA against full fine-tuning, on the hardware of the
 seed documents: 1 and 4 x V100-32GB (no bf16 there: fp16-mixed, as seed 000's `--use_fp16`) and
 1 x A100-80GB (bf16-mixed), with and without activation checkpointing.
 

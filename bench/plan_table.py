@@ -1,5 +1,5 @@
-"""The README's memory table: CodeLlama-7B on 4 x A100-80GB, batch per device 1 to 16, with and
-without activation checkpointing (the tutorial's questions), how long planning takes for 7B,
+"""The memory table of docs/plan.md: CodeLlama-7B on 4 x A100-80GB, batch per device 1 to 16,
+with and without activation checkpointing (the tutorial's questions), how long planning takes for 7B,
 13B and 70B, and how the fast planner agrees with the full trace.
 
     python bench/plan_table.py                      # from the configs in tests/fixtures/configs
@@ -8,7 +8,7 @@ without activation checkpointing (the tutorial's questions), how long planning t
     python bench/plan_table.py --agreement          # fast vs full trace on tiny 20-layer models
 
 Each row is one `plan_memory` (fake-tensor traces of the trainer's step, extrapolated from
-shallow copies of the model), checked against the full trace of every layer (`--full-trace`).
+shallow copies of the model), checked against the full trace of every layer (`--full_trace`).
 Total batch 64, so that 16 per device x 4 GPUs divides it; everything else is
 chess_finetune.py's defaults (1024 tokens per sequence, bf16-mixed, AdamW, FSDP2 per decoder
 layer). Times are wall and CPU seconds: on a shared machine the CPU time is the steadier one.
@@ -91,7 +91,7 @@ def timings() -> str:
     lines = [
         "",
         "Planning time, chess_finetune.py defaults (total batch 32, 1 per GPU, 4 GPUs), "
-        "fast planner vs --full-trace:",
+        "fast planner vs --full_trace:",
     ]
     for name in ("codellama-7b", "codellama-13b", "codellama-70b"):
         config = TrainConfig(model=str(CONFIGS / name))

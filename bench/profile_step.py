@@ -86,7 +86,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     enable_offline_mode()
     from fsdp_utils.config.parse import parse_config
     from fsdp_utils.parallel import distributed as dist_utils
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.run.session import open_trainer
 
     assets = RESULTS / "assets"
     config, _ = parse_config(
@@ -98,7 +98,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
          "--no_final_save", "--resume", "never", "--log_every", str(args.log_every)]
     )  # fmt: skip
     env = dist_utils.init_distributed(config.device)
-    trainer = Trainer(config, env)
+    trainer = open_trainer(config, env)
     trainer.setup()
     profiler = cProfile.Profile(time.process_time)
     started = {"steps": 0, "cpu": 0.0}
@@ -118,7 +118,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
         started["cpu"] = time.process_time() - started["cpu"]
         return original_evaluate()
 
-    trainer.train_step = train_step  # type: ignore[method-assign]
+    trainer.train_step = train_step  # type: ignore[assignment]
     trainer.evaluate = evaluate  # type: ignore[method-assign]
     trainer.train()
     cpu = started["cpu"]

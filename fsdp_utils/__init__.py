@@ -11,9 +11,9 @@ checks it: see `.importlinter`):
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
     chess_eval/  did the model learn chess? (python-chess as the referee)
-    train/       the trainer: train -> train_step -> forward_backward_step
+    train/       the trainer: train -> train_step (TrainStep) -> forward_backward
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
-    run/         before a run: preflight, run-folder start, shared-path checks
+    run/         before a run: preflight, run-folder start, shared paths; opening the Trainer
     slurm/       sbatch/submitit launchers, a local Slurm for tests
 
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),

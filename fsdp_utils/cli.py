@@ -1,77 +1,98 @@
 """`chess_finetune.py`'s main: parse, check, train, save. User mistakes end with one clear
-paragraph (printed once, by rank 0) and exit code 2, never a bare traceback."""
+paragraph (printed once, by rank 0) and exit code 2, never a bare traceback; under torchrun the
+other ranks end quietly with the same code (`fsdp_utils.parallel.distributed.on_main_rank`)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 
+if TYPE_CHECKING:
+    from fsdp_utils.train.trainer import Trainer
+
+    AfterSetup = Callable[[Trainer], None]
+
 EXIT_USAGE = 2
+# Rank 0 reports before the others learn of its failure; this is only so that its exit, not
+# torchrun's SIGTERM after another rank's, ends it.
+PEER_EXIT_DELAY_S = 2.0
 
 DESCRIPTION = """Fine-tune a causal LM on chess games (or any text) with FSDP2.
 Run with torchrun (one process per GPU; gloo on CPU) or as a plain process."""
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = build_parser(DESCRIPTION)
-    parser.add_argument(
+    return build_parser(DESCRIPTION, command_options=_add_check_options)
+
+
+def _add_check_options(checks: argparse._ArgumentGroup) -> None:
+    checks.add_argument(
         "--preflight",
         action="store_true",
         help="Check config, batch arithmetic for --world_size processes, offline assets and "
         "sequence length in seconds, without loading weights; exit 0 if all is well.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--world_size",
         type=int,
         default=None,
         help="With --preflight: the number of processes the run will have.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--nodes", type=int, default=1, help="With --preflight: the number of nodes (1)."
     )
-    parser.add_argument(
+    checks.add_argument(
         "--gpu_memory",
         default="auto",
         metavar="SIZE",
         help="With --preflight: memory of one GPU for the memory plan (80GiB, a100-80gb, ...); "
         "auto: this node's GPUs (none: no plan); off: no plan.",
     )
-    parser.add_argument(
+    checks.add_argument(
         "--plan",
         action="store_true",
         help="Plan the GPU memory of this run and exit: the same as `python -m fsdp_utils.plan` "
-        "(add --nodes, --gpus-per-node, --gpu-memory, --find-max-batch).",
+        "(add --nodes, --gpus_per_node, --gpu_memory, --find_max_batch).",
     )
-    return parser
 
 
 def _rank() -> int:
-    import os
-
     return int(os.environ.get("RANK", "0"))
 
 
 def _fail(message: str) -> int:
     if _rank() == 0:
-        print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
+        from fsdp_utils.parallel.distributed import report_error  # torch: not for --help
+
+        report_error(message)
     return EXIT_USAGE
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
+def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[str, Any]:
+    """Check (once per process), start the run folder, train, save: the whole run on this
+    process's rank. User mistakes raise ValueError (one paragraph, printed by `main`).
+    `after_setup`: called with the set-up Trainer before its first step (tools and tests use
+    it to instrument the model)."""
     from fsdp_utils.parallel import distributed as dist_utils
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.run.session import open_trainer
+    from fsdp_utils.train.step import TrainingDivergedError
 
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
     clean = False
     try:
-        trainer = Trainer(config, env)
+        trainer = open_trainer(config, env)
         trainer.setup()
+        if after_setup is not None:
+            after_setup(trainer)
         summary = trainer.train()
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
@@ -84,7 +105,12 @@ def run(config: TrainConfig) -> dict[str, Any]:
         return summary
     except BaseException as err:
         if trainer is not None:  # tell the sbatch script not to requeue a failing run
-            trainer.write_status("failed", f"{type(err).__name__}: {err}"[:2000])
+            user = isinstance(err, ValueError | TrainingDivergedError)
+            trainer.write_status(
+                "failed",
+                f"{type(err).__name__}: {err}"[:2000],
+                user_error=str(err) if user else None,
+            )
         raise
     finally:
         if trainer is not None:
@@ -120,8 +146,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fsdp_utils.train.trainer import TrainingDivergedError
+def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None) -> int:
+    from fsdp_utils.parallel.distributed import PeerFailure, ReportedError
+    from fsdp_utils.train.step import TrainingDivergedError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--plan" in argv:  # the planner's parser has every training flag and its own
@@ -143,11 +170,14 @@ def main(argv: list[str] | None = None) -> int:
 
             world_size = args.world_size or world_size_from_env()
             print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
-            from fsdp_utils.run.start import storage_preflight  # after the plan: it must fit first
-
-            print(storage_preflight(config, world_size), flush=True)
             return 0
-        run(config)
+        run(config, after_setup=after_setup)
+    except ReportedError:  # rank 0 found a mistake in work the others waited for: said
+        return EXIT_USAGE
+    except PeerFailure as err:  # ... and this rank is one of the others: end quietly, after
+        # rank 0, so that torchrun sees rank 0's exit first and does not stop it on the way out
+        time.sleep(PEER_EXIT_DELAY_S)
+        return EXIT_USAGE if err.user_error else 1
     except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError
         return _fail(str(err))
     return 0

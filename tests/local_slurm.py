@@ -25,15 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.slurm.local_cluster import (
-    LocalClusterError,
-    acquire,
-    default_cluster,
-    release,
-    which,
-)
+from fsdp_utils.slurm.local_cluster import acquire, default_cluster, release
 from fsdp_utils.slurm.local_conf import LocalCluster, MultiNodeCluster
-from fsdp_utils.slurm.local_multinode import DEFAULT_MULTI_STATE_DIR, default_multi_cluster
+from fsdp_utils.slurm.local_daemons import DEFAULT_MULTI_STATE_DIR, LocalClusterError, which
+from fsdp_utils.slurm.local_multinode import default_multi_cluster
 
 # The checkout's git-ignored state folder, shared with `slurm/local/up.sh`.
 STATE_DIR = Path(__file__).resolve().parent.parent / "slurm" / "local" / "state"

@@ -25,7 +25,7 @@ def main() -> int:
     from fsdp_utils.checkpoint.hf_folder import gather_full_state_dict
     from fsdp_utils.config.parse import build_parser, parse_config
     from fsdp_utils.parallel import distributed as dist_utils
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.run.session import open_trainer
 
     parser = build_parser()
     parser.add_argument("--probe_out", type=Path, required=True)
@@ -33,7 +33,7 @@ def main() -> int:
     env = dist_utils.init_distributed(config.device)
     clean = False
     try:
-        trainer = Trainer(config, env)
+        trainer = open_trainer(config, env)
         trainer.setup()
         input_ids = trainer.eval_blocks.batch([0, 1])["input_ids"].to(env.device)
         start_logits = _logits(trainer.model, input_ids)

@@ -3,8 +3,9 @@
     POISON_GRADIENT_AT_STEP=3 python tests/poison_gradient.py <chess_finetune.py options>
 
 What a bf16/fp32 run without a gradient scaler can meet: a finite loss whose backward
-overflows. A forward hook on `lm_head` passes the logits through unchanged but multiplies their
-gradient by infinity at that step (1-based, as logged); nothing else differs from a real run.
+overflows. A forward hook on `lm_head` (added through `cli.main`'s `after_setup`) passes the
+logits through unchanged but multiplies their gradient by infinity at that step (1-based, as
+logged); nothing else differs from a real run.
 """
 
 from __future__ import annotations
@@ -39,20 +40,17 @@ class _InfiniteGradient(torch.autograd.Function):
         return grad * math.inf
 
 
-def _build_poisoned(self: Trainer, load_weights: bool = True) -> torch.nn.Module:
-    model = _build_model(self, load_weights)
+def poison(trainer: Trainer) -> None:
+    """`cli.main`'s after-setup hook: from now on, the lm_head's output gradient is infinite
+    at step POISON_STEP."""
 
-    def poison(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> Any:
-        if module.training and self.state.step + 1 == POISON_STEP:
+    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> Any:
+        if module.training and trainer.state.step + 1 == POISON_STEP:
             return _InfiniteGradient.apply(output)
         return None
 
-    model.get_submodule("lm_head").register_forward_hook(poison)
-    return model
+    trainer.model.get_submodule("lm_head").register_forward_hook(hook)
 
-
-_build_model = Trainer._build_model
-Trainer._build_model = _build_poisoned  # type: ignore[method-assign]
 
 if __name__ == "__main__":
-    sys.exit(cli.main())
+    sys.exit(cli.main(after_setup=poison))

@@ -117,7 +117,7 @@ def test_prefixes_cover_opening_middlegame_and_ending(games, config):
         if p.phase == "ending":
             assert len(p.moves) == len(game["Moves"]) - PLIES // 2
     no_header = make_prefixes(games, "{moves}", plies=PLIES, seed=config.seed)
-    assert all(p.header_result is None for p in no_header)
+    assert len(no_header) == len(prefixes) and all(p.header_result is None for p in no_header)
 
 
 # --- scripted players through the real decoding loop -------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,13 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_utils.config.parse import config_from_dict, parse_config
-from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.config.parse import (
+    CHECKS_SECTION,
+    add_renamed_argument,
+    config_from_dict,
+    parse_config,
+)
+from fsdp_utils.config.train_config import SECTIONS, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_defaults_and_seed_flags():
+def test_the_tutorials_flags_set_those_fields_and_no_other():
     config, _ = parse_config(
         [
             "--batch_size_per_device", "4",
@@ -27,12 +34,11 @@ def test_defaults_and_seed_flags():
             "--no_fsdp",
         ]
     )  # fmt: skip
-    assert config.batch_size_per_device == 4
-    assert config.gradient_accumulation_steps == 2
-    assert config.learning_rate == pytest.approx(1e-4)
-    assert config.max_training_steps == 7
-    assert config.gradient_checkpointing and config.no_fsdp
-    assert config.precision == TrainConfig().precision
+    # Every other field keeps its dataclass default: the parser adds no defaults of its own.
+    assert config == TrainConfig(
+        batch_size_per_device=4, gradient_accumulation_steps=2, learning_rate=1e-4,
+        max_training_steps=7, gradient_checkpointing=True, max_seq_length=256, no_fsdp=True,
+    )  # fmt: skip
 
 
 def test_config_file_then_cli_override(tmp_path: Path):
@@ -87,3 +93,62 @@ def test_bad_flag_value_is_one_clear_line():
     )  # fmt: skip
     assert result.returncode == 2
     assert "warmup_steps" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- --help: one section per stage of a run, the checks first ---------------------------------
+
+
+def test_every_field_has_a_help_section():
+    unsorted = [
+        f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("section") not in SECTIONS
+    ]
+    assert unsorted == []
+
+
+def _sections(help_text: str) -> dict[str, str]:
+    """`--help` cut into its sections: title -> the lines under it."""
+    sections: dict[str, str] = {}
+    title = None
+    for line in help_text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = ""
+        elif title is not None:
+            sections[title] += line + "\n"
+    return sections
+
+
+def test_help_shows_its_sections_in_order_with_each_flag_in_its_own():
+    result = subprocess.run(
+        [sys.executable, "chess_finetune.py", "--help"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "usage: chess_finetune.py [options]"
+    sections = _sections(result.stdout)
+    assert list(sections) == ["options", CHECKS_SECTION, *SECTIONS.values()]
+    flags = {title: set(text.split()) for title, text in sections.items()}
+    checks = {"--config", "--print_config", "--preflight", "--world_size", "--nodes",
+              "--gpu_memory", "--plan"}  # fmt: skip
+    assert checks <= flags[CHECKS_SECTION]
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{field.name}" in flags[SECTIONS[field.metadata["section"]]], field.name
+
+
+def test_an_old_spelling_still_works_hidden_and_with_a_warning(capsys):
+    parser = argparse.ArgumentParser()
+    add_renamed_argument(parser, "--gpus_per_node", old="--gpus-per-node", type=int, default=None)
+    add_renamed_argument(parser, "--full_trace", old="--full-trace", action="store_true")
+    add_renamed_argument(parser, "--margin", old="--old-margin", default="2GiB")
+
+    args = parser.parse_args(["--gpus-per-node", "4", "--full-trace"])
+    assert (args.gpus_per_node, args.full_trace, args.margin) == (4, True, "2GiB")
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --gpus-per-node is deprecated: use --gpus_per_node",
+        "warning: --full-trace is deprecated: use --full_trace",
+    ]
+    args = parser.parse_args(["--gpus_per_node", "2"])
+    assert (args.gpus_per_node, args.full_trace) == (2, False)
+    assert capsys.readouterr().err == ""
+    assert "--gpus-per-node" not in parser.format_help()
+    assert "--gpus_per_node" in parser.format_help()

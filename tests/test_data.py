@@ -52,7 +52,7 @@ def test_no_packing_pads_every_document(tiny_assets, tmp_path):
     meta = json.loads((folder / "meta.json").read_text())["stats"]["train"]
     assert len(train) == meta["documents"]  # one row per document
     batch = train.batch(np.arange(4))
-    for row, labels, n in zip(batch["input_ids"], batch["labels"], train.lengths[:4], strict=False):
+    for row, labels, n in zip(batch["input_ids"], batch["labels"], train.lengths[:4], strict=True):
         assert (labels[n:] == IGNORE_INDEX).all() and (labels[:n] == row[:n]).all()
 
 

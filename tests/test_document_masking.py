@@ -4,7 +4,6 @@ and the two traps (an all-ones mask, a KV cache) that silently let documents see
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 from pathlib import Path
@@ -18,10 +17,10 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import batch_position_ids
 from fsdp_utils.data.document_masking import check_document_masking, document_position_ids
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset
-from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model
 from fsdp_utils.train.loss import token_loss_sum
-from fsdp_utils.train.trainer import Trainer
+from fsdp_utils.train.optim import build_optimizer, build_scheduler
+from fsdp_utils.train.step import TrainStep
 
 CPU = torch.device("cpu")
 
@@ -121,18 +120,18 @@ def test_the_traps_let_documents_see_each_other(prepared, models, trap):
 
 
 def test_the_trainers_forward_keeps_documents_apart(prepared, models):
-    """The trainer's own forward_backward_step on a packed micro-batch gives the loss of its
+    """The trainer's own step (TrainStep.forward_backward) on a packed micro-batch gives the loss of its
     document pieces each run alone: it passes the position ids, and no mask or cache."""
     model = AutoModelForCausalLM.from_pretrained(models["llama"])
-    trainer = Trainer.__new__(Trainer)  # only what forward_backward_step reads
-    trainer.model = model
-    trainer.env = DistEnv(0, 0, 1, 1, CPU, "gloo")
-    trainer.autocast = contextlib.nullcontext
-    trainer.scaler = None
-    trainer.config = TrainConfig(document_masking=True)
+    config = TrainConfig(document_masking=True)
+    optimizer = build_optimizer(model, config)
+    step = TrainStep(
+        model, optimizer, build_scheduler(optimizer, config),
+        config=config, world_size=1, device=CPU,
+    )  # fmt: skip
     eos = prepared.meta["stats"]["eos_token_id"]
     batch = prepared.split("train", document_masking=True).batch(np.arange(2))
-    loss_sum = trainer.forward_backward_step(batch, 1.0)
+    loss_sum = step.forward_backward(batch, 1.0)
 
     with torch.no_grad():
         pieces = []

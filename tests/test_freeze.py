@@ -22,12 +22,18 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import load_model_config
 from fsdp_utils.model.build import build_meta_model, find_decoder_layers
 from fsdp_utils.model.freeze import describe, frozen_dtype
-from fsdp_utils.model.transforms import apply_transforms
+from fsdp_utils.model.transforms import apply_transforms, transform_model
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.synthetic import tiny_model_config
 from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
 
 CODELLAMA_7B = Path(__file__).parent / "fixtures" / "configs" / "codellama-7b"
+
+
+def _storage(config, hf_config, model_dir, world_size=1):
+    """The storage plan as the Trainer and the preflight make it: on the transformed meta model."""
+    meta = transform_model(build_meta_model(hf_config, config.precision), config)
+    return plan_storage(meta.model, config, hf_config, model_dir, existing=0, world_size=world_size)
 
 
 def _frozen_meta_model(hf_config, **options):
@@ -97,8 +103,8 @@ def test_the_storage_check_counts_what_trains_and_the_whole_final_model(tmp_path
     whole model in bf16, as without --freeze_layers."""
     hf_config = load_model_config(CODELLAMA_7B)
     config = TrainConfig(freeze_layers=16, output_dir=str(tmp_path / "run"))
-    plan = plan_storage(config, hf_config, CODELLAMA_7B, existing=0)
-    full = plan_storage(config.replace(freeze_layers=0), hf_config, CODELLAMA_7B, existing=0)
+    plan = _storage(config, hf_config, CODELLAMA_7B)
+    full = _storage(config.replace(freeze_layers=0), hf_config, CODELLAMA_7B)
     model = build_meta_model(hf_config, "bf16-mixed")
     layer = sum(p.numel() for p in find_decoder_layers(model)[0].parameters())
     trained = 16 * layer + model.lm_head.weight.numel() + model.model.norm.weight.numel()
@@ -182,7 +188,7 @@ def test_checkpoints_hold_what_trains_and_the_storage_check_knows_their_size(
 
     config, _ = parse_config(freeze_run["args"], build_parser())
     hf_config = load_model_config(tiny_assets["model"])
-    plan = plan_storage(config, hf_config, tiny_assets["model"], existing=0, world_size=2)
+    plan = _storage(config, hf_config, tiny_assets["model"], world_size=2)
     on_disk = sum(f.stat().st_size for f in checkpoint.path.rglob("*") if f.is_file())
     assert plan.size.total == pytest.approx(on_disk, rel=0.03)
 

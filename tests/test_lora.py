@@ -92,10 +92,13 @@ def test_frozen_base_in_the_compute_dtype_and_adapters_trainable(
     tiny_assets, precision, frozen, adapter
 ):
     model, _ = _meta_lora_model(tiny_assets["model"], precision=precision)
+    adapters = 0
     for name, param in model.named_parameters():
         is_adapter = ".lora_A." in name or ".lora_B." in name
+        adapters += is_adapter
         assert param.requires_grad == is_adapter, name
         assert param.dtype == (adapter if is_adapter else frozen), name
+    assert adapters == 28  # A and B on the 7 linear layers of each of the 2 blocks
 
 
 def test_config_options(tiny_assets):

@@ -34,9 +34,9 @@ from typing import Any
 import pytest
 
 from fsdp_utils.checkpoint.sharded import list_checkpoints, read_checkpoint
-from fsdp_utils.slurm.local_cluster import LocalClusterError, acquire, release
+from fsdp_utils.slurm.local_cluster import acquire, release
+from fsdp_utils.slurm.local_daemons import DEFAULT_MULTI_STATE_DIR, LocalClusterError
 from fsdp_utils.slurm.local_multinode import (
-    DEFAULT_MULTI_STATE_DIR,
     default_multi_cluster,
     is_up,
     leftovers,

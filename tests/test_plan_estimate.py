@@ -151,9 +151,9 @@ def test_a_config_transformers_cannot_build(tmp_path):
 
 
 def test_command_line(configs, capsys):
-    common = ["--model", str(configs["llama"]), "--gpus-per-node", "2", "--max_seq_length", "64"]
+    common = ["--model", str(configs["llama"]), "--gpus_per_node", "2", "--max_seq_length", "64"]
     fits = subprocess.run(
-        [sys.executable, "-m", "fsdp_utils.plan", *common, "--gpu-memory", "a100-80gb", "--json"],
+        [sys.executable, "-m", "fsdp_utils.plan", *common, "--gpu_memory", "a100-80gb", "--json"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -165,11 +165,11 @@ def test_command_line(configs, capsys):
     assert result["required_bytes"] == result["peak_bytes"] + result["margin_bytes"]
 
     # The 2 GiB runtime margin alone does not fit in a 1 GiB GPU: exit 1, and a readable table.
-    assert main([*common, "--gpu-memory", "1GiB", "--no-fixes"]) == 1
+    assert main([*common, "--gpu_memory", "1GiB", "--no_fixes"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "predicted peak" in out
 
-    assert main([*common, "--gpu-memory", "80"]) == 2
+    assert main([*common, "--gpu_memory", "80"]) == 2
     assert "80GiB" in capsys.readouterr().err
 
 
@@ -203,7 +203,7 @@ def test_extrapolated_plan_equals_the_full_trace(tmp_path, case):
     fast = estimate(config, Cluster(2, 2))
     full = estimate(config, Cluster(2, 2), full_trace=True)
     assert fast.method.startswith("extrapolated from") and f"of {layers} layers" in fast.method
-    assert full.method == f"all {layers} layers traced (--full-trace)"
+    assert full.method == f"all {layers} layers traced (--full_trace)"
     assert fast.model == full.model
     # Byte for byte, every figure the plan reports; the issue asked for 1%.
     for name in ("peak", "peak_before_optimizer", "peak_in_optimizer", "before_optimizer"):
@@ -231,7 +231,7 @@ def test_a_planner_crash_is_exit_3_with_its_traceback(tmp_path, capsys):
     config = tiny_model_config("llama", vocab_size=512).to_dict()
     config["hidden_act"] = "no-such-activation"  # transformers raises KeyError, not ValueError
     (tmp_path / "config.json").write_text(json.dumps(config))
-    args = ["--model", str(tmp_path), "--gpus-per-node", "2", "--gpu-memory", "8GiB"]
+    args = ["--model", str(tmp_path), "--gpus_per_node", "2", "--gpu_memory", "8GiB"]
     assert main([*args, "--max_seq_length", "64"]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'no-such-activation'" in err

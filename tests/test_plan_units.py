@@ -8,6 +8,7 @@ import pytest
 from fsdp_utils.config.batch import plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import Breakdown, Cluster, Fix, Margin, MemoryPlan, ModelInfo, StepMemory
+from fsdp_utils.plan.cli import Target, make_parser
 from fsdp_utils.plan.hardware import GIB, GPU_PRESETS, MIB, parse_gpu_memory, parse_size
 from fsdp_utils.plan.report import format_plan
 from fsdp_utils.plan.search import batch_candidates, largest_fitting
@@ -39,9 +40,35 @@ def test_gpu_memory_mistakes_name_the_fix(text, hint):
 
 
 def test_margin_size_needs_a_unit():
-    assert parse_size("2GiB", "--margin-runtime") == 2 * GIB
-    with pytest.raises(ValueError, match="--margin-runtime"):
-        parse_size("2", "--margin-runtime")
+    assert parse_size("2GiB", "--margin_runtime") == 2 * GIB
+    with pytest.raises(ValueError, match="--margin_runtime"):
+        parse_size("2", "--margin_runtime")
+
+
+def test_the_first_dashed_flags_still_work_and_name_their_new_spelling(capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
+    renamed = {
+        "--gpus-per-node": ("--gpus_per_node", "4"),
+        "--gpu-memory": ("--gpu_memory", "a100-80gb"),
+        "--margin-runtime": ("--margin_runtime", "3GiB"),
+        "--margin-allocator": ("--margin_allocator", "0.2"),
+        "--find-max-batch": ("--find_max_batch", None),
+        "--no-fixes": ("--no_fixes", None),
+        "--full-trace": ("--full_trace", None),
+    }
+    old = [a for flag, (_, value) in renamed.items() for a in (flag, value) if a is not None]
+    new = [a for flag, value in renamed.values() for a in (flag, value) if a is not None]
+    args = make_parser().parse_args(old)
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {flag} is deprecated: use {current}" for flag, (current, _) in renamed.items()
+    ]
+    assert vars(args) == vars(make_parser().parse_args(new))
+    assert Target.from_args(args) == Target(
+        nodes=1, gpus_per_node=4, gpu=GPU_PRESETS["a100-80gb"], margin=Margin(3 * GIB, 0.2),
+        full_trace=True,
+    )  # fmt: skip
+    assert (args.find_max_batch, args.no_fixes) == (True, True)
+    assert not set(renamed) & set(make_parser().format_help().split())
 
 
 def test_batch_candidates_divide_the_total_per_gpu():
@@ -162,7 +189,7 @@ def test_plan_figures_verdict_and_textbook_bytes_per_parameter():
 def test_plan_without_gpu_size_has_no_verdict():
     plan = _plan(None)
     assert plan.fits is None
-    assert "give --gpu-memory" in format_plan(plan)
+    assert "give --gpu_memory" in format_plan(plan)
 
 
 def test_plan_that_does_not_fit_lists_fixes_that_fit_first():

@@ -66,12 +66,12 @@ def test_preflight_refuses_a_run_that_does_not_fit(tiny_assets):
 
 
 def test_plan_flag_is_the_planner(tiny_assets):
-    result = _run("--plan", "--gpus-per-node", "2", "--gpu-memory", "4GiB", *_assets(tiny_assets))
+    result = _run("--plan", "--gpus_per_node", "2", "--gpu_memory", "4GiB", *_assets(tiny_assets))
     assert result.returncode == 0, result.stderr
     assert "Memory plan:" in result.stdout and "verdict: FITS" in result.stdout
 
 
-RERUN = "python chess_finetune.py --plan --nodes 1 --gpus-per-node 4 --gpu-memory 80GiB ..."
+RERUN = "python chess_finetune.py --plan --nodes 1 --gpus_per_node 4 --gpu_memory 80GiB ..."
 CRASH = """Traceback (most recent call last):
   File "fsdp_utils/plan/cli.py", line 177, in main
 KeyError: 'no-such-activation'

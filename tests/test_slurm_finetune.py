@@ -134,7 +134,7 @@ def test_run_that_does_not_fit_fails_in_preflight(
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
     assert "The run does not fit in GPU memory" in text
     assert "DOES NOT FIT: needs" in text and "the GPU has 20.0 GiB" in text
-    assert "python chess_finetune.py --plan --nodes 1 --gpus-per-node 2" in text
+    assert "python chess_finetune.py --plan --nodes 1 --gpus_per_node 2" in text
     assert not (run_dir / "metrics.jsonl").exists()
 
 

@@ -47,7 +47,16 @@ def test_rendezvous_port_is_stable_and_in_range() -> None:
     ports = {rendezvous_port(str(job)) for job in range(1_234_560, 1_234_600)}
     assert len(ports) == 40  # neighbouring jobs never share a port
     assert all(RDZV_PORT_BASE <= p < RDZV_PORT_BASE + RDZV_PORT_SPAN for p in ports)
-    assert rendezvous_port("1234567") == rendezvous_port("1234567")
+    # Every node computes it in its own interpreter (another str hash seed): the same port.
+    elsewhere = [
+        subprocess.run(
+            [sys.executable, "-c", "from fsdp_utils.slurm.launch import rendezvous_port as p; "
+             "print(p('1234567'))"],
+            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    ]  # fmt: skip
+    assert elsewhere == [str(rendezvous_port("1234567"))] * 2
 
 
 def test_loopback_head_fails_fast_only_for_multi_node() -> None:
@@ -180,6 +189,20 @@ def test_command_line(tmp_path: Path) -> None:
     plan = run_launch("plan", "--", "--model", "m", env=multi)
     assert plan.returncode == 2 and "error: The rendezvous host 'localhost'" in plan.stderr
     assert plan.stdout == ""
+
+
+def test_a_user_mistake_is_the_last_thing_after_run_prints(tmp_path: Path) -> None:
+    """finetune.sh runs `after-run` last: a run that failed on a user mistake (status.json's
+    `user_error`, written by chess_finetune.py) ends the job's log with its paragraph again,
+    after srun's and torchrun's reports; a crash or a finished run adds nothing."""
+    message = "The dataset has columns ['foo']: expected a `text` text column."
+    status = {"status": "failed", "step": 0, "reason": f"ValueError: {message}"}
+    (tmp_path / "status.json").write_text(json.dumps({**status, "user_error": message}))
+    after = run_launch("after-run", str(tmp_path), "1", env={})
+    assert after.stdout == "done\n"
+    assert after.stderr.strip().splitlines()[-1] == f"error: {message}"
+    (tmp_path / "status.json").write_text(json.dumps(status))  # a crash: no user_error
+    assert "error:" not in run_launch("after-run", str(tmp_path), "1", env={}).stderr
 
 
 def test_finetune_sh_exports_offline_mode_before_python() -> None:

@@ -1,10 +1,8 @@
 """The training step and what surrounds it: the process-group backend, the fused per-step
-all-reduce, non-finite gradients, what a resume takes from the current config, --compile, and
-the benchmark's handling of a failing run."""
+all-reduce, non-finite gradients, what a resume takes from the current config, --compile."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -134,43 +132,6 @@ def test_compile_compiles_each_decoder_layer_in_place(checkpointing):
     plain = AutoModelForCausalLM.from_config(tiny_model_config("llama", 100, num_layers=3))
     parallelize(plain, find_decoder_layers(plain), None, config.replace(compile=False))
     assert all(block._compiled_call_impl is None for block in plain.model.layers)
-
-
-# --- the benchmark: a failing run shows why and is rerun once --------------------------------
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput", REPO_ROOT / "bench" / "throughput.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_shows_a_failing_run_and_reruns_it_once(tmp_path, capsys):
-    bench = _bench_module()
-    bench.RESULTS = tmp_path  # where the full stderr of a failure is kept
-    marker = tmp_path / "failed-once"
-    flaky = [sys.executable, "-c",
-             "import pathlib, sys; m = pathlib.Path(sys.argv[1])\n"
-             "if not m.exists(): m.touch(); sys.exit('address already in use')\n"
-             "print('42')", str(marker)]  # fmt: skip
-    reruns: list[dict] = []
-    assert bench.run_child(flaky, "flaky run", reruns).strip() == "42"
-    captured = capsys.readouterr()
-    assert "exit code 1" in captured.err and str(marker) in captured.err  # the command
-    assert "address already in use" in captured.err and "passed on the rerun" in captured.out
-    assert len(reruns) == 1 and reruns[0]["rerun_passed"]
-    assert (reruns[0]["run"], reruns[0]["exit_code"]) == ("flaky run", 1)
-    assert "address already in use" in Path(reruns[0]["log"]).read_text()
-
-    broken = [sys.executable, "-c", "import sys; sys.exit('no such model')"]
-    with pytest.raises(bench.ChildFailed, match="failed twice"):
-        bench.run_child(broken, "broken run", [])
-    err = capsys.readouterr().err
-    assert "attempt 1 of 2" in err and "attempt 2 of 2" in err
 
 
 # --- real runs: non-finite gradients, resume with changed settings ---------------------------

@@ -159,17 +159,55 @@ def test_bad_input_gives_one_clear_message(
     result = run_finetune(nproc, tiny_args(tiny_assets, tmp_path / "run", data_cache, **overrides))
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count(expected) == 1  # printed once, by rank 0
-    # torchrun itself reports a failed worker with a traceback of its own; the workers do not.
-    ours = re.sub(
-        r"Traceback \(most recent call last\):\n  File \"[^\"]*torchrun\".*",
-        "",
-        result.stderr,
-        flags=re.S,
-    )
-    assert "Traceback" not in ours
+    workers, torchrun = _split_torchrun_report(result.stderr)
+    assert workers.count(expected) == 1  # printed once, by rank 0
+    assert (
+        "Traceback" not in workers
+    )  # torchrun reports a failed worker with a traceback of its own
+    if nproc > 1:  # ... which ends with the message too
+        assert expected in _last_lines(torchrun)
     if "total_batch_size" in overrides:
         assert "model:" not in result.stdout  # failed before any model was loaded
+
+
+def _split_torchrun_report(stderr: str) -> tuple[str, str]:
+    """(what the workers wrote, torchrun's own closing report)."""
+    match = re.search(r"Traceback \(most recent call last\):\n  File \"[^\"]*torchrun\"", stderr)
+    return (stderr, "") if match is None else (stderr[: match.start()], stderr[match.start() :])
+
+
+def _last_lines(text: str, count: int = 8) -> str:
+    return "\n".join([line for line in text.splitlines() if line.strip()][-count:])
+
+
+def test_a_data_error_on_rank_0_ends_every_rank_quietly_with_the_message_last(
+    tmp_path, data_cache, tiny_assets
+):
+    """Rank 0 prepares the data while the others wait. When it finds a mistake, every rank
+    ends; only rank 0's paragraph is printed (no gloo "Connection closed by peer" traceback
+    from the others), and torchrun's closing report ends with it."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"foo": f"row {i}"}) + "\n" for i in range(50)))
+    args = tiny_args(tiny_assets, tmp_path / "run", data_cache, dataset=data)
+    result = run_finetune(2, args)
+    assert result.returncode != 0
+    workers, torchrun = _split_torchrun_report(result.stderr)
+    assert workers.count("error: ") == 1, result.stderr[-4000:]
+    message = workers[workers.index("error: ") :].strip().splitlines()[0]
+    assert "foo" in message  # names what the data has
+    for noise in ("Traceback", "Connection closed", "ProcessGroupGloo", "[rank1]"):
+        assert noise not in workers, noise
+    # The report's root cause is rank 0, exit 2, with the message as its last lines. Rank 1
+    # exits 2 too, unless torchrun, which stops the remaining workers once one has failed,
+    # terminates it first (SIGTERM: -15).
+    root = torchrun[torchrun.index("Root Cause") :]
+    assert re.search(r"rank\s*: 0 .*\n.*exitcode\s*: 2 ", root), root
+    others = torchrun[: torchrun.index("Root Cause")]
+    assert set(re.findall(r"exitcode\s*: (-?\d+)", others)) <= {"2", "-15"}, others
+    assert message in _last_lines(torchrun), torchrun[-3000:]
+    # ... and status.json keeps it for slurm/finetune.sh, which repeats it last.
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and f"error: {status['user_error']}" == message
 
 
 def test_sharding_strategies_and_offload_change_memory_not_the_math(

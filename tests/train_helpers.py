@@ -65,6 +65,12 @@ def tiny_args(
     return args
 
 
+def worker_pids(parent: int) -> list[int]:
+    """The child processes of `parent` (torchrun's workers)."""
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
     """The run's records of one kind, in the order written (fsdp_utils.metrics' reader)."""
     return metrics.read_metrics(output_dir, kind)

@@ -21,7 +21,6 @@ That also holds when resuming on a different number of processes.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -36,6 +35,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fsdp_utils.atomic import write_json_atomic
+from fsdp_utils.checkpoint.hf_folder import copy_tokenizer_files
 from fsdp_utils.config.job import JobLeg
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.model import freeze
@@ -209,7 +210,7 @@ class Checkpointer:
                 )
             self.check_identity(own)
             return own
-        if choice == "never":  # the previous run was set aside (run_start.prepare_run_folder)
+        if choice == "never":  # the previous run was set aside (fsdp_utils.run.start.start_run)
             return None
         if choice == "auto":
             newest = newest_intact_checkpoint(self.root, warn)
@@ -298,8 +299,6 @@ class Checkpointer:
         hf_files: tuple[Any, Path],
         seconds: float,
     ) -> None:
-        from fsdp_utils.checkpoint.hf_folder import copy_tokenizer_files
-
         hf_config, tokenizer_dir = hf_files
         (tmp / HF_SUBDIR).mkdir(exist_ok=True)
         hf_config.save_pretrained(tmp / HF_SUBDIR)
@@ -317,12 +316,7 @@ class Checkpointer:
             "files": files,
             **extra,
         }
-        marker_tmp = tmp / (MARKER + ".tmp")
-        with open(marker_tmp, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        marker_tmp.rename(tmp / MARKER)
+        write_json_atomic(tmp / MARKER, meta)  # last: its presence marks the checkpoint whole
         if final.exists():  # the same step saved again (e.g. a rerun): replace it
             shutil.rmtree(final)
         tmp.rename(final)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_utils.checkpoint.hf_folder import TOKENIZER_FILES, resolve_export_dtype
+from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import format_bytes, free_bytes, nearest_existing
 from fsdp_utils.model.freeze import trains_a_subset
@@ -81,8 +83,6 @@ def checkpoint_size(
     model: nn.Module, config: TrainConfig, model_dir: Path, world_size: int = 1
 ) -> CheckpointSize:
     """What one checkpoint of this model holds on disk; a meta model is enough (no memory)."""
-    from fsdp_utils.checkpoint.hf_folder import TOKENIZER_FILES
-
     parameters = model_bytes = entries = 0
     trainable: dict[int, int] = {}
     subset = trains_a_subset(config)
@@ -175,6 +175,7 @@ class StoragePlan:
 
 
 def plan_storage(
+    model: nn.Module,
     config: TrainConfig,
     hf_config: Any,
     model_dir: Path,
@@ -182,18 +183,11 @@ def plan_storage(
     existing: int,
     world_size: int = 1,
 ) -> StoragePlan:
-    """The storage plan of this run, from a meta build of its model (no memory)."""
-    from fsdp_utils.config.layout import RunLayout
-    from fsdp_utils.model.build import build_meta_model, find_decoder_layers
-    from fsdp_utils.model.transforms import apply_transforms
-
-    model = build_meta_model(hf_config, config.precision)
-    apply_transforms(model, find_decoder_layers(model), hf_config, config)
+    """The storage plan of this run, from its model on the meta device with its transforms
+    applied (`fsdp_utils.model.transforms.transform_model`: no memory)."""
     size = checkpoint_size(model, config, model_dir, world_size)
     # The end of the run writes the model in the export dtype (--export_dtype), tied weights
     # once; a LoRA run writes its adapters, and with --merge the merged model too.
-    from fsdp_utils.checkpoint.hf_folder import resolve_export_dtype
-
     export = resolve_export_dtype(config.export_dtype, hf_config)
     if config.lora:
         final = size.model_bytes + (model_export_bytes(model, export) if config.merge else 0)

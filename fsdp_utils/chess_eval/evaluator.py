@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,10 +137,12 @@ class ChessEvaluator:
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
+        files: Sequence[Path] | None = None,
     ) -> ChessEvaluator:
+        """`files`: the run's data files when already resolved (the trainer's)."""
         from fsdp_utils.data.prepare import held_out_games
 
-        games = held_out_games(config, limit=config.chess_eval_games)
+        games = held_out_games(config, limit=config.chess_eval_games, files=files)
         return cls(
             games,
             tokenizer,

@@ -1,7 +1,7 @@
 """The referee: python-chess judges the text a model wrote after a game prefix.
 
 Pure functions of (position, text): no model, no torch. The rules, also in the package
-docstring and the README:
+docstring and docs/chess-eval.md:
 
 - The continuation is the decoded text after the prompt. It must start with whitespace: a
   first word glued to the prompt's last move (e.g. `q` after `e7e8`) is not a move of its own.

@@ -9,13 +9,13 @@ Results go to the log (a small table) and to metrics.jsonl as `kind: chess_eval`
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, format_table, log_record
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.parallel.distributed import DistEnv
 
 
@@ -28,7 +28,7 @@ class TrainingChessEval:
 
     @classmethod
     def build(
-        cls, config: TrainConfig, env: DistEnv, model_dir: Path, log: Any
+        cls, config: TrainConfig, env: DistEnv, assets: ResolvedAssets, log: Any
     ) -> TrainingChessEval | None:
         """None when `--chess_eval_every` is 0. Loads the held-out games now, so a dataset
         that is not chess fails before the model is built."""
@@ -36,10 +36,11 @@ class TrainingChessEval:
             return None
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
         evaluator = ChessEvaluator.from_config(
-            config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device
-        )
+            config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device,
+            files=assets.dataset_files,
+        )  # fmt: skip
         log.info(
             f"chess eval: every {config.chess_eval_every} steps and at the end, "
             f"{len(evaluator.games)} held-out games x 3 prefixes, {evaluator.plies} plies"

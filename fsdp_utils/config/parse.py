@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,13 +143,70 @@ def parse_config(
     return config_from_dict(values, source="the command line and config file"), args
 
 
-def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+# The section of a command's own options in `--help`, before the config's sections.
+CHECKS_SECTION = "checks before a run"
+
+
+def build_parser(
+    description: str | None = None,
+    *,
+    prog: str | None = None,
+    command_options: Callable[[argparse._ArgumentGroup], None] | None = None,
+) -> argparse.ArgumentParser:
+    """The parser of a command that takes a TrainConfig: first its own options, in the section
+    "checks before a run" (`--config`, `--print_config`, and whatever `command_options` adds),
+    then one section per field section. The usage line stays short: 70 flags do not fit in it."""
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        usage="%(prog)s [options]",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options.")
-    parser.add_argument(
+    checks = parser.add_argument_group(CHECKS_SECTION)
+    checks.add_argument("--config", metavar="FILE", help="YAML or JSON file of options.")
+    checks.add_argument(
         "--print_config", action="store_true", help="Print the resolved config and exit."
     )
+    if command_options is not None:
+        command_options(checks)
     add_config_arguments(parser)
     return parser
+
+
+def add_renamed_argument(
+    where: argparse._ActionsContainer, name: str, *, old: str, **kwargs: Any
+) -> argparse.Action:
+    """`where.add_argument(name, **kwargs)`, and the old spelling `old` still works: hidden
+    from `--help`, it prints one line on stderr naming `name`, then does what `name` does.
+    (Python 3.13's `deprecated=True` warns, but neither hides the option nor names the new
+    spelling.)"""
+    current = where.add_argument(name, **kwargs)
+    where.add_argument(old, action=_OldSpelling, current=current)
+    return current
+
+
+class _OldSpelling(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, *, current: argparse.Action):
+        same: dict[str, Any] = {
+            "nargs": current.nargs,
+            "const": current.const,
+            "type": current.type,
+            "choices": current.choices,
+            "metavar": current.metavar,
+        }
+        # No default of its own: the current spelling's default stands.
+        super().__init__(
+            option_strings, current.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **same
+        )
+        self.current = current
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        name = self.current.option_strings[0]
+        print(f"warning: {option_string} is deprecated: use {name}", file=sys.stderr, flush=True)
+        self.current(parser, namespace, values, name)

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,12 @@ import numpy as np
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
-from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files, resolve_model_dir
+from fsdp_utils.hub.resolve import (
+    ResolvedAssets,
+    describe_dataset_files,
+    resolve_assets,
+    resolve_dataset_files,
+)
 
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 
@@ -87,6 +93,11 @@ class PreparedData:
     folder: Path
     meta: dict[str, Any]
 
+    @classmethod
+    def load(cls, folder: Path) -> PreparedData:
+        """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
+        return cls(folder, json.loads((folder / "meta.json").read_text()))
+
     def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks:
         """A split's blocks; with document masking their batches carry position ids that
         restart at every document (fsdp_utils.data.document_masking). A padded (unpacked) row
@@ -104,12 +115,15 @@ def dataset_files(config: TrainConfig) -> list[Path]:
     )
 
 
-def prepare_dataset(config: TrainConfig, *, log: Any = print) -> Path:
+def prepare_dataset(
+    config: TrainConfig, *, assets: ResolvedAssets | None = None, log: Any = print
+) -> Path:
     """Render, tokenise and pack `config.dataset` for `config.model`'s tokenizer; return the
-    cache folder (reused when it already exists)."""
-    files = dataset_files(config)
+    cache folder (reused when it already exists). `assets`: the run's resolved files (else
+    resolved here, as on the login node's `download_models.py --prepare`)."""
+    assets = assets or resolve_assets(config)
+    files, model_dir = list(assets.dataset_files), assets.model_dir
     log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
     spec = preparation_spec(config, files, model_dir)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
     folder = default_data_cache_dir(config) / key
@@ -207,11 +221,14 @@ def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
     return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
 
 
-def held_out_games(config: TrainConfig, limit: int | None = None) -> list[dict[str, Any]]:
+def held_out_games(
+    config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
+) -> list[dict[str, Any]]:
     """The raw rows (`Moves`, `Termination`, `Result`) of the eval split, in split order:
-    the games whose rendered text is the held-out data. A dataset that is not chess is a
-    ValueError saying so."""
-    raw = _load_raw(config, dataset_files(config))
+    the games whose rendered text is the held-out data. `files`: the run's data files, as
+    resolved once (`ResolvedAssets.dataset_files`; else resolved here). A dataset that is not
+    chess is a ValueError saying so."""
+    raw = _load_raw(config, list(files) if files is not None else dataset_files(config))
     if not is_chess_schema(raw.column_names):
         raise ValueError(
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.atomic import write_text_atomic
 from fsdp_utils.hub.cache import (
     check_free_space,
     format_bytes,
@@ -32,7 +33,7 @@ from fsdp_utils.hub.cache import (
     storage_dir,
 )
 from fsdp_utils.hub.hashing import FileDigest, digest_files
-from fsdp_utils.hub.manifest import FileRecord, ManifestEntry, atomic_write_text, record_entry
+from fsdp_utils.hub.manifest import FileRecord, ManifestEntry, record_entry
 from fsdp_utils.hub.remote import RemoteRepo, explain_hub_error, fetch_repo
 from fsdp_utils.hub.selection import RemoteFile
 from fsdp_utils.hub.specs import AssetSpec, download_command
@@ -167,7 +168,7 @@ def _download_plan(
         # What `from_pretrained(repo_id, revision=...)` reads offline; written only now that
         # the snapshot is complete and verified.
         ref = storage_dir(cache_dir, spec.repo_id, spec.repo_type) / "refs"
-        atomic_write_text(ref / spec.requested_revision, commit)
+        write_text_atomic(ref / spec.requested_revision, commit)
     entry = ManifestEntry(
         repo_id=spec.repo_id,
         repo_type=spec.repo_type,

@@ -13,14 +13,13 @@ concurrent downloads into one cache do not lose each other's entries.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.hub.cache import snapshot_dir
 from fsdp_utils.hub.selection import matches, select_data_paths, split_patterns
 
@@ -180,37 +179,4 @@ def _write(cache_dir: Path, entries: list[ManifestEntry]) -> None:
         "written_by": "download_models.py (fsdp_utils.hub); check with --verify",
         "assets": [e.to_json() for e in sorted(entries, key=lambda e: e.key)],
     }
-    atomic_write_text(manifest_path(cache_dir), json.dumps(data, indent=2) + "\n")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`: readers
-    see the old or the new content, never a truncated one, even after a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp's 0600 would hide it from the group
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would, racing other threads)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
+    write_json_atomic(manifest_path(cache_dir), data)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from fsdp_utils.config.train_config import default_dataset_include
+from fsdp_utils.config.train_config import TrainConfig, default_dataset_include
 from fsdp_utils.hub.cache import hub_cache_dir, storage_dir
 from fsdp_utils.hub.manifest import (
     ManifestEntry,
@@ -256,3 +257,24 @@ def load_model_config(model_dir: Path) -> Any:
             f"Cannot read the model config in {model_dir}: {err}. Is it a transformers model "
             "folder (config.json with a known model_type)?"
         ) from err
+
+
+@dataclass(frozen=True)
+class ResolvedAssets:
+    """What a run's `--model` and `--dataset` are on this machine: resolved once per process
+    (`fsdp_utils.run.preflight.check_run`) and handed to the storage check, the Trainer and the
+    data preparation, so the manifest is read and config.json parsed once."""
+
+    model_dir: Path
+    model_config: Any  # transformers' PretrainedConfig, read from model_dir/config.json
+    dataset_files: tuple[Path, ...]
+
+
+def resolve_assets(config: TrainConfig) -> ResolvedAssets:
+    """The run's model folder, its config, and its data files, from the offline cache or local
+    paths; MissingAssetError (a ValueError naming the download command) when any is missing."""
+    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
+    files = resolve_dataset_files(
+        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
+    )
+    return ResolvedAssets(model_dir, load_model_config(model_dir), tuple(files))

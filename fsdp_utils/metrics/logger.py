@@ -83,11 +83,10 @@ class RunLogger:
         self.max_steps = max_steps
         self.stream = stream or sys.stdout
         self.sinks = list(sinks) if enabled else []
-        self._file = open(metrics_path, "a") if (enabled and metrics_path) else None  # noqa: SIM115
-        if self._file is not None and metrics_path is not None and _ends_mid_line(metrics_path):
-            # The last leg was killed in the middle of a line: end it, or this leg's first
-            # record would be glued to it and lost to readers.
-            self._file.write("\n")
+        # Opened at the first record: a run that stops before it (a mistake found in the
+        # setup, such as a disk too small for one checkpoint) leaves no metrics.jsonl behind.
+        self._path = metrics_path if enabled else None
+        self._file: TextIO | None = None
         self._live: Any = None
         self._live_rows: list[str] = []
         if enabled and self.stream.isatty():
@@ -98,11 +97,21 @@ class RunLogger:
             self._live = Live(console=self._console, refresh_per_second=4, transient=False)
             self._live.start()
 
+    def _open(self) -> TextIO | None:
+        if self._file is None and self._path is not None:
+            self._file = open(self._path, "a")  # noqa: SIM115
+            if _ends_mid_line(self._path):
+                # The last leg was killed in the middle of a line: end it, or this leg's first
+                # record would be glued to it and lost to readers.
+                self._file.write("\n")
+        return self._file
+
     def _write(self, record: dict[str, Any]) -> None:
         stamped = {"time": round(time.time(), 3), **record}
-        if self._file is not None:
-            self._file.write(json.dumps(stamped) + "\n")
-            self._file.flush()
+        file = self._open()
+        if file is not None:
+            file.write(json.dumps(stamped) + "\n")
+            file.flush()
         for sink in self.sinks:
             sink.write(stamped)
 

@@ -157,3 +157,19 @@ def memory_snapshot(device: torch.device) -> dict[str, float | None]:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     out["host_peak_rss_gib"] = peak_kib * 1024 / gib
     return out
+
+
+def throughput(
+    tokens: int,
+    seconds: float,
+    *,
+    world_size: int,
+    flops_per_token: float,
+    peak_tflops: float | None,
+) -> dict[str, float | None]:
+    """A step's tokens/s (all devices and per device) and MFU in % (None without a known peak:
+    CPUs, unknown GPUs; --peak_tflops sets one)."""
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    per_device = tokens_per_s / world_size
+    mfu = 100.0 * flops_per_token * per_device / (peak_tflops * 1e12) if peak_tflops else None
+    return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device, "mfu_pct": mfu}

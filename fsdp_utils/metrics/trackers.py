@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.atomic import write_text_atomic
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.metrics.logger import MetricSink, scalar_fields
@@ -165,9 +166,7 @@ class WandbSink:
             # Our own log already goes to the job's output: W&B must not wrap stdout/stderr.
             settings=wandb.Settings(console="off", quiet=True),
         )
-        tmp = self.id_file.with_suffix(".tmp")
-        tmp.write_text(self._run.id + "\n")
-        tmp.replace(self.id_file)
+        write_text_atomic(self.id_file, self._run.id + "\n")
         return self._run
 
     def write(self, record: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """`--freeze_layers N`: train only the top of the model (llama-recipes' freeze_layers).
 
-A model transform applied in `build_parallel_model` on the meta model, before activation
-checkpointing and FSDP2, as LoRA is (`fsdp_utils.model.transforms`), so the trainer, the
-preflight, the storage check and the memory planner all see the same frozen model:
+A model transform applied on the meta model (`fsdp_utils.model.transforms.transform_model`),
+before activation checkpointing and FSDP2, as LoRA is, so the trainer, the preflight, the
+storage check and the memory planner all see the same frozen model:
 
 - The embeddings (every `nn.Embedding` outside the decoder layers: tokens, and learned
   positions for GPT-2) and the first N decoder layers stop requiring gradients. A `lm_head` tied

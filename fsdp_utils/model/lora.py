@@ -1,8 +1,9 @@
 """LoRA fine-tuning with `peft`, as a model transform applied before `parallelize`.
 
-`apply_lora` runs inside `build_parallel_model` on the meta model, after the decoder layers are
-found and before activation checkpointing and FSDP2 (as torchtitan's model converters run before
-its parallelize function), so the trainer and the memory planner both get it:
+`apply_lora` runs inside `fsdp_utils.model.transforms.transform_model` on the meta model, after
+the decoder layers are found and before activation checkpointing and FSDP2 (as torchtitan's
+model converters run before its parallelize function), so the trainer, the memory planner and the
+storage check all get it:
 
 - peft's `inject_adapter_in_model` replaces each targeted linear layer by a `lora.Linear` that
   holds the original layer as `base_layer` plus `lora_A` / `lora_B`; every base parameter (and

@@ -1,17 +1,18 @@
-"""The run's model transforms, in one place: which ones, in which order, and how the
-transformed model gets its first weights.
+"""The model as it will train, still on the meta device, and its first weights.
 
-`apply_transforms` runs on the meta model, after the decoder layers are found and before
-activation checkpointing and FSDP2 (as torchtitan's model converters run before its parallelize
-function): LoRA adapters (`lora`) or frozen bottom layers (`freeze`). Everyone who builds a run's
-model goes through it: the trainer and the memory planner (`build_parallel_model`), the storage
-check, the preflight's LoRA check and the export of a checkpoint.
+`transform_model` finds the decoder layers of a freshly built meta model, describes it
+(`ModelInfo`) and applies the model transforms the run asks for, before parallelisation, as
+torchtitan's model converters run before its parallelize function: LoRA adapters (`lora`) or
+frozen bottom layers (`freeze`). The Trainer, the memory planner, the storage check, the
+preflight's LoRA check and the export of a checkpoint all start from it, so they see the same
+trainable parameters.
 
 `load_initial_weights` fills the materialised (sharded) model as the run starts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,42 @@ from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.model import lora
+from fsdp_utils.model.build import count_parameters, find_decoder_layers
 from fsdp_utils.model.freeze import freeze_layers, trains_a_subset
 from fsdp_utils.model.weights import load_pretrained_weights
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the log, the run config and the planner report about the architecture."""
+
+    model_type: str
+    parameters: int  # tied weights counted once, before any transform (LoRA adds its own)
+    non_embedding_parameters: int
+    decoder_layers: int
+    decoder_layer_class: str
+
+
+@dataclass(frozen=True)
+class MetaModel:
+    """A model on the meta device with its transforms applied, ready for `parallelize`."""
+
+    model: nn.Module
+    layers: list[nn.Module]  # the decoder layers, in order
+    info: ModelInfo
+
+
+def transform_model(model: nn.Module, config: TrainConfig) -> MetaModel:
+    """Find the decoder layers of a freshly built meta model (`build_meta_model`), describe it,
+    and apply the model transforms the config asks for (in place)."""
+    layers = find_decoder_layers(model)
+    total, non_embedding = count_parameters(model)
+    hf_config: Any = model.config
+    info = ModelInfo(
+        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
+    )
+    apply_transforms(model, layers, hf_config, config)
+    return MetaModel(model, layers, info)
 
 
 def apply_transforms(
@@ -43,8 +78,9 @@ def load_initial_weights(
 ) -> None:
     """After `materialize`. The pretrained weights load unless a full fine-tune resumes (its
     checkpoint holds every weight); a run that trains a subset always loads them, since its
-    checkpoints hold only what trains. LoRA adapters start from the seed (peft's init), DoRA's
-    magnitudes from the loaded base, or everything from --lora_from's adapter."""
+    checkpoints hold only what trains. LoRA adapters start from the seed (peft's init, the same
+    on any world size), DoRA's magnitudes from the loaded base, or everything from --lora_from's
+    adapter."""
     if config.lora:
         key_map = lora.init_adapters_and_key_map(model, key_map, seed=config.seed)
     if not resuming or trains_a_subset(config):

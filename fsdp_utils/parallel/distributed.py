@@ -7,16 +7,25 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import socket
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_utils.config.train_config import Sharding
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,71 @@ def all_reduce_min(value: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return value
+
+
+class PeerFailure(Exception):
+    """Rank 0 failed in work the other ranks were waiting for (`on_main_rank`): this rank stops
+    too, quietly, since rank 0 reports the error. `user_error`: rank 0's was a user mistake
+    (exit 2) rather than a crash."""
+
+    def __init__(self, user_error: bool) -> None:
+        super().__init__("rank 0 failed (its error is in the log)")
+        self.user_error = user_error
+
+
+class ReportedError(ValueError):
+    """A user mistake that rank 0 has already reported (`report_error`): the command exits 2
+    without printing it again."""
+
+
+def report_error(message: str) -> None:
+    """A user mistake's one paragraph on stderr (rank 0 calls this). Under torchrun it also goes
+    into the error file the agent reads (TORCHELASTIC_ERROR_FILE): the agent's closing "Root
+    Cause" report then shows it where it would say "To enable traceback see ...", so the message
+    stays the last thing in the job's log."""
+    print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # torch.distributed.elastic's format: {"message": {"message": ..., "extraInfo":
+        # {"py_callstack": shown as the failure's traceback, "timestamp": ...}}}
+        text = f"error: {message}"
+        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(
+                json.dumps({"message": {"message": text, "extraInfo": info}})
+            )
+
+
+def on_main_rank(
+    work: Callable[[], T], *, user_errors: tuple[type[BaseException], ...] = (ValueError,)
+) -> T | None:
+    """Run `work` on rank 0 while the other ranks wait; its result on rank 0, None elsewhere.
+
+    Collective. If `work` raises, every rank stops: rank 0 reports a user mistake (`user_errors`)
+    at once and raises `ReportedError`, or re-raises anything else (a crash, with its
+    traceback); every other rank raises `PeerFailure`. A bare barrier would leave the others
+    with gloo's "Connection closed by peer" traceback after rank 0's message; reporting before
+    the others learn of it keeps the message even if torchrun stops rank 0 when the first of
+    them exits. The outcome travels as a host scalar (gloo): one small all-reduce.
+    """
+    result: T | None = None
+    error: BaseException | None = None
+    if not is_distributed() or dist.get_rank() == 0:
+        try:
+            result = work()
+        except user_errors as err:
+            report_error(str(err))
+            error = ReportedError(str(err))
+            error.__cause__ = err
+        except BaseException as err:  # every failure must reach the other ranks
+            error = err
+    outcome = 0.0 if error is None else 1.0 if isinstance(error, ReportedError) else 2.0
+    outcome = all_reduce_host_sum([outcome])[0]
+    if error is not None:
+        raise error
+    if outcome:
+        raise PeerFailure(user_error=outcome == 1.0)
+    return result
 
 
 def barrier() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,13 +35,8 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config.train_config import Precision, TrainConfig
-from fsdp_utils.model.build import (
-    build_meta_model,
-    compute_dtype,
-    count_parameters,
-    find_decoder_layers,
-)
-from fsdp_utils.model.transforms import apply_transforms
+from fsdp_utils.model.build import build_meta_model, compute_dtype
+from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
 
 
@@ -130,37 +124,43 @@ def parallelize(
     return model
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the log, the run config and the planner report about the architecture."""
-
-    model_type: str
-    parameters: int  # tied weights counted once
-    non_embedding_parameters: int
-    decoder_layers: int
-    decoder_layer_class: str
+def parallelize_model(meta: MetaModel, config: TrainConfig, env: DistEnv) -> nn.Module:
+    """Activation checkpointing, torch.compile and FSDP2 (or DDP's part) on a transformed meta
+    model, over a device mesh of `env`'s world. Still on meta: `materialize` next."""
+    mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
+    return parallelize(meta.model, meta.layers, mesh, config)
 
 
 def build_parallel_model(
     hf_config: Any, config: TrainConfig, env: DistEnv
 ) -> tuple[nn.Module, ModelInfo]:
-    """Build on meta (with --attn_implementation), find the decoder layers, apply the model
-    transforms (LoRA adapters or frozen layers: `fsdp_utils.model.transforms`), parallelize
-    (activation checkpointing, then FSDP2 per layer and root). Still on meta: `materialize`
-    next, then load weights. The trainer and the memory planner (which materialises on fake
-    tensors) share this."""
+    """Build on meta, transform (`fsdp_utils.model.transforms`), parallelize: the model as the
+    trainer runs it, still on meta. The memory planner (which materialises on fake tensors)
+    uses this; the Trainer takes the same steps one by one, to map checkpoint keys and check
+    the storage on the meta model first."""
     model = build_meta_model(
         hf_config, config.precision, attn_implementation=config.attn_implementation
     )
-    layers = find_decoder_layers(model)
-    total, non_embedding = count_parameters(model)
-    info = ModelInfo(
-        hf_config.model_type, total, non_embedding, len(layers), type(layers[0]).__name__
-    )
-    # Before parallelize, as torchtitan's model converters.
-    apply_transforms(model, layers, hf_config, config)
-    mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
-    return parallelize(model, layers, mesh, config), info
+    meta = transform_model(model, config)
+    return parallelize_model(meta, config, env), meta.info
+
+
+def describe_parallelism(config: TrainConfig) -> str:
+    """One line for the start of the log: how the model is spread and what saves memory."""
+    if config.no_fsdp:
+        kind = "DDP"
+    elif config.no_layer_wrap_policy:
+        kind = f"FSDP2 ({config.sharding}) at the root only"
+    else:
+        kind = f"FSDP2 ({config.sharding}) per decoder layer"
+    extras = []
+    if config.gradient_checkpointing:
+        every = config.checkpoint_every_n_layers
+        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+    if config.cpu_offload:
+        extras.append("CPU offload")
+    sync = "on last micro-batch" if config.defer_grad_sync else "every micro-batch"
+    return ", ".join([kind, *extras, f"grad sync {sync}"])
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -1,13 +1,13 @@
 """The memory planner: will a fine-tune fit in GPU memory, before it waits in the queue?
 
-    python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --nodes 1 --gpus-per-node 4 \
-        --gpu-memory 80GiB [--find-max-batch] [any chess_finetune.py training flags]
+    python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --nodes 1 --gpus_per_node 4 \
+        --gpu_memory 80GiB [--find_max_batch] [any chess_finetune.py training flags]
 
 `plan_memory` traces one training step of the exact configuration on fake tensors (config.json
 only, no weights, no GPU) and measures it with PyTorch's FSDP memory tracker; see estimate.py.
 """
 
-from fsdp_utils.parallel.parallelize import ModelInfo
+from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.cli import main
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GPU_PRESETS, Gpu, parse_gpu_memory

@@ -13,7 +13,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from fsdp_utils.config.parse import build_parser, parse_config
+from fsdp_utils.config.parse import add_renamed_argument, build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
@@ -28,58 +28,75 @@ built from its config.json only (no weights) and one training step of the exact 
 is traced on fake tensors, in a fake process group of the planned size.
 
 examples:
-  python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --nodes 1 --gpus-per-node 4 \\
-      --gpu-memory 80GiB --batch_size_per_device 8
-  python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --gpus-per-node 4 \\
-      --gpu-memory a100-80gb --gradient_checkpointing --find-max-batch"""
+  python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --nodes 1 --gpus_per_node 4 \\
+      --gpu_memory 80GiB --batch_size_per_device 8
+  python -m fsdp_utils.plan --model codellama/CodeLlama-7b-hf --gpus_per_node 4 \\
+      --gpu_memory a100-80gb --gradient_checkpointing --find_max_batch"""
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = build_parser(DESCRIPTION)
+    # `python -m fsdp_utils.plan` (argparse would say `__main__.py`), or `chess_finetune.py --plan`.
+    module = os.path.basename(sys.argv[0]) == "__main__.py"
+    parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.plan" if module else None)
+    # Underscores, as every training flag; the first, dashed spellings still work (deprecated).
     where = parser.add_argument_group("the GPUs the run will have")
     where.add_argument(
         "--nodes", type=int, default=None, help="Nodes (default: $SLURM_JOB_NUM_NODES, else 1)."
     )
-    where.add_argument(
-        "--gpus-per-node",
+    add_renamed_argument(
+        where,
+        "--gpus_per_node",
+        old="--gpus-per-node",
         type=int,
         default=None,
         help="GPUs (processes) per node (default: $SLURM_GPUS_ON_NODE; required elsewhere).",
     )
-    where.add_argument(
-        "--gpu-memory",
+    add_renamed_argument(
+        where,
+        "--gpu_memory",
+        old="--gpu-memory",
         metavar="SIZE|GPU",
         help="Memory of one GPU: 80GiB, 81920MiB, or a100-40gb, a100-80gb, h100-64gb, "
         "h100-80gb, h200, l40s (default: the GPU of this node, if any).",
     )
     what = parser.add_argument_group("planning")
-    what.add_argument(
-        "--find-max-batch",
+    add_renamed_argument(
+        what,
+        "--find_max_batch",
+        old="--find-max-batch",
         action="store_true",
         help="Report the largest --batch_size_per_device that fits (the total batch is kept).",
     )
-    what.add_argument(
-        "--no-fixes",
+    add_renamed_argument(
+        what,
+        "--no_fixes",
+        old="--no-fixes",
         action="store_true",
         help="When it does not fit, do not plan the changes that would make it fit.",
     )
     runtime = f"{DEFAULT_MARGIN.runtime_bytes / GIB:g}GiB"
-    what.add_argument(
-        "--margin-runtime",
+    add_renamed_argument(
+        what,
+        "--margin_runtime",
+        old="--margin-runtime",
         default=runtime,
         metavar="SIZE",
         help=f"Memory outside PyTorch's allocator: CUDA context, NCCL buffers ({runtime}).",
     )
-    what.add_argument(
-        "--margin-allocator",
+    add_renamed_argument(
+        what,
+        "--margin_allocator",
+        old="--margin-allocator",
         type=float,
         default=DEFAULT_MARGIN.allocator_fraction,
         metavar="FRACTION",
         help="Allocator overhead (rounding, fragmentation) as a fraction of the peak "
         f"({DEFAULT_MARGIN.allocator_fraction:g}).",
     )
-    what.add_argument(
-        "--full-trace",
+    add_renamed_argument(
+        what,
+        "--full_trace",
+        old="--full-trace",
         action="store_true",
         help="Trace every decoder layer instead of extrapolating from 3-5 layer copies of the "
         "model (same result when its layers are alike, several times slower).",
@@ -104,11 +121,11 @@ class Target:
         gpus = args.gpus_per_node or os.environ.get("SLURM_GPUS_ON_NODE")
         if gpus is None:
             raise ValueError(
-                "How many GPUs per node will the run have? Give --gpus-per-node (e.g. 4), and "
+                "How many GPUs per node will the run have? Give --gpus_per_node (e.g. 4), and "
                 "--nodes if more than one."
             )
         gpu = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else detect_gpu()
-        margin = Margin(parse_size(args.margin_runtime, "--margin-runtime"), args.margin_allocator)
+        margin = Margin(parse_size(args.margin_runtime, "--margin_runtime"), args.margin_allocator)
         return cls(nodes, int(gpus), gpu, margin, args.full_trace)
 
     def plan(self, config: TrainConfig, *, suggest_fixes: bool) -> MemoryPlan:
@@ -134,7 +151,7 @@ def find_max_batch_report(
 ) -> tuple[MemoryPlan, str]:
     """The plan of the largest batch per device that fits, and a line saying what was found."""
     if target.gpu is None:
-        raise ValueError("--find-max-batch needs the GPU's memory: give --gpu-memory (e.g. 80GiB).")
+        raise ValueError("--find_max_batch needs the GPU's memory: give --gpu_memory (e.g. 80GiB).")
     world = target.nodes * target.gpus_per_node
     total = resolved_total_batch(config, world)
     allowed = batch_candidates(total, world)

@@ -3,7 +3,7 @@
 Nothing is allocated: the model is built on `meta` and materialised under `FakeTensorMode`,
 whose tensors have shapes, dtypes and storages but no data, in a process group of the planned
 world size whose collectives do nothing (`fake` backend). The step that runs is the trainer's
-own `Trainer.train_step` (same parallelize, mixed-precision policy, optimizer, loss scaling,
+own `TrainStep` (same parallelize, mixed-precision policy, optimizer, loss scaling,
 micro-batch loop and gradient sync), fed with the trainer's own batch code, and measured by
 `tracking.track_train_step`, as the real run is in `measure.py`.
 
@@ -36,8 +36,9 @@ from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
+from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.parallel.parallelize import ModelInfo, autocast_context, build_parallel_model
+from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
 from fsdp_utils.plan.extrapolate import (
     extrapolate_memory,
     layer_counts,
@@ -46,7 +47,7 @@ from fsdp_utils.plan.extrapolate import (
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
-from fsdp_utils.train.trainer import Trainer, TrainState
+from fsdp_utils.train.step import Batch, TrainStep
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(
-                f"--nodes and --gpus-per-node must be at least 1, got {self.nodes} and "
+                f"--nodes and --gpus_per_node must be at least 1, got {self.nodes} and "
                 f"{self.gpus_per_node}."
             )
 
@@ -129,46 +130,38 @@ def _transformers_eager_paths() -> Iterator[None]:
         import_utils.is_fake_tensor = original
 
 
-class TracedTrainer(Trainer):
-    """The trainer on a fake model and placeholder data, so that its `train_step` runs as is.
+def placeholder_micro_batches(plan: BatchPlan, count: int, seed: int) -> list[Batch]:
+    """Rank 0's `count` micro-batches of full-length sequences, through the trainer's own batch
+    code (TokenBlocks, StepSampler): packed data, every block full, every position a target."""
+    step_plan = dataclasses.replace(
+        plan,
+        gradient_accumulation_steps=count,
+        total_batch_size=plan.batch_size_per_device * plan.world_size * count,
+    )
+    blocks = step_plan.total_batch_size
+    tokens = TokenBlocks(
+        np.zeros((blocks, plan.seq_length), np.int32), np.full(blocks, plan.seq_length, np.int32)
+    )
+    sampler = StepSampler(blocks, step_plan, seed)
+    return [tokens.batch(indices) for indices in sampler.micro_batches(0, rank=0)]
 
-    `Trainer.__init__` is not called on purpose: it creates the run folder and the logger and
-    needs the weights and the data, none of which the planner has or wants. What `train_step`
-    uses is set up here with the trainer's own building blocks.
-    """
 
-    def __init__(self, config: TrainConfig, env: DistEnv, hf_config: Any, model: Any) -> None:
-        self.config = config
-        self.env = env
-        self.hf_config = hf_config
-        self.plan = plan_batch(config, env.world_size)
-        self.state = TrainState()
-        self.model = model
-        self.autocast = autocast_context(config, env.device)
-        self.optimizer = build_optimizer(model, config)
-        self.scheduler = build_scheduler(self.optimizer, config)
-        self.scaler = self._grad_scaler()
-        self.use_micro_batches(1)
-
-    def _grad_scaler(self) -> Any:
-        """No gradient scaler for fp16-mixed: it holds two scalars and unscales in place (no
-        memory to plan), and its inf check would read a fake value and could skip the step."""
-        return None
-
-    def use_micro_batches(self, count: int) -> None:
-        """The next `train_step` runs `count` micro-batches of full-length sequences."""
-        p = self.plan
-        step = dataclasses.replace(
-            p,
-            gradient_accumulation_steps=count,
-            total_batch_size=p.batch_size_per_device * p.world_size * count,
-        )
-        blocks = step.total_batch_size
-        # Packed data: every block is full, so every position is a target (as in training).
-        self.train_blocks = TokenBlocks(
-            np.zeros((blocks, p.seq_length), np.int32), np.full(blocks, p.seq_length, np.int32)
-        )
-        self.sampler = StepSampler(blocks, step, self.config.seed)
+def traced_step(model: Any, config: TrainConfig, env: DistEnv) -> TrainStep:
+    """The trainer's step on a (fake) model: same optimizer, schedule, loss scaling, micro-batch
+    loop and gradient sync. No gradient scaler for fp16-mixed: it holds two scalars and unscales
+    in place (no memory to plan), and its inf check would read a fake value and could skip the
+    step."""
+    optimizer = build_optimizer(model, config)
+    return TrainStep(
+        model,
+        optimizer,
+        build_scheduler(optimizer, config),
+        config=config,
+        world_size=env.world_size,
+        device=env.device,
+        scaler=None,
+        autocast=autocast_context(config, env.device),
+    )
 
 
 @contextlib.contextmanager
@@ -259,7 +252,7 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     with fake_world(cluster) as env:
         # The device mesh is built in here, outside FakeTensorMode, or it fails.
         model, facts = build_parallel_model(hf_config, config, env)
-        memory, method = None, "--full-trace"
+        memory, method = None, "--full_trace"
         if not full_trace:
             memory, method = _extrapolated(model, facts, hf_config, config, env, batch)
         if memory is None:
@@ -334,10 +327,13 @@ def _trace(
         ):
             materialize(model, env.device)
             model.train()
-            trainer = TracedTrainer(config, env, hf_config, model)
-            trainer.train_step()  # warm-up: creates the optimizer state, untracked
-            trainer.use_micro_batches(traced_micro_batches(batch, config.defer_grad_sync))
-            return track_train_step(trainer)
+            step = traced_step(model, config, env)
+            # Warm-up: creates the optimizer state, untracked.
+            step(placeholder_micro_batches(batch, 1, config.seed), step=1)
+            count = traced_micro_batches(batch, config.defer_grad_sync)
+            return track_train_step(
+                step, lambda: placeholder_micro_batches(batch, count, config.seed), step=2
+            )
     except (
         DataDependentOutputException,
         DynamicOutputShapeException,

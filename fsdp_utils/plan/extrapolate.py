@@ -15,7 +15,7 @@ moment holds it changes with L (a tied Qwen2 with checkpointing peaks in its fir
 micro-batch up to 5 layers, in its second from 6 on). When a figure does not grow linearly,
 the depths move up by k; when the layers are not alike, every layer is traced.
 
-`python -m fsdp_utils.plan --full-trace` traces every layer.
+`python -m fsdp_utils.plan --full_trace` traces every layer.
 """
 
 from __future__ import annotations

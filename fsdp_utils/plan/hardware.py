@@ -1,4 +1,4 @@
-"""GPU memory sizes: `--gpu-memory 80GiB`, `81920MiB`, `80GB` or a GPU name such as `a100-80gb`.
+"""GPU memory sizes: `--gpu_memory 80GiB`, `81920MiB`, `80GB` or a GPU name such as `a100-80gb`.
 
 Preset sizes are the `memory.total` that nvidia-smi prints for each GPU, which is what the CUDA
 driver manages (the CUDA context then takes its share of it: see `report.Margin`).
@@ -67,13 +67,13 @@ def parse_gpu_memory(text: str) -> Gpu:
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(
-            f"--gpu-memory {text!r} is neither a size nor a known GPU. Give a size with its "
+            f"--gpu_memory {text!r} is neither a size nor a known GPU. Give a size with its "
             "unit, e.g. 80GiB or 81920MiB (GB and MB are decimal: 80GB = 74.5 GiB), or one of: "
             f"{', '.join(sorted(GPU_PRESETS))}."
         )
-    size = parse_size(text, "--gpu-memory")
+    size = parse_size(text, "--gpu_memory")
     if size < GIB:
-        raise ValueError(f"--gpu-memory {text!r} is under 1 GiB: did you mean {match.group(1)}GiB?")
+        raise ValueError(f"--gpu_memory {text!r} is under 1 GiB: did you mean {match.group(1)}GiB?")
     return Gpu("", size)
 
 

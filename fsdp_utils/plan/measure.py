@@ -4,7 +4,7 @@
         [chess_finetune.py training flags]
 
 Every rank builds the real `Trainer` (weights, data, FSDP2 over gloo or nccl), runs one
-untracked warm-up step, then one step under `FSDPMemTracker` (`tracking.track_train_step`).
+untracked warm-up step, then its second step under `FSDPMemTracker` (`tracking.track_train_step`).
 Rank 0 writes its `StepMemory` as JSON, to compare with `plan_memory` for the same flags.
 """
 
@@ -19,6 +19,8 @@ from fsdp_utils.plan.tracking import track_train_step
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fsdp_utils.config.batch import plan_batch
+    from fsdp_utils.hub.resolve import resolve_assets
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.train.trainer import Trainer
 
@@ -32,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     env = dist_utils.init_distributed(config.device)
     clean = False
     try:
-        trainer = Trainer(config, env)
+        plan = plan_batch(config, env.world_size)
+        trainer = Trainer(config, env, plan=plan, assets=resolve_assets(config))
         trainer.setup()
-        trainer.train_step()  # warm-up: creates the optimizer state, untracked
-        trainer.state.step += 1
-        memory = track_train_step(trainer)
+        # Warm-up: creates the optimizer state, untracked.
+        trainer.train_step(trainer.step_batches(0), step=1)
+        memory = track_train_step(trainer.train_step, lambda: trainer.step_batches(1), step=2)
         trainer.close()
         clean = True
     finally:

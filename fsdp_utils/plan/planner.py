@@ -143,7 +143,7 @@ def _max_batch_plan(
 ) -> MemoryPlan | None:
     """The plan of the largest fitting batch per device (only sizes under `below` if given)."""
     if gpu is None:
-        raise ValueError("--find-max-batch needs the GPU's memory: give --gpu-memory (e.g. 80GiB).")
+        raise ValueError("--find_max_batch needs the GPU's memory: give --gpu_memory (e.g. 80GiB).")
     total = resolved_total_batch(config, cluster.world_size)
     candidates = [
         b for b in batch_candidates(total, cluster.world_size) if below is None or b < below

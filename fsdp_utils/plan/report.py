@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.parallel.parallelize import ModelInfo
+from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.tracking import Breakdown
@@ -101,7 +101,8 @@ class MemoryPlan:
 
     def parts_gib(self) -> list[str]:
         """Parameters, gradients, optimizer state, activations, temporaries and the peak they
-        sum to, in GiB with one decimal: the columns of the README's plan tables."""
+        sum to, in GiB with one decimal: the columns of the plan tables in docs/plan.md and
+        docs/lora.md."""
         parts = (
             self.parameter_bytes,
             self.gradient_bytes,
@@ -152,7 +153,7 @@ class MemoryPlan:
     @property
     def verdict(self) -> str:
         if self.gpu is None:
-            return "no verdict: give --gpu-memory (e.g. 80GiB or a100-80gb)"
+            return "no verdict: give --gpu_memory (e.g. 80GiB or a100-80gb)"
         have, need = self.gpu.memory_bytes, self.required_bytes
         if need <= have:
             return (
@@ -275,7 +276,7 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.fixes:
         lines += ["", *format_fixes(plan.fixes)]
     elif plan.fits is False:
-        lines += ["", "No single change was tried (--no-fixes)."]
+        lines += ["", "No single change was tried (--no_fixes)."]
     return "\n".join(lines)
 
 

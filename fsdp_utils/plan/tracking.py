@@ -1,4 +1,5 @@
-"""Measure one `Trainer.train_step` with PyTorch's FSDP memory tracker.
+"""Measure one training step (`fsdp_utils.train.step.TrainStep`) with PyTorch's FSDP memory
+tracker.
 
 The planner (fake tensors, `estimate.py`) and the validation run (real tensors under torchrun,
 `measure.py`) both call `track_train_step`, so what is compared is measured the same way.
@@ -12,14 +13,14 @@ tensor bytes, not what the CUDA caching allocator reserves around them (`report.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.train.step import Batch, TrainStep
 
 TOTAL = "Total"
 # The tracker's categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values),
@@ -283,8 +284,12 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def track_train_step(trainer: Trainer) -> StepMemory:
-    """Run `trainer.train_step()` once under `FSDPMemTracker` and return its snapshots.
+def track_train_step(
+    train_step: TrainStep, micro_batches: Callable[[], list[Batch]], *, step: int
+) -> StepMemory:
+    """Run optimizer step number `step` under `FSDPMemTracker` and return its snapshots. The
+    step's micro-batches are read inside the tracked region (`micro_batches()`), so their token
+    ids count, as the trainer holds them.
 
     Call it after an untracked warm-up step: the first step creates the optimizer state lazily,
     inside `optimizer.step()`, so a first tracked step would count AdamW's moments as scratch
@@ -295,7 +300,7 @@ def track_train_step(trainer: Trainer) -> StepMemory:
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-    model, optimizer, device = trainer.model, trainer.optimizer, trainer.env.device
+    model, optimizer, device = train_step.model, train_step.optimizer, train_step.device
     tracker = FSDPMemTracker(model, optimizer)
     recorder = _SegmentRecorder(tracker, device)
     seen: dict[str, Any] = {}
@@ -319,7 +324,7 @@ def track_train_step(trainer: Trainer) -> StepMemory:
             *recorder.hook_layers(parallelized_decoder_layers(model)),
         ]
         try:
-            trainer.train_step()
+            train_step(micro_batches(), step=step)
             recorder.boundary("end")
         finally:
             for handle in handles:

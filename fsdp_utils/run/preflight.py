@@ -17,12 +17,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
-
-if TYPE_CHECKING:
-    from fsdp_utils.config.batch import BatchPlan
+from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
+from fsdp_utils.metrics.trackers import check_trackers
+from fsdp_utils.model.attention import check_attn_implementation
+from fsdp_utils.model.build import check_seq_length
+from fsdp_utils.model.freeze import check_freeze_layers
+from fsdp_utils.model.lora import check_target_modules
+from fsdp_utils.parallel.distributed import device_type
+from fsdp_utils.run.start import storage_preflight
 
 GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 # A 70B plan takes about a minute on a 2-core node; a planner that hangs must not hold the job.
@@ -45,44 +50,32 @@ def detect_gpu_memory() -> str | None:
     return f"{min(sizes)}MiB" if result.returncode == 0 and sizes else None
 
 
-def check_batch_and_model(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Path, Any]:
-    """Trackers, batch arithmetic, the model in the offline cache, the sequence length against
-    its context, the attention implementation, LoRA's targets and adapter, the frozen layers:
-    (plan, model folder, model config). The trainer starts with the same checks."""
-    from fsdp_utils.config.batch import plan_batch
-    from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
-    from fsdp_utils.metrics.trackers import check_trackers
-    from fsdp_utils.model.attention import check_attn_implementation
-    from fsdp_utils.model.build import check_seq_length
-    from fsdp_utils.parallel.distributed import device_type
-
+def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
+    """Trackers, batch arithmetic, the model and data in the offline cache, the sequence length
+    against the model's context, the attention implementation, LoRA's targets and adapter, the
+    frozen layers: (batch plan, resolved assets). The trainer's process calls it once and
+    passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
     plan = plan_batch(config, world_size)
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
-    hf_config = load_model_config(model_dir)
+    assets = resolve_assets(config)
+    hf_config = assets.model_config
     check_seq_length(hf_config, config.max_seq_length)
     check_attn_implementation(hf_config, config, device_type=device_type(config.device))
     if config.lora:  # a wrong target or adapter fails here, before any data work
-        from fsdp_utils.model.lora import check_target_modules
-
         check_target_modules(hf_config, config)
     if config.freeze_layers:
-        from fsdp_utils.model.freeze import check_freeze_layers
-
         check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
-    return plan, model_dir, hf_config
+    return plan, assets
 
 
 def check_basics(config: TrainConfig, world_size: int) -> str:
     """Batch arithmetic, offline assets, sequence length: no weights, no process group."""
-    from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files
+    return _basics_line(config, *check_run(config, world_size))
 
-    plan, model_dir, _ = check_batch_and_model(config, world_size)
-    files = resolve_dataset_files(
-        config.dataset, config.dataset_include, config.dataset_revision, config.cache_dir
-    )
-    data = describe_dataset_files(files, config.dataset_include)
-    return f"preflight OK: {plan.describe()}; model {model_dir}; data {data}"
+
+def _basics_line(config: TrainConfig, plan: BatchPlan, assets: ResolvedAssets) -> str:
+    data = describe_dataset_files(list(assets.dataset_files), config.dataset_include)
+    return f"preflight OK: {plan.describe()}; model {assets.model_dir}; data {data}"
 
 
 def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: str) -> str:
@@ -96,8 +89,8 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
         config_file.write_text(json.dumps(config.to_dict()))
         command = [
             sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
-            "--nodes", str(nodes), "--gpus-per-node", str(world_size // nodes),
-            "--gpu-memory", gpu_memory, "--no-fixes",
+            "--nodes", str(nodes), "--gpus_per_node", str(world_size // nodes),
+            "--gpu_memory", gpu_memory, "--no_fixes",
         ]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
@@ -107,8 +100,8 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
         except subprocess.TimeoutExpired:
             return _skipped(f"the planner did not finish in {PLAN_TIMEOUT_S} s")
     rerun = (
-        f"python chess_finetune.py --plan --nodes {nodes} --gpus-per-node "
-        f"{world_size // nodes} --gpu-memory {gpu_memory} <your training flags>"
+        f"python chess_finetune.py --plan --nodes {nodes} --gpus_per_node "
+        f"{world_size // nodes} --gpu_memory {gpu_memory} <your training flags>"
     )
     return read_plan(result.returncode, result.stdout, result.stderr, rerun=rerun)
 
@@ -121,6 +114,7 @@ def read_plan(returncode: int, stdout: str, stderr: str, *, rerun: str) -> str:
     (3, with its traceback), a killed planner or anything else only skips the plan: a failing
     planner must not cost a job that may well fit.
     """
+    # Imported here: a training process that never reads a plan need not import the planner.
     from fsdp_utils.plan.cli import EXIT_CANNOT_PLAN, EXIT_CRASHED, EXIT_DOES_NOT_FIT, EXIT_FITS
 
     verdict = next((line for line in stdout.splitlines() if line.startswith("verdict:")), "")
@@ -174,13 +168,17 @@ def _skipped(reason: str, *, details: str = "", title: str = "the planner's outp
 def preflight(
     config: TrainConfig, world_size: int, nodes: int = 1, gpu_memory: str = GPU_MEMORY_AUTO
 ) -> str:
-    """All checks; returns what was checked, raises ValueError with the fix otherwise."""
-    lines = [check_basics(config, world_size)]
-    if config.no_fsdp or gpu_memory == GPU_MEMORY_OFF:
-        return lines[0]
-    memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
-    if memory is None:
-        lines.append("memory plan: skipped (no GPU on this node; --gpu_memory 80GiB plans anyway)")
-    else:
-        lines.append(check_memory(config, nodes, world_size, memory))
+    """All checks; returns what was checked, raises ValueError with the fix otherwise. The
+    storage check comes last: a run that does not fit in memory fails first."""
+    plan, assets = check_run(config, world_size)
+    lines = [_basics_line(config, plan, assets)]
+    if not config.no_fsdp and gpu_memory != GPU_MEMORY_OFF:
+        memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
+        if memory is None:
+            lines.append(
+                "memory plan: skipped (no GPU on this node; --gpu_memory 80GiB plans anyway)"
+            )
+        else:
+            lines.append(check_memory(config, nodes, world_size, memory))
+    lines.append(storage_preflight(config, assets, world_size))
     return "\n".join(lines)

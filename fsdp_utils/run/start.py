@@ -1,37 +1,44 @@
-"""What happens to the run folder before a run starts (rank 0, before anything is written).
+"""What happens to the run folder before a run starts (before anything is written).
 
+- Every node must see the run folder and the caches (`fsdp_utils.run.shared_paths`), and the
+  folder must be writable.
 - `--resume never` starts a run that can never be confused with the previous one in the same
-  folder: the previous run's checkpoints, final model, metrics, config, status and tracker logs are moved to
-  `<output_dir>/previous-<date-time>/`. Left in place, an old `step_00005000` would outlive
+  folder: the previous run's checkpoints, final model, metrics, config, status and tracker logs
+  are moved to `<output_dir>/previous-<date-time>/`. Left in place, an old `step_00005000` would outlive
   every new save (pruning keeps the highest steps) and the next `--resume auto` (a requeued
   leg!) would silently continue the abandoned run. Moving rather than refusing: the user asked
   to start over, a refusal would cost another wait in the queue, and a rename within the folder
   is instant and deletes nothing. A requeued leg of the same job is not a new start: it resumes
-  its own checkpoint (`checkpoint.requeued_leg_checkpoint`).
-- The storage check (`fsdp_utils.checkpoint.storage`): fail now if not even one checkpoint fits on the run
-  folder's file system, warn if `--keep_last` + 1 of them do not.
+  its own checkpoint (`fsdp_utils.checkpoint.sharded.requeued_leg_checkpoint`).
+- The storage check (`fsdp_utils.checkpoint.storage`): fail if not even one checkpoint fits on the
+  run folder's file system, warn if `--keep_last` + 1 of them do not. The Trainer runs it on the
+  meta model it builds anyway; `--preflight` here (`storage_preflight`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
+from fsdp_utils.checkpoint.sharded import list_checkpoints, requeued_leg_checkpoint
 from fsdp_utils.checkpoint.storage import plan_storage
 from fsdp_utils.config.job import JobLeg
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import format_bytes
+from fsdp_utils.hub.resolve import ResolvedAssets
+from fsdp_utils.model.build import build_meta_model
+from fsdp_utils.model.transforms import transform_model
+from fsdp_utils.parallel.distributed import DistEnv, on_main_rank
+from fsdp_utils.run.shared_paths import check_shared_paths
 
 SET_ASIDE_PREFIX = "previous-"
 
 
 def starts_fresh(config: TrainConfig, layout: RunLayout, job: JobLeg) -> bool:
     """`--resume never`, unless this is a requeued leg that has a checkpoint of its own."""
-    from fsdp_utils.checkpoint.sharded import requeued_leg_checkpoint
-
     if config.resume != "never":
         return False
     return requeued_leg_checkpoint(layout.checkpoints, job, warn=lambda _: None) is None
@@ -84,48 +91,53 @@ def set_aside_previous_run(layout: RunLayout, now: float | None = None) -> str |
     )
 
 
-def prepare_run_folder(
-    config: TrainConfig,
-    layout: RunLayout,
-    hf_config: Any,
-    model_dir: Path,
-    *,
-    world_size: int = 1,
-) -> list[str]:
-    """Rank 0, before the run writes anything: lines for the log. Raises ValueError when not
-    even one checkpoint fits."""
-    from fsdp_utils.checkpoint.sharded import list_checkpoints
-
-    notes = []
-    if starts_fresh(config, layout, JobLeg.from_env()):
-        moved = set_aside_previous_run(layout)
-        if moved:
-            notes.append(moved)
-    plan = plan_storage(
-        config,
-        hf_config,
-        model_dir,
-        existing=len(list_checkpoints(layout.checkpoints)),
-        world_size=world_size,
-    )
-    notes.append(plan.check())
-    return notes
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"The output folder {path} is not writable ({err.strerror}). Choose another "
+            "--output_dir, e.g. on project or scratch storage."
+        ) from err
 
 
-def storage_preflight(config: TrainConfig, world_size: int) -> str:
+def start_run(config: TrainConfig, env: DistEnv) -> list[str]:
+    """Collective, before the run writes anything: every node must see the run folder and the
+    caches; rank 0 checks the folder is writable and, on a fresh start (`--resume never`), sets
+    the previous run aside. Returns lines for the log. A failure on rank 0 ends every rank
+    (`on_main_rank`), with the message once, from rank 0."""
+    check_shared_paths(config, env)
+    layout = RunLayout.of(config.output_dir)
+
+    def prepare_folder() -> list[str]:
+        check_output_dir(layout.root)
+        if starts_fresh(config, layout, JobLeg.from_env()):
+            moved = set_aside_previous_run(layout)
+            return [moved] if moved else []
+        return []
+
+    return on_main_rank(prepare_folder) or []
+
+
+def storage_preflight(config: TrainConfig, assets: ResolvedAssets, world_size: int) -> str:
     """The storage line of `--preflight` (before a `--resume never` start moves anything: the
     checkpoints it will set aside are not counted as reusable)."""
-    from fsdp_utils.checkpoint.sharded import list_checkpoints
-    from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
-
-    model_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
-    hf_config = load_model_config(model_dir)
-
     layout = RunLayout.of(config.output_dir)
     fresh = starts_fresh(config, layout, JobLeg.from_env())
     existing = 0 if fresh else len(list_checkpoints(layout.checkpoints))
     try:
-        plan = plan_storage(config, hf_config, model_dir, existing=existing, world_size=world_size)
+        meta = transform_model(build_meta_model(assets.model_config, config.precision), config)
+        plan = plan_storage(
+            meta.model,
+            config,
+            assets.model_config,
+            assets.model_dir,
+            existing=existing,
+            world_size=world_size,
+        )
     except Exception as err:  # as with the memory plan: a model we cannot build is not a verdict
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return (

@@ -3,6 +3,8 @@
 - `launch`: what `slurm/finetune.sh` computes inside a job (processes per node, rendezvous,
   run folder, requeue decision), as pure functions plus a tiny command line.
 - `submitit_launcher`: `slurm/submit.py`, the same run through submitit (one task per GPU).
-- `local_cluster`: slurm.conf/gres.conf for a one-node Slurm on localhost and the code that
-  brings it up and down (`slurm/local/up.sh`, `slurm/local/down.sh`).
+- `local_cluster`: a one-node Slurm on localhost, brought up and down by `slurm/local/up.sh` and
+  `slurm/local/down.sh` (their command line; with `--nodes N`, `local_multinode`'s N nodes in
+  network namespaces); `local_conf` renders their slurm.conf/gres.conf as pure functions, and
+  `local_daemons` holds what both do with their daemons.
 """

@@ -279,6 +279,15 @@ def decide_after_run(
     return AfterRun(True, f"interrupted at step {step} ({reason}): requeueing to resume")
 
 
+def user_error(status: Mapping[str, object] | None) -> str | None:
+    """The message of a run that failed on a user mistake (status.json's `user_error`), which
+    the job's log should end with: torchrun's and srun's reports come after the trainer's."""
+    if status is None or status.get("status") != "failed":
+        return None
+    error = status.get("user_error")
+    return error if isinstance(error, str) and error.strip() else None
+
+
 # --- the impure edges -------------------------------------------------------------------------
 
 
@@ -344,14 +353,18 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.describe(), file=sys.stderr)
         print(plan.shell_assignments(), end="")
         return 0
+    status = read_status(args.run_dir)
     decision = decide_after_run(
-        read_status(args.run_dir),
+        status,
         args.exit_code,
         restarts=int(env.get("SLURM_RESTART_COUNT") or 0),
         max_requeues=int(env.get("MAX_REQUEUES") or DEFAULT_MAX_REQUEUES),
         requeue_allowed=env.get("REQUEUE", "1") not in ("0", "no", "false"),
     )
     print(decision.reason, file=sys.stderr)
+    mistake = user_error(status)
+    if mistake:  # the trainer's one paragraph, again, as the last thing in the job's log
+        print(f"\nerror: {mistake}\n", file=sys.stderr)
     print("requeue" if decision.requeue else "done")
     return 0
 

@@ -28,55 +28,46 @@ import fcntl
 import os
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+from fsdp_utils.slurm import local_multinode
 from fsdp_utils.slurm.local_conf import (
     LocalCluster,
     MultiNodeCluster,
-    NodeHardware,
     render_gres_conf,
     render_multi_gres_conf,
     render_multi_slurm_conf,
     render_slurm_conf,
 )
+from fsdp_utils.slurm.local_daemons import (
+    DEFAULT_MULTI_STATE_DIR,
+    DEFAULT_STATE_DIR,
+    INSTALL_HINT,
+    LocalClusterError,
+    cancel_all_jobs,
+    detect_node_hardware,
+    make_gpu_files,
+    munge_works,
+    pid_alive,
+    refuse_foreign_daemon,
+    running,
+    terminate,
+    usable,
+    wait_for,
+    which,
+)
 
 # Leases, locks and the command line serve both clusters; starting and stopping differ.
 AnyCluster = LocalCluster | MultiNodeCluster
 
-DEFAULT_STATE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "local" / "state"
 MANUAL_LEASE = "manual"
-# /dev/null's device numbers: slurmd accepts only character or block devices in gres.conf.
-NULL_DEVICE = (1, 3)
-# Daemons live in /usr/sbin, which is not on an ordinary user's PATH.
-SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-INSTALL_HINT = "Install them with: bash slurm/local/install.sh (or: make setup-system)"
 
 
-class LocalClusterError(RuntimeError):
-    """The local cluster could not be brought up or down; the message says why and what to do."""
-
-
-# --- running it ------------------------------------------------------------------------------
-
-
-def which(command: str) -> str:
-    """Full path of a Slurm or munge command, or an error saying how to install them."""
-    path = shutil.which(command, path=SBIN_PATH)
-    if path is None:
-        raise LocalClusterError(f"`{command}` is not installed. {INSTALL_HINT}")
-    return path
-
-
-def detect_node_hardware() -> NodeHardware:
-    """The hardware as slurmd sees it (and the short host name it will register as)."""
-    out = subprocess.run([which("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
-    return NodeHardware.from_slurmd_c(out.splitlines()[0])
+# --- the one-node cluster --------------------------------------------------------------------
 
 
 def default_cluster(state_dir: Path | None = None, gpus: int = 4) -> LocalCluster:
@@ -102,51 +93,6 @@ def write_config(cluster: LocalCluster) -> None:
     make_gpu_files(cluster.gpu_files)
 
 
-def make_gpu_files(paths: list[Path]) -> None:
-    """The emulated GPUs: character devices with /dev/null's numbers."""
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists() and not stat.S_ISCHR(path.stat().st_mode):
-            path.unlink()
-        if not path.exists():
-            os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` runs. A daemon's orphaned zombie counts as gone: in containers pid 1
-    does not always reap them."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat_line.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def _pid_alive(pid_file: Path) -> int | None:
-    """The pid in `pid_file` if that process runs."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if _running(pid) else None
-
-
-def munge_works(socket_path: Path | None = None) -> bool:
-    """True if a munged answers on `socket_path` (default: the default socket, ours or the
-    system's): a credential made there decodes there."""
-    socket_arg = [] if socket_path is None else [f"--socket={socket_path}"]
-    try:
-        cred = subprocess.run(
-            [which("munge"), "-n", *socket_arg], capture_output=True, check=True, timeout=10
-        ).stdout
-        subprocess.run(
-            [which("unmunge"), *socket_arg], input=cred, capture_output=True, check=True, timeout=10
-        )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, LocalClusterError):
-        return False
-    return True
-
-
 def start_munge(cluster: LocalCluster) -> None:
     """Start munged as user munge unless one already answers (a system service, say)."""
     if munge_works():
@@ -160,25 +106,16 @@ def start_munge(cluster: LocalCluster) -> None:
     # munged forks into the background itself; its first process exits at once.
     subprocess.run([which("munged")], user="munge", check=True, start_new_session=True)
     cluster.munged_marker.write_text("munged was started by fsdp_utils.slurm.local_cluster\n")
-    _wait_for(munge_works, timeout=10, what="munged to answer")
+    wait_for(munge_works, timeout=10, what="munged to answer")
 
 
 def stop_munge(cluster: LocalCluster) -> None:
     if not cluster.munged_marker.exists():
         return  # not ours: leave the system's munged alone
-    pid = _pid_alive(Path("/run/munge/munged.pid"))
+    pid = pid_alive(Path("/run/munge/munged.pid"))
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
     cluster.munged_marker.unlink()
-
-
-def _wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.25)
-    raise LocalClusterError(f"Timed out after {timeout:.0f} s waiting for {what}.")
 
 
 def node_state(cluster: LocalCluster) -> str | None:
@@ -197,14 +134,10 @@ def node_state(cluster: LocalCluster) -> str | None:
     return state if result.returncode == 0 and state else None
 
 
-def _usable(state: str | None) -> bool:
-    return state is not None and state.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
-
-
 def is_up(cluster: LocalCluster) -> bool:
     """Both of our daemons run and the node accepts jobs."""
-    ours = _pid_alive(cluster.ctld_pid_file) and _pid_alive(cluster.slurmd_pid_file)
-    return bool(ours) and _usable(node_state(cluster))
+    ours = pid_alive(cluster.ctld_pid_file) and pid_alive(cluster.slurmd_pid_file)
+    return bool(ours) and usable(node_state(cluster))
 
 
 def _log_tail(cluster: LocalCluster, lines: int = 15) -> str:
@@ -229,14 +162,14 @@ def start(cluster: LocalCluster) -> None:
     start_munge(cluster)
     env = cluster.env()
     conf = str(cluster.conf_file)
-    if _pid_alive(cluster.ctld_pid_file) is None:
+    if pid_alive(cluster.ctld_pid_file) is None:
         refuse_foreign_daemon(
             cluster.slurmctld_port, cluster.state_dir, down_command="slurm/local/down.sh"
         )
         subprocess.run(
             [which("slurmctld"), "-f", conf], env=env, check=True, start_new_session=True
         )
-    if _pid_alive(cluster.slurmd_pid_file) is None:
+    if pid_alive(cluster.slurmd_pid_file) is None:
         subprocess.run(
             [which("slurmd"), "-f", conf, "-N", cluster.node.name],
             env=env,
@@ -244,67 +177,20 @@ def start(cluster: LocalCluster) -> None:
             start_new_session=True,
         )
     try:
-        _wait_for(lambda: _usable(node_state(cluster)), timeout=30, what="the node to be idle")
+        wait_for(lambda: usable(node_state(cluster)), timeout=30, what="the node to be idle")
     except LocalClusterError as error:
         raise LocalClusterError(
             f"{error} Node state: {node_state(cluster)}.\n{_log_tail(cluster)}"
         ) from None
 
 
-def refuse_foreign_daemon(port: int, state_dir: Path, *, down_command: str) -> None:
-    """Another slurmctld on our port (another checkout's local cluster) would take our jobs."""
-    with socket.socket() as probe:
-        probe.settimeout(1)
-        if probe.connect_ex(("127.0.0.1", port)) == 0:
-            raise LocalClusterError(
-                f"Port {port} is taken by another slurmctld (not started from {state_dir}): "
-                f"stop it with its checkout's `{down_command}`."
-            )
-
-
-def cancel_all_jobs(env: dict[str, str], ctld_pid_file: Path) -> None:
-    """Cancel every job of a running controller and wait (a little) for their steps to end:
-    the first thing to stop, before the daemons the job steps talk to."""
-    if _pid_alive(ctld_pid_file) is None:
-        return
-    jobs = subprocess.run(
-        [which("squeue"), "-h", "-o", "%A"], capture_output=True, text=True, env=env
-    ).stdout.split()
-    if jobs:
-        subprocess.run([which("scancel"), *jobs], env=env, capture_output=True)
-        # Give slurmstepd a moment to kill the job processes (KillWait is 5 s).
-        with contextlib.suppress(LocalClusterError):
-            _wait_for(lambda: no_job_steps(env), timeout=15, what="jobs to end")
-
-
 def stop(cluster: LocalCluster) -> None:
     """Cancel every job, stop slurmd and slurmctld, and munged if we started it."""
     env = cluster.env()
     cancel_all_jobs(env, cluster.ctld_pid_file)
-    _terminate(cluster.slurmd_pid_file)
-    _terminate(cluster.ctld_pid_file)
+    terminate(cluster.slurmd_pid_file)
+    terminate(cluster.ctld_pid_file)
     stop_munge(cluster)
-
-
-def _terminate(pid_file: Path, timeout: float = 15) -> None:
-    """SIGTERM the daemon and wait for the process itself: daemons delete their pid file
-    before they finish shutting down."""
-    pid = _pid_alive(pid_file)
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    _wait_for(lambda: not _running(pid), timeout=timeout, what=f"pid {pid} ({pid_file.stem})")
-
-
-def no_job_steps(env: dict[str, str]) -> bool:
-    """No job runs or completes on the cluster `env` (its SLURM_CONF) points at."""
-    out = subprocess.run(
-        [which("squeue"), "-h", "-t", "RUNNING,COMPLETING", "-o", "%A"],
-        capture_output=True,
-        text=True,
-        env=env,
-    ).stdout
-    return not out.strip()
 
 
 # --- sharing: leases under a lock ------------------------------------------------------------
@@ -329,7 +215,7 @@ def _live_leases(cluster: AnyCluster) -> list[Path]:
             live.append(lease)
             continue
         pid = lease.name.split("-", 1)[0]
-        if pid.isdigit() and _running(int(pid)):
+        if pid.isdigit() and running(int(pid)):
             live.append(lease)
         else:
             lease.unlink(missing_ok=True)
@@ -340,8 +226,6 @@ def acquire(cluster: AnyCluster, owner: str | None = None) -> Path:
     """Bring the cluster up if needed and register `owner` as a user. Returns the lease."""
     with _locked(cluster):
         if isinstance(cluster, MultiNodeCluster):
-            from fsdp_utils.slurm import local_multinode
-
             # Before the try: a refused start must not stop the cluster that runs.
             local_multinode.refuse_other_sizes(cluster)
         if not _is_up(cluster):
@@ -390,16 +274,12 @@ def down(cluster: AnyCluster, force: bool = False) -> list[str]:
 
 def _is_up(cluster: AnyCluster) -> bool:
     if isinstance(cluster, MultiNodeCluster):
-        from fsdp_utils.slurm import local_multinode
-
         return local_multinode.is_up(cluster)
     return is_up(cluster)
 
 
 def _start(cluster: AnyCluster) -> None:
     if isinstance(cluster, MultiNodeCluster):
-        from fsdp_utils.slurm import local_multinode
-
         local_multinode.start(cluster)
     else:
         start(cluster)
@@ -407,8 +287,6 @@ def _start(cluster: AnyCluster) -> None:
 
 def _stop(cluster: AnyCluster) -> None:
     if isinstance(cluster, MultiNodeCluster):
-        from fsdp_utils.slurm import local_multinode
-
         local_multinode.stop(cluster)
     else:
         stop(cluster)
@@ -482,9 +360,7 @@ def _print_down(users: list[str], option: str) -> None:
 
 
 def _main_multi(args: argparse.Namespace) -> int:
-    from fsdp_utils.slurm import local_multinode as multi
-
-    state_dir = (args.state_dir or multi.DEFAULT_MULTI_STATE_DIR).resolve()
+    state_dir = (args.state_dir or DEFAULT_MULTI_STATE_DIR).resolve()
     conf = state_dir / "etc" / "slurm.conf"
     if args.command == "env":
         print(f"export SLURM_CONF={conf}")
@@ -492,9 +368,9 @@ def _main_multi(args: argparse.Namespace) -> int:
     # down and status act on the cluster as it was brought up, whatever --nodes says.
     nodes = args.nodes
     if args.command in ("down", "status"):
-        nodes = multi.recorded_nodes(state_dir) or nodes
+        nodes = local_multinode.recorded_nodes(state_dir) or nodes
     try:
-        cluster = multi.default_multi_cluster(state_dir, nodes=nodes, gpus=args.gpus)
+        cluster = local_multinode.default_multi_cluster(state_dir, nodes=nodes, gpus=args.gpus)
         if args.command == "config":
             print(
                 render_multi_slurm_conf(cluster)
@@ -514,15 +390,15 @@ def _main_multi(args: argparse.Namespace) -> int:
             )
         elif args.command == "down":
             _print_down(down(cluster, force=args.force), f" --nodes {cluster.nodes}")
-            left = multi.leftovers(cluster)
+            left = local_multinode.leftovers(cluster)
             if left:
                 print(f"warning: still there: {', '.join(left)}", file=sys.stderr)
                 return 1
         else:
-            if not multi.is_up(cluster):
+            if not local_multinode.is_up(cluster):
                 print("down")
                 return 1
-            states = multi.node_states(cluster)
+            states = local_multinode.node_states(cluster)
             print("up: " + ", ".join(f"{n} {states.get(n)}" for n in cluster.node_names))
     except (LocalClusterError, subprocess.CalledProcessError, PermissionError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -531,8 +407,4 @@ def _main_multi(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this `__main__` copy's: local_multinode imports
-    # fsdp_utils.slurm.local_cluster, and its errors must be the classes main() catches.
-    from fsdp_utils.slurm.local_cluster import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

@@ -18,7 +18,8 @@ Layout (the files come from the pure functions in `local_conf`):
   the venv, `<state>/scratch`) is shared.
 
 Bringing it up and down is idempotent and serialised by the same leases as the one-node cluster
-(`local_cluster.acquire/release`). Processes are tracked by pid file and by `ip netns pids`,
+(`local_cluster.acquire/release`, the only importer of this module; the daemon helpers both
+use are in `local_daemons`). Processes are tracked by pid file and by `ip netns pids`,
 never by name: other clusters' daemons of the same names may run beside ours.
 """
 
@@ -32,21 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_utils.slurm.local_cluster import (
-    DEFAULT_STATE_DIR,
-    LocalClusterError,
-    _pid_alive,
-    _running,
-    _terminate,
-    _usable,
-    _wait_for,
-    cancel_all_jobs,
-    detect_node_hardware,
-    make_gpu_files,
-    munge_works,
-    refuse_foreign_daemon,
-    which,
-)
 from fsdp_utils.slurm.local_conf import (
     MultiNodeCluster,
     node_boot_script,
@@ -55,8 +41,22 @@ from fsdp_utils.slurm.local_conf import (
     render_multi_slurm_conf,
     render_nsswitch,
 )
+from fsdp_utils.slurm.local_daemons import (
+    DEFAULT_MULTI_STATE_DIR,
+    LocalClusterError,
+    cancel_all_jobs,
+    detect_node_hardware,
+    make_gpu_files,
+    munge_works,
+    pid_alive,
+    refuse_foreign_daemon,
+    running,
+    terminate,
+    usable,
+    wait_for,
+    which,
+)
 
-DEFAULT_MULTI_STATE_DIR = DEFAULT_STATE_DIR.with_name("state-multi")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -171,7 +171,7 @@ def start_munge(cluster: MultiNodeCluster) -> None:
         check=True,
         start_new_session=True,
     )
-    _wait_for(lambda: munge_answers(cluster), timeout=10, what="our munged to answer")
+    wait_for(lambda: munge_answers(cluster), timeout=10, what="our munged to answer")
 
 
 # --- network ------------------------------------------------------------------------------------
@@ -294,12 +294,12 @@ def node_states(cluster: MultiNodeCluster) -> dict[str, str]:
 
 
 def is_up(cluster: MultiNodeCluster) -> bool:
-    if _pid_alive(cluster.ctld_pid_file) is None or not munge_answers(cluster):
+    if pid_alive(cluster.ctld_pid_file) is None or not munge_answers(cluster):
         return False
-    if any(_pid_alive(cluster.slurmd_pid_file(node)) is None for node in cluster.node_names):
+    if any(pid_alive(cluster.slurmd_pid_file(node)) is None for node in cluster.node_names):
         return False
     states = node_states(cluster)
-    return all(_usable(states.get(node)) for node in cluster.node_names)
+    return all(usable(states.get(node)) for node in cluster.node_names)
 
 
 def _log_tail(cluster: MultiNodeCluster, lines: int = 12) -> str:
@@ -312,15 +312,15 @@ def _log_tail(cluster: MultiNodeCluster, lines: int = 12) -> str:
 
 def refuse_other_sizes(cluster: MultiNodeCluster) -> None:
     """One size at a time: the running cluster's node count is in its state folder."""
-    running = recorded_nodes(cluster.state_dir)
+    up_nodes = recorded_nodes(cluster.state_dir)
     if (
-        running is not None
-        and running != cluster.nodes
-        and _pid_alive(cluster.ctld_pid_file) is not None
+        up_nodes is not None
+        and up_nodes != cluster.nodes
+        and pid_alive(cluster.ctld_pid_file) is not None
     ):
         raise LocalClusterError(
-            f"The multi-node cluster in {cluster.state_dir} is up with {running} nodes; bring it "
-            f"down first to use {cluster.nodes}: sudo slurm/local/down.sh --nodes {running}"
+            f"The multi-node cluster in {cluster.state_dir} is up with {up_nodes} nodes; bring it "
+            f"down first to use {cluster.nodes}: sudo slurm/local/down.sh --nodes {up_nodes}"
         )
 
 
@@ -333,7 +333,7 @@ def start(cluster: MultiNodeCluster) -> None:
     write_config(cluster)
     start_munge(cluster)
     network_up(cluster)
-    if _pid_alive(cluster.ctld_pid_file) is None:
+    if pid_alive(cluster.ctld_pid_file) is None:
         refuse_foreign_daemon(
             cluster.slurmctld_port, cluster.state_dir, down_command="slurm/local/down.sh --nodes 2"
         )
@@ -344,15 +344,15 @@ def start(cluster: MultiNodeCluster) -> None:
             start_new_session=True,
         )
     for node in cluster.node_names:
-        if _pid_alive(cluster.slurmd_pid_file(node)) is None:
+        if pid_alive(cluster.slurmd_pid_file(node)) is None:
             start_node(cluster, node)
 
     def all_usable() -> bool:
         states = node_states(cluster)
-        return all(_usable(states.get(node)) for node in cluster.node_names)
+        return all(usable(states.get(node)) for node in cluster.node_names)
 
     try:
-        _wait_for(all_usable, timeout=30, what="the nodes to be idle")
+        wait_for(all_usable, timeout=30, what="the nodes to be idle")
     except LocalClusterError as error:
         raise LocalClusterError(
             f"{error} Node states: {node_states(cluster)}.\n{_log_tail(cluster)}"
@@ -367,11 +367,11 @@ def stop(cluster: MultiNodeCluster) -> None:
     cancel_all_jobs(env, cluster.ctld_pid_file)
     for node in cluster.node_names:
         with contextlib.suppress(LocalClusterError):
-            _terminate(cluster.slurmd_pid_file(node))
+            terminate(cluster.slurmd_pid_file(node))
     for node in cluster.node_names:
         _kill_all(node_pids(cluster, node))
-    _terminate(cluster.ctld_pid_file)
-    _terminate(cluster.munged_pid_file)
+    terminate(cluster.ctld_pid_file)
+    terminate(cluster.munged_pid_file)
     network_down(cluster)
     nodes_file(cluster.state_dir).unlink(missing_ok=True)
 
@@ -382,7 +382,7 @@ def _kill_all(pids: list[int], timeout: float = 10) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -395,7 +395,7 @@ def leftovers(cluster: MultiNodeCluster) -> list[str]:
               if _link_exists(name)]  # fmt: skip
     pid_files = [cluster.ctld_pid_file, cluster.munged_pid_file]
     pid_files += [cluster.slurmd_pid_file(node) for node in cluster.node_names]
-    found += [f"daemon {p.stem} (pid {_pid_alive(p)})" for p in pid_files if _pid_alive(p)]
+    found += [f"daemon {p.stem} (pid {pid_alive(p)})" for p in pid_files if pid_alive(p)]
     state = str(cluster.state_dir)
     found += [
         f"mount {line.split()[1]}"

@@ -178,6 +178,18 @@ class LegEnd:
     finish: bool  # finish the run in this job; False: stop here (saved) and requeue
     why: str
 
+    def event(self, step: int, reason: str) -> tuple[str, str]:
+        """(kind, message) of the log event that announces it."""
+        if self.finish:
+            return "finishing", (
+                f"finishing in this job instead of requeueing (stop at step {step}: {reason}): "
+                f"{self.why}"
+            )
+        return "stopping", (
+            f"stopping at step {step}: {reason}; not finishing in this job: {self.why}; the "
+            "checkpoint is saved (rerun the same command to resume; a requeued job does)"
+        )
+
 
 def choose_leg_end(
     reason: str, work: RemainingWork, time_left: float | None, margin: float

@@ -1,0 +1,40 @@
+"""From a transformed meta model to the model that trains, torchtitan's order: parallelize
+(activation checkpointing, torch.compile, FSDP2) -> `to_empty` on the device, each rank
+allocating only its shards -> the adapters initialised (LoRA) -> the pretrained weights read
+slice by slice (then DoRA's magnitudes, or --lora_from's adapter) -> DDP's wrapper for
+`--no_fsdp`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.model.build import materialize
+from fsdp_utils.model.transforms import MetaModel, load_initial_weights
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import parallelize_model, wrap_ddp
+
+
+def build_model(
+    meta: MetaModel,
+    config: TrainConfig,
+    env: DistEnv,
+    model_dir: Path,
+    key_map: dict[str, str],
+    *,
+    load_weights: bool,
+) -> nn.Module:
+    """The model on `env`'s device, sharded, in training mode. `key_map`: model key ->
+    checkpoint key, taken on the meta model before its transforms (`checkpoint_key_map`).
+    `load_weights`: False when a checkpoint will fill the weights (a resumed run); a LoRA or
+    --freeze_layers run loads its frozen part anyway, since its checkpoints hold only what
+    trains (`load_initial_weights`)."""
+    model = parallelize_model(meta, config, env)
+    materialize(model, env.device)
+    load_initial_weights(model, model_dir, key_map, config, resuming=not load_weights)
+    if config.no_fsdp:
+        model = wrap_ddp(model, env.device)
+    model.train()
+    return model

@@ -1,0 +1,22 @@
+"""A run's start on this process, as `chess_finetune.py` makes it: the checks once
+(`preflight.check_run`: batch plan, assets, model config), the run folder ready for every rank
+(`start.start_run`), then the Trainer, which gets both. Tools and tests that need a real Trainer
+open it here too."""
+
+from __future__ import annotations
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.run.preflight import check_run
+from fsdp_utils.run.start import start_run
+from fsdp_utils.train.trainer import Trainer
+
+
+def open_trainer(config: TrainConfig, env: DistEnv) -> Trainer:
+    """Collective. The run's Trainer, its log open, not yet set up (`Trainer.setup`)."""
+    plan, assets = check_run(config, env.world_size)
+    notes = start_run(config, env)
+    trainer = Trainer(config, env, plan=plan, assets=assets)
+    for note in notes:
+        trainer.log.info(note)
+    return trainer

@@ -1,0 +1,53 @@
+"""The held-out loss: every rank runs its share of the eval split through the same forward as
+training (`step.forward_logits`), and the token-summed loss is reduced over all ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils.data.blocks import TokenBlocks, eval_batches
+from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.train.loss import count_targets, token_loss_sum
+from fsdp_utils.train.step import forward_logits
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    blocks: TokenBlocks,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    max_batches: int,
+    autocast: Callable[[], Any],
+) -> dict[str, Any] | None:
+    """Collective. The eval loss, perplexity and target tokens; None without eval data.
+
+    Every rank runs the same number of forward passes (FSDP's collectives would hang
+    otherwise: `eval_batches`), and the model is back in training mode afterwards."""
+    if len(blocks) == 0:
+        return None
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=env.device)
+    for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
+        batch = blocks.batch(indices)
+        logits = forward_logits(model, batch, env.device, autocast)
+        labels = batch["labels"].to(env.device)
+        totals[0] += token_loss_sum(logits, labels)
+        totals[1] += count_targets(labels)
+    model.train()
+    loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
+    if tokens == 0:
+        return None
+    loss = loss_sum / tokens
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(min(loss, 50.0)),
+        "eval_tokens": int(tokens),
+    }

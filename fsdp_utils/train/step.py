@@ -1,0 +1,273 @@
+"""One optimizer step: forward and backward over the micro-batches, gradient clipping, the
+non-finite checks, the optimizer and scheduler step (torchtitan's `train_step` ->
+`forward_backward_step`).
+
+`TrainStep` holds what a step needs (model, optimizer, scheduler, gradient scaler) and nothing
+about where the batches come from, the run folder or the log: the Trainer, the memory planner's
+tracer (`fsdp_utils.plan.estimate`, on fake tensors) and the tests build it through its
+constructor and hand it the micro-batches.
+
+The loss is normalised by the target tokens of the whole step (all micro-batches, all ranks), so
+any split of the same total batch gives the same update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids
+from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.parallelize import gradient_sync_context
+from fsdp_utils.train.loss import count_targets, token_loss_sum
+from fsdp_utils.train.optim import (
+    apply_settings,
+    build_scheduler,
+    describe_changes,
+    optimizer_settings,
+    settings_in_optimizer,
+)
+
+Batch = dict[str, torch.Tensor]
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+def forward_logits(
+    model: nn.Module, batch: Batch, device: torch.device, autocast: Callable[[], Any]
+) -> torch.Tensor:
+    """The model's logits for a batch, as training and evaluation call it: with the batch's
+    per-document position ids when it has them, and never an attention mask or a KV cache
+    (either makes transformers ignore the position ids for packing: data/document_masking.py)."""
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    with autocast():
+        logits: torch.Tensor = model(
+            input_ids=input_ids, position_ids=batch_position_ids(batch, device), use_cache=False
+        ).logits
+    return logits
+
+
+def local_counts(batches: list[Batch]) -> list[float]:
+    """[target tokens, non-pad tokens] of this rank's micro-batches (host tensors: no sync)."""
+    targets = sum(count_targets(b["labels"]) for b in batches)
+    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    return [float(targets), float(tokens)]
+
+
+def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any:
+    """fp16-mixed needs a gradient scaler; on sharded gradients each rank sees only its shard,
+    so the found-inf flag is all-reduced (ShardedGradScaler)."""
+    if config.precision != "fp16-mixed":
+        return None
+    if config.no_fsdp:
+        return torch.amp.GradScaler(device.type)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device.type)
+
+
+class TrainStep:
+    """Runs optimizer steps; `__call__` is one.
+
+    A non-finite gradient norm on a step that is not checked on the host (`check=False`: no
+    host-device sync) is recorded on the device and found on the next checked step or before
+    any save (`check_weights_finite`), so no non-finite weights are ever saved.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        config: TrainConfig,
+        world_size: int,
+        device: torch.device,
+        scaler: Any = None,
+        autocast: Callable[[], Any] = contextlib.nullcontext,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.config = config
+        self.world_size = world_size
+        self.device = device
+        self.scaler = scaler
+        self.autocast = autocast
+        # Step (1-based) of the first non-finite gradient norm among the steps not checked on
+        # the host, as a 0-d float64 tensor on the device (inf: none); None before any such step.
+        self._nonfinite_step: torch.Tensor | None = None
+        # The newest checkpoint's step, for the messages of a diverged run (-1: none).
+        self.last_saved_step = -1
+
+    def __call__(
+        self,
+        micro_batches: list[Batch],
+        *,
+        step: int,
+        global_counts: list[float] | None = None,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        """Optimizer step number `step` (1-based, as logged) over this rank's micro-batches.
+
+        global_counts: [target tokens, non-pad tokens] of the step summed over all ranks, when
+        the caller has reduced them already (the Trainer does, with the stop decision); else one
+        all-reduce of host scalars here.
+        check: read the step's loss and gradient norm on the host and check them before the
+        update (one host-device sync: log steps).
+        """
+        if global_counts is None:
+            global_counts = dist_utils.all_reduce_host_sum(local_counts(micro_batches))
+        global_targets, global_tokens = global_counts
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            sync = index == len(micro_batches) - 1 or not self.config.defer_grad_sync
+            with gradient_sync_context(self.model, sync):
+                loss_sum += self.forward_backward(batch, global_targets)
+
+        grad_norm = self.clip_gradients()
+        loss = norm = None
+        if check:
+            loss, norm = self._check(loss_sum, grad_norm, global_targets, step)
+        elif grad_norm is not None and self.scaler is None:
+            self._record_nonfinite(grad_norm, step)
+        if self.scaler is not None:  # skips steps with inf/NaN gradients itself
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": int(global_tokens)}
+
+    def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
+        logits = forward_logits(self.model, batch, self.device, self.autocast)
+        loss_sum = token_loss_sum(logits, batch["labels"].to(self.device, non_blocking=True))
+        # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
+        # average into the sum over all ranks' tokens, divided by the global token count.
+        loss = loss_sum * (self.world_size / max(global_targets, 1.0))
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        return loss_sum.detach().to(torch.float64)
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Clip to --grad_clip and return the global gradient norm, on the device (no sync)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return None
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): combine the shards' norms
+            norm = norm.full_tensor()
+        return norm
+
+    # --- checkpointed state ---------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the step besides the optimizer's tensors: the settings the
+        optimizer ran with (so a resume can say what changed) and the gradient scaler's."""
+        return {
+            "optimizer_settings": optimizer_settings(self.config),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def resume(self, saved: dict[str, Any], start_step: int) -> list[str]:
+        """After the optimizer's tensors are loaded: the current config decides the learning
+        rate, weight decay, betas and the schedule from `start_step` on (the loaded param groups
+        carry the checkpoint's); the scaler continues. Returns what changed, one line each."""
+        settings = saved.get("optimizer_settings") or settings_in_optimizer(self.optimizer)
+        apply_settings(self.optimizer, self.config)
+        self.scheduler = build_scheduler(self.optimizer, self.config, start_step=start_step)
+        if self.scaler is not None and saved.get("scaler"):
+            self.scaler.load_state_dict(saved["scaler"])
+        return describe_changes(settings, self.config, start_step)
+
+    # --- non-finite loss and gradients ----------------------------------------------------
+
+    def _check(
+        self,
+        loss_sum: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        global_targets: float,
+        step: int,
+    ) -> tuple[float, float | None]:
+        """The checked step's scalars, before the update: one all-reduce (the loss) and one
+        host-device sync for the loss, the gradient norm and the record of unchecked steps."""
+        loss_sum = dist_utils.all_reduce_sum(loss_sum)
+        device = loss_sum.device
+        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        parts = [
+            loss_sum,
+            nan if grad_norm is None else grad_norm.to(device, torch.float64),
+            nan if self._nonfinite_step is None else self._nonfinite_step.to(device),
+        ]
+        total, norm, unchecked_bad = torch.stack(parts).tolist()
+        if self._nonfinite_step is not None and math.isfinite(unchecked_bad):
+            raise self._diverged_earlier(int(unchecked_bad), f"at step {step}")
+        loss = total / max(global_targets, 1)
+        if not math.isfinite(loss):
+            raise TrainingDivergedError(
+                f"The loss is {loss} at step {step} (before the update, so the weights are "
+                "still finite). Lower --learning_rate, use bf16-mixed instead of fp16-mixed, "
+                "or check the data."
+            )
+        if grad_norm is None:
+            return loss, None
+        if not math.isfinite(norm) and self.scaler is None:
+            raise TrainingDivergedError(
+                f"The gradient norm is {norm} at step {step}, with a finite loss ({loss:.4f}). "
+                "The update was not applied, so the weights are still finite"
+                + self._last_checkpoint_note()
+                + ". Lower --learning_rate, keep --grad_clip on, use bf16-mixed instead of "
+                "bf16-true, or check the data."
+            )
+        return loss, norm
+
+    def _record_nonfinite(self, grad_norm: torch.Tensor, step: int) -> None:
+        """Remember the first unchecked step whose gradient norm is not finite, on the device:
+        no sync. The norm is global, so every rank records the same step."""
+        if self._nonfinite_step is None:
+            self._nonfinite_step = torch.full(
+                (), math.inf, dtype=torch.float64, device=grad_norm.device
+            )
+        seen = self._nonfinite_step
+        clean = torch.isfinite(grad_norm) | torch.isfinite(seen)
+        self._nonfinite_step = torch.where(clean, seen, float(step))
+
+    def check_weights_finite(self, before: str, step: int) -> None:
+        """Collective-safe guard (every rank holds the same record): raise before `before`
+        (a save, the final model) at `step` if an unchecked step had a non-finite gradient
+        norm."""
+        if self._nonfinite_step is None:
+            return
+        first = float(self._nonfinite_step)  # a host-device sync, but saves are rare
+        if math.isfinite(first):
+            raise self._diverged_earlier(int(first), f"before {before} at step {step}")
+
+    def _diverged_earlier(self, first: int, found: str) -> TrainingDivergedError:
+        return TrainingDivergedError(
+            f"The gradient norm was not finite at step {first} (found {found}: steps between "
+            f"log steps are checked without waiting for the device; --log_every "
+            f"{self.config.log_every}). The weights are not finite since that update and were "
+            f"not saved{self._last_checkpoint_note()}. Resume with a lower --learning_rate, "
+            "keep --grad_clip on, or use --log_every 1 to check every step before its update."
+        )
+
+    def _last_checkpoint_note(self) -> str:
+        if self.last_saved_step > 0:
+            return f"; the last checkpoint (step {self.last_saved_step}) is good"
+        return ""
