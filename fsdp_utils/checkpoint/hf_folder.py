@@ -22,7 +22,7 @@ from torch import nn
 
 from fsdp_utils.atomic import folder_written_atomically
 from fsdp_utils.config.train_config import ExportDtype
-from fsdp_utils.model.build import build_meta_model, tied_parameter_names
+from fsdp_utils.model.build import build_meta_model, config_dtype, tied_parameter_names
 from fsdp_utils.model.fused_weights import hub_layout
 
 TOKENIZER_FILES = (
@@ -39,17 +39,6 @@ TOKENIZER_FILES = (
 
 
 EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
-
-
-def config_dtype(hf_config: Any) -> torch.dtype | None:
-    """The dtype a model config declares (`dtype`, or `torch_dtype` in transformers 4)."""
-    for key in ("dtype", "torch_dtype"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, str):
-            value = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(value, torch.dtype):
-            return value
-    return None
 
 
 def resolve_export_dtype(choice: str, hf_config: Any) -> torch.dtype:

@@ -18,6 +18,8 @@ OptimizerName = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]
 
 DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
 DEFAULT_DATASET = "laion/strategic_game_chess"
@@ -180,6 +182,16 @@ class TrainConfig:
     seed: int = field(
         default=1234, metadata=_opt("Seed for model init, shuffling, dropout.", section="optimizer")
     )
+    freeze_layers: int = field(
+        default=0,
+        metadata=_opt(
+            "Freeze the embeddings and the first N decoder layers (llama-recipes' freeze_layers "
+            "/ num_freeze_layers): they keep their pretrained weights and get no gradients, "
+            "optimizer state or place in the checkpoints; the final model still holds them "
+            "(0: train everything).",
+            section="optimizer",
+        ),
+    )
 
     # --- parallelism and memory ----------------------------------------------------------
     no_fsdp: bool = field(
@@ -246,6 +258,16 @@ class TrainConfig:
             "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
             "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
             "the final save of a very large model takes longer (ranks wait for rank 0).",
+            section="parallelism",
+        ),
+    )
+
+    attn_implementation: AttnImplementation = field(
+        default="sdpa",
+        metadata=_opt(
+            "transformers' attention implementation (llama-recipes' use_fast_kernels): sdpa "
+            "(eager for models without it, as transformers does), eager, flash_attention_2 "
+            "(CUDA and the flash-attn package), flex_attention. Checked before the job waits.",
             section="parallelism",
         ),
     )
@@ -357,6 +379,24 @@ class TrainConfig:
         ),
     )
 
+    profile_steps: str | None = field(
+        default=None,
+        metadata=_opt(
+            "A:B: record optimizer steps A to B with the torch profiler, one trace per rank in "
+            "output_dir/profile (Perfetto, TensorBoard); on CUDA also a memory snapshot "
+            "(llama-recipes' use_profiler / profiler_dir).",
+            section="logging",
+        ),
+    )
+    flop_counter: bool = field(
+        default=False,
+        metadata=_opt(
+            "Count the first step's FLOPs with torch's FlopCounterMode and log them beside the "
+            "estimate that MFU uses (llama-recipes' flop_counter).",
+            section="logging",
+        ),
+    )
+
     # --- trackers (fsdp_utils.metrics.trackers) ----------------------------------------------------
     tensorboard: bool = field(
         default=False,
@@ -453,6 +493,24 @@ class TrainConfig:
             section="lora",
         ),
     )
+    lora_dora: bool = field(
+        default=False,
+        metadata=_opt(
+            "With --lora: DoRA (weight-decomposed LoRA, peft's use_dora): a trained magnitude "
+            "per output feature on top of the low-rank direction update.",
+            section="lora",
+        ),
+    )
+    lora_from: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --lora: continue training this PEFT LoRA adapter (llama-recipes' "
+            "from_peft_checkpoint), a local folder or a hub id in the offline cache "
+            "(download_models.py --model ID). Its rank, alpha, targets and DoRA setting win "
+            "over the --lora_* flags.",
+            section="lora",
+        ),
+    )
     merge: bool = field(
         default=False,
         metadata=_opt(
@@ -481,6 +539,13 @@ class TrainConfig:
         return default_dataset_include(self.dataset)
 
     @property
+    def profile_step_range(self) -> tuple[int, int] | None:
+        """--profile_steps A:B as (A, B), optimizer steps counted from 1; None when off."""
+        if self.profile_steps is None:
+            return None
+        return parse_step_range(self.profile_steps)
+
+    @property
     def resolved_warmup_steps(self) -> int:
         if self.warmup_steps is not None:
             return self.warmup_steps
@@ -494,6 +559,22 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'3:5' -> (3, 5); '4' -> (4, 4). Steps count from 1."""
+    first, sep, last = text.partition(":")
+    try:
+        start, end = int(first), int(last if sep else first)
+    except ValueError:
+        start = end = 0
+    if not 1 <= start <= end:
+        raise ValueError(
+            f"--profile_steps {text!r}: give the first and last optimizer step to record as "
+            "A:B with 1 <= A <= B, e.g. --profile_steps 3:5 (the first steps are slower: "
+            "start after them)."
+        )
+    return start, end
 
 
 def validate_config(config: TrainConfig) -> None:
@@ -547,6 +628,15 @@ def validate_config(config: TrainConfig) -> None:
             f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
         )
     _validate_lora(config)
+    if config.freeze_layers < 0:
+        raise ValueError(f"--freeze_layers must be >= 0 (0: off), got {config.freeze_layers}.")
+    if config.freeze_layers and config.lora:
+        raise ValueError(
+            "--freeze_layers with --lora: LoRA already freezes every pretrained weight. To "
+            "adapt only some layers' projections use --lora_target_modules; to train the top "
+            "layers fully, drop --lora."
+        )
+    _ = config.profile_step_range  # a malformed --profile_steps fails here
     for field_name in ("{moves}",):
         if field_name not in config.template:
             raise ValueError(f"--template must contain {field_name}: got {config.template!r}.")
@@ -565,3 +655,6 @@ def _validate_lora(config: TrainConfig) -> None:
         )
     if config.lora and not 0.0 <= config.lora_dropout < 1.0:
         raise ValueError(f"--lora_dropout must be in [0, 1), got {config.lora_dropout}.")
+    for name in ("lora_dora", "lora_from"):
+        if getattr(config, name) and not config.lora:
+            raise ValueError(f"--{name} is a LoRA option: add --lora.")

@@ -58,7 +58,8 @@ def attention_implementation(model: Any) -> str:
 
 
 def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
-    """Refuse an attention implementation that would silently let documents see each other."""
+    """Refuse an attention implementation (or a model) that would silently let documents see
+    each other."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in IGNORES_POSITION_IDS:
         raise ValueError(
@@ -66,21 +67,33 @@ def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
             "without the position ids, so packed documents would see each other. Train without "
             "--document_masking (add --no_packing for one document per sequence)."
         )
-    impl = attention_implementation(model)
-    if impl in HONOURS_PACKING:
+    check_isolates_documents(
+        attention_implementation(model), batch_size_per_device=batch_size_per_device
+    )
+
+
+def isolates_documents(implementation: str, *, batch_size_per_device: int) -> bool:
+    """Whether `--document_masking` keeps packed documents apart under `implementation`."""
+    if implementation in HONOURS_PACKING:
+        return True
+    return implementation.startswith("flash_attention") and batch_size_per_device == 1
+
+
+def check_isolates_documents(implementation: str, *, batch_size_per_device: int) -> None:
+    """The check of `--document_masking` by name: in the preflight (`--attn_implementation`)
+    and on the built model (the implementation transformers settled on)."""
+    if isolates_documents(implementation, batch_size_per_device=batch_size_per_device):
         return
-    if impl.startswith("flash_attention"):
-        if batch_size_per_device == 1:
-            return
+    if implementation.startswith("flash_attention"):
         raise ValueError(
-            f"--document_masking with {impl}: transformers separates packed documents for flash "
-            "attention only when a forward pass holds one sequence, and this run has "
-            f"--batch_size_per_device {batch_size_per_device}. Use --batch_size_per_device 1 "
-            "(the total batch stays the same), or sdpa attention."
+            f"--document_masking with {implementation}: transformers separates packed "
+            "documents for flash attention only when a forward pass holds one sequence, and "
+            f"this run has --batch_size_per_device {batch_size_per_device}. Use "
+            "--batch_size_per_device 1 (the total batch stays the same), or sdpa attention."
         )
     raise ValueError(
-        f"--document_masking: the model uses the attention implementation {impl!r}, which is "
-        f"not known to honour packed position ids (known: {', '.join(HONOURS_PACKING)}, and "
-        "flash attention with one sequence per pass). Use sdpa, or train without "
+        f"--document_masking: the model uses the attention implementation {implementation!r}, "
+        f"which is not known to honour packed position ids (known: {', '.join(HONOURS_PACKING)}, "
+        "and flash attention with one sequence per pass). Use sdpa, or train without "
         "--document_masking."
     )

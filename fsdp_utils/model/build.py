@@ -56,6 +56,18 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
+def config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a model config declares (`dtype`, or `torch_dtype` in transformers 4): the
+    dtype of its checkpoint's weights."""
+    for key in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, str):
+            value = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device but buffers for real (on CPU).
@@ -85,17 +97,26 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
-    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype."""
+def build_meta_model(
+    hf_config: Any, precision: Precision, *, attn_implementation: str = "sdpa"
+) -> nn.Module:
+    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype,
+    with the attention implementation `attn_implementation` (see fsdp_utils.model.attention)."""
     from transformers import AutoModelForCausalLM
 
     dtype = param_dtype_for(precision)
     previous = torch.get_default_dtype()
     source_dtype = getattr(hf_config, "dtype", None)
+    # sdpa goes as transformers' default (None), which falls back to eager for the models that
+    # cannot run SDPA (Gemma 2's soft-capping), as from_pretrained does. Always passed: the
+    # config remembers the last one it was given.
+    requested = None if attn_implementation == "sdpa" else attn_implementation
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation=requested
+            )
     except ValueError as err:
         raise ValueError(
             f"transformers cannot build a causal LM from this config ({hf_config.model_type}): "

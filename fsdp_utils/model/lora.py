@@ -21,6 +21,9 @@ After `to_empty`, `init_adapters` fills the adapters as peft does (A: Kaiming-un
 so training starts from the base model's outputs), from generators seeded by (seed, parameter
 name) over the full shape: every world size starts from the same adapters. Base weights load
 as in full fine-tuning, each rank reading its own slices (`base_key_map` adds `.base_layer`).
+Then `finish_adapters`: DoRA's magnitudes (`--lora_dora`) from the loaded base, and with
+`--lora_from` every adapter tensor from the adapter folder, whose settings (`lora_settings`)
+decide rank, alpha, targets and DoRA.
 """
 
 from __future__ import annotations
@@ -28,20 +31,23 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from fsdp_utils.model.build import _all_named_parameters, compute_dtype, param_dtype_for
+from fsdp_utils.model.peft_adapter import ADAPTER
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from fsdp_utils.config.train_config import TrainConfig
 
-ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out
+__all__ = ["ADAPTER", "LoraSettings", "apply_lora", "lora_settings"]
 _Source = TypeVar("_Source")  # where a weight is in the checkpoint (`model.weights`)
 
 
@@ -183,19 +189,82 @@ def _check_expert_options(targets: LoraTargets, config: TrainConfig) -> None:
         )
 
 
+@dataclass(frozen=True)
+class LoraSettings:
+    """What the adapters are: the --lora_* flags, or with --lora_from the adapter's own."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: str | None  # as --lora_target_modules takes them; None: every linear layer
+    dora: bool
+    adapter: Path | None = None  # --lora_from's folder, whose weights the adapters start from
+    adapter_modules: tuple[str, ...] = ()  # the modules its weights adapt
+    note: str = ""  # for the log: what the adapter's settings replaced
+
+    def identity(self) -> dict[str, Any]:
+        """The checkpoint identity's `lora` entry (`dora` only when on, so that earlier LoRA
+        checkpoints keep theirs)."""
+        entry: dict[str, Any] = {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": self.target_modules,
+        }
+        return {**entry, "dora": True} if self.dora else entry
+
+
+def lora_settings(config: TrainConfig) -> LoraSettings:
+    """The run's LoRA settings. With --lora_from the adapter folder decides rank, alpha, targets
+    and DoRA (as PeftModel.from_pretrained(..., is_trainable=True) would); the dropout stays the
+    flag's, a training choice like the learning rate."""
+    if not config.lora_from:
+        return LoraSettings(
+            config.lora_r,
+            config.lora_alpha,
+            config.lora_dropout,
+            config.lora_target_modules,
+            config.lora_dora,
+        )
+    from fsdp_utils.hub.resolve import resolve_adapter_dir
+    from fsdp_utils.model.peft_adapter import (
+        adapter_settings_note,
+        describe_base,
+        read_adapter_folder,
+    )
+
+    folder = read_adapter_folder(resolve_adapter_dir(config.lora_from, config.cache_dir))
+    notes = [f"continuing the adapter {folder.path}"]
+    replaced = adapter_settings_note(folder, vars(config))
+    if replaced:
+        notes.append(f"its adapter_config.json wins over the flags: {replaced}")
+    base = describe_base(folder, config.model)
+    if base:
+        notes.append(base)
+    return LoraSettings(
+        folder.r,
+        int(folder.alpha) if folder.alpha.is_integer() else folder.alpha,
+        config.lora_dropout,
+        ",".join(folder.short_names),
+        folder.dora,
+        adapter=folder.path,
+        adapter_modules=folder.modules,
+        note="; ".join(notes),
+    )
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def check_target_modules(hf_config: Any, config: TrainConfig) -> None:
-    """Resolve --lora_target_modules on a meta build of the model (no memory, ~1 s for 7B), so
-    that a wrong name fails before any data or weights are read."""
+    """Apply LoRA to a meta build of the model (no memory, ~1 s for 7B), so that a wrong
+    --lora_target_modules, or a --lora_from adapter that does not fit the model, fails before
+    any data or weights are read."""
     from fsdp_utils.model.build import build_meta_model, find_decoder_layers
 
     model = build_meta_model(hf_config, config.precision)
-    layers = find_decoder_layers(model)
-    targets = lora_targets(layers, _module_names(model, layers), config.lora_target_modules)
-    _check_expert_options(targets, config)
+    apply_lora(model, find_decoder_layers(model), config)
 
 
 def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -204,7 +273,7 @@ def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
 
 
 def peft_config(
-    config: TrainConfig,
+    settings: LoraSettings,
     targets: list[str],
     *,
     fan_in_fan_out: bool = False,
@@ -213,12 +282,13 @@ def peft_config(
     from peft import LoraConfig
 
     return LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        r=settings.r,
+        lora_alpha=cast(Any, settings.alpha),  # annotated int; peft scales by any number
+        lora_dropout=settings.dropout,
         target_modules=targets,
         target_parameters=parameters or None,
         fan_in_fan_out=fan_in_fan_out,
+        use_dora=settings.dora,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -230,11 +300,14 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
 
     from peft import inject_adapter_in_model
 
-    targets = lora_targets(layers, _module_names(model, layers), config.lora_target_modules)
+    settings = lora_settings(config)
+    targets = lora_targets(layers, _module_names(model, layers), settings.target_modules)
     _check_expert_options(targets, config)
+    if settings.adapter is not None and set(targets.modules) != set(settings.adapter_modules):
+        _adapter_mismatch(settings, targets.modules)
     conv1d = any(not isinstance(model.get_submodule(t), nn.Linear) for t in targets.modules)
     lora_config = peft_config(
-        config, targets.modules, fan_in_fan_out=conv1d, parameters=targets.parameters
+        settings, targets.modules, fan_in_fan_out=conv1d, parameters=targets.parameters
     )
     with warnings.catch_warnings():  # peft warns when it sets fan_in_fan_out for Conv1D itself
         warnings.simplefilter("ignore", UserWarning)
@@ -249,6 +322,25 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
     for layer in layers:
         # Every decoder-layer group must be trainable from its first forward (pytorch 186998).
         assert any(p.requires_grad for p in layer.parameters()), "a decoder layer has no adapter"
+
+
+def _adapter_mismatch(settings: LoraSettings, targets: list[str]) -> None:
+    missing = sorted(set(settings.adapter_modules) - set(targets))
+    extra = sorted(set(targets) - set(settings.adapter_modules))
+    if missing and not extra:
+        why = (
+            f"it adapts modules that are not linear layers of this model's decoder layers: "
+            f"{', '.join(missing[:4])}"
+        )
+    else:
+        why = (
+            f"it adapts {settings.target_modules} in some decoder layers only (e.g. not "
+            f"{', '.join(extra[:2])}), and continuing it adapts every layer's"
+        )
+    raise ValueError(
+        f"--lora_from {settings.adapter}: {why}. Is it an adapter of this model (--model)? "
+        "Continue it with peft itself, or start a fresh adapter without --lora_from."
+    )
 
 
 def adapted_modules(model: nn.Module) -> dict[str, Any]:
@@ -306,23 +398,53 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     Each adapter matrix is drawn whole on the CPU from its own generator (seed, name), as peft
     initialises it (A: Kaiming-uniform with a = sqrt(5), B: zero), and each rank copies the slice
     its shard holds (`distribute_tensor` with `src_data_rank=None` slices locally: no traffic).
+    DoRA's magnitudes depend on the base weights: `init_dora_magnitudes`, once they are loaded.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for name, param in _all_named_parameters(model):
-        if not param.requires_grad:
+        if not param.requires_grad or ".lora_magnitude_vector." in name:
             continue
         full = torch.zeros(param.shape, dtype=torch.float32)
         if ".lora_A." in name:
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=_generator(seed, name))
         elif ".lora_B." not in name:
             raise AssertionError(f"unexpected trainable parameter {name} in a LoRA model")
-        full = full.to(device=param.device, dtype=param.dtype)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full)
+        _copy_into(param, full)
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole tensor into a parameter: each rank its own shard of it (no traffic)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (an all-gather under FSDP2: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def init_dora_magnitudes(model: nn.Module) -> None:
+    """DoRA's magnitude of each adapted layer, as peft initialises it: the norm of each output
+    row of W + scaling x B @ A (with B = 0 at the start: of the pretrained W), computed by
+    peft's own `get_weight_norm`. Collective under FSDP2: one weight matrix is gathered at a
+    time (as FSDP2 gathers a layer for its forward); every rank keeps its shard of the result.
+    A no-op without DoRA."""
+    for module in adapted_modules(model).values():
+        if ADAPTER not in module.lora_magnitude_vector:
+            continue
+        dora = module.lora_magnitude_vector[ADAPTER]
+        weight = _full(module.get_base_layer().weight).float()
+        a, b = _full(module.lora_A[ADAPTER].weight), _full(module.lora_B[ADAPTER].weight)
+        norm = dora.get_weight_norm(weight, (b.float() @ a.float()), module.scaling[ADAPTER])
+        _copy_into(dora.weight, norm)
 
 
 def without_base_layer(name: str) -> str:
@@ -351,6 +473,20 @@ def init_adapters_and_key_map(
     return base_key_map(model, key_map)
 
 
+def finish_adapters(model: nn.Module, config: TrainConfig) -> None:
+    """Once the base is loaded: DoRA's magnitudes from it, then --lora_from's adapter weights
+    (each rank reading its slices of them, as for the base)."""
+    init_dora_magnitudes(model)
+    settings = lora_settings(config)
+    if settings.adapter is None:
+        return
+    from fsdp_utils.model.peft_adapter import adapter_key_map
+    from fsdp_utils.model.weights import load_pretrained_weights
+
+    keys = [name for name, _ in _all_named_parameters(model)]
+    load_pretrained_weights(model, settings.adapter, adapter_key_map(keys))
+
+
 # --- checkpoints ----------------------------------------------------------------------------
 
 
@@ -359,14 +495,7 @@ def lora_identity(config: TrainConfig) -> dict[str, Any]:
     checkpoints of full fine-tunes keep the identity they always had)."""
     if not config.lora:
         return {}
-    return {
-        "lora": {
-            "r": config.lora_r,
-            "alpha": config.lora_alpha,
-            "dropout": config.lora_dropout,
-            "target_modules": config.lora_target_modules,
-        }
-    }
+    return {"lora": lora_settings(config).identity()}
 
 
 def checkpoint_kind_mismatch(
@@ -393,32 +522,28 @@ def checkpoint_kind_mismatch(
     )
 
 
-def state_dict_options(*, lora: bool) -> StateDictOptions:
-    """DCP state-dict options of a training checkpoint: for LoRA the adapters only (the base is
-    the pretrained model, loaded again on resume). Loading is then not strict about the frozen
-    keys; `dcp.load` still fails on any adapter missing from the checkpoint."""
+def state_dict_options(*, trainable_only: bool) -> StateDictOptions:
+    """DCP state-dict options of a training checkpoint. `trainable_only` (LoRA, --freeze_layers:
+    `fsdp_utils.model.freeze.trains_a_subset`): what trains, never the frozen weights, which are
+    the pretrained model's and load from it again on resume. Loading is then not strict about the
+    frozen keys; `dcp.load` still fails on any trained tensor missing from the checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
-
-
-def flops_per_token(full: float, info: Any, model: nn.Module) -> float:
-    """Training FLOPs per token of a LoRA run, from full fine-tuning's 6N + attention: the frozen
-    weights (N active per token, counted before the adapters) still take forward and
-    input-gradient matmuls (4N) but no weight gradients (2N); the adapters take all three (6 per
-    trainable parameter)."""
-    return full - 2.0 * info.active_parameters + 6.0 * trainable_parameters(model)
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
-    targets = config.lora_target_modules or (
+    settings = lora_settings(config)
+    targets = settings.target_modules or (
         "every linear layer of the decoder layers outside mixture-of-experts blocks"
     )
     text = (
-        f"LoRA r={config.lora_r}, alpha={config.lora_alpha}, dropout={config.lora_dropout:g} "
-        f"on {targets}"
+        f"{'DoRA' if settings.dora else 'LoRA'} r={settings.r}, alpha={settings.alpha:g}, "
+        f"dropout={settings.dropout:g} on {targets}"
     )
     if model is not None:
         adapted = len(adapted_modules(model))
         text += f": {adapted} adapted modules, {trainable_parameters(model) / 1e6:,.3f}M trainable"
+    if settings.note:
+        text += f"\nlora: {settings.note}"
     return text

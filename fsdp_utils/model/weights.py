@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -197,7 +197,7 @@ def _is_non_persistent_buffer(model: nn.Module, key: str) -> bool:
 
 
 def load_pretrained_weights(
-    model: nn.Module, model_dir: Path, key_map: dict[str, WeightSource]
+    model: nn.Module, model_dir: Path, key_map: Mapping[str, WeightSource]
 ) -> None:
     """Load safetensors weights into the (possibly sharded) model.
 

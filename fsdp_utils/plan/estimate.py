@@ -34,6 +34,7 @@ from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
+from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
@@ -259,6 +260,7 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     batch = plan_batch(config, cluster.world_size)  # a clear error before any model work
     hf_config = load_model_config(model_config_dir(config))
     check_seq_length(hf_config, config.max_seq_length)
+    config, stand_in = _attention_to_trace(config)
 
     with fake_world(cluster) as env:
         # The device mesh is built in here, outside FakeTensorMode, or it fails.
@@ -269,7 +271,20 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
         if memory is None:
             method = f"all {facts.decoder_layers} layers traced ({method})"
             memory = _trace(model, hf_config, config, env, batch)
-    return Estimate(memory, facts, batch, time.perf_counter() - started, method)
+    return Estimate(memory, facts, batch, time.perf_counter() - started, method + stand_in)
+
+
+def _attention_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:
+    """The config to trace, with a CPU stand-in for an attention implementation that cannot
+    run on the planner's fake CPU tensors, and a note saying so (fsdp_utils.model.attention)."""
+    planned = planned_implementation(config.attn_implementation)
+    if planned == config.attn_implementation:
+        return config, ""
+    note = (
+        f"; {config.attn_implementation} traced as {planned}: both save O(T) per head for "
+        "backward (output and log-sum-exp), never the T x T scores"
+    )
+    return config.replace(attn_implementation=planned), note
 
 
 def _extrapolated(
