@@ -4,7 +4,8 @@
 - random legal chess games (the `chess` package) written as parquet shards in the schema of
   `laion/strategic_game_chess` (`Moves`, `Termination`, `Result`, files `chess_game_NNNN.parquet`);
 - a BPE tokenizer trained with `tokenizers` on the rendered games;
-- small Llama / Qwen2 / Mistral / Gemma / GPT-2 / GPT-NeoX models saved as safetensors.
+- small Llama / Qwen2 / Mistral / Gemma / GPT-2 / GPT-NeoX models saved as safetensors, and
+  mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, gpt-oss).
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ SPECIAL_TOKENS = {
     "pad_token": "<pad>",
     "unk_token": "<unk>",
 }
-TINY_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox")
+TINY_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox")
+# Mixture-of-experts families (4 experts, 2 per token), saved by `save_pretrained` in the Hub's
+# layout: one tensor per expert (gpt-oss: fused, as its bf16 checkpoints are).
+TINY_MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+TINY_ARCHITECTURES += TINY_MOE_ARCHITECTURES
 
 
 # --- games ---------------------------------------------------------------------------------
@@ -133,6 +138,8 @@ def tiny_model_config(
         "pad_token_id": ids.get("pad"),
     }
     intermediate = 2 * hidden_size
+    if arch in TINY_MOE_ARCHITECTURES:
+        return _tiny_moe_config(arch, hidden_size, num_layers, num_heads, max_positions, common)
     if arch in ("llama", "qwen2", "mistral", "gemma"):
         cls = {
             "llama": transformers.LlamaConfig,
@@ -174,6 +181,64 @@ def tiny_model_config(
             **common,
         )
     raise ValueError(f"Unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}.")
+
+
+def _tiny_moe_config(
+    arch: str,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    max_positions: int,
+    common: dict[str, Any],
+) -> Any:
+    """4 experts of hidden_size x hidden_size, 2 routed per token; Qwen2-MoE adds its shared
+    expert. Untied embeddings, as in the released models."""
+    import transformers
+
+    shared: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": max(1, num_heads // 2),
+        "max_position_embeddings": max_positions,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+        **common,
+    }
+    if arch == "mixtral":
+        return transformers.MixtralConfig(
+            intermediate_size=hidden_size, num_local_experts=4, **shared
+        )
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            intermediate_size=hidden_size,
+            num_local_experts=4,
+            head_dim=hidden_size // num_heads,
+            # gpt-oss's YaRN scaling (x32), from a context 32 times shorter than this one.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": max(1, max_positions // 32),
+            },
+            **shared,
+        )
+    cls = {
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "olmoe": transformers.OlmoeConfig,
+    }[arch]
+    extra: dict[str, Any] = {
+        "qwen3_moe": {"head_dim": hidden_size // num_heads},
+        "qwen2_moe": {"shared_expert_intermediate_size": 2 * hidden_size},
+        "olmoe": {},
+    }[arch]
+    if arch != "olmoe":
+        extra["moe_intermediate_size"] = hidden_size
+    return cls(intermediate_size=hidden_size, num_experts=4, **extra, **shared)
 
 
 def save_tiny_model(

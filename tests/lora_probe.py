@@ -5,8 +5,9 @@
 Runs the real `Trainer` exactly as `chess_finetune.py` does (setup, train, final save), then,
 with the trained (sharded) model still in memory: the logits of the first two held-out blocks
 (a collective forward) and the whole state dict, frozen base included, gathered to rank 0, which
-writes them to `--probe_out`. The test compares them with the PEFT adapter folder, the merged
-model and the pretrained weights.
+writes them to `--probe_out`, with the logits of the same blocks before the first step
+(`start_logits`: the model as loaded). The test compares them with the PEFT adapter folder, the
+merged model, the pretrained weights and an adapter continued with --lora_from.
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ def main() -> int:
     try:
         trainer = open_trainer(config, env)
         trainer.setup()
+        input_ids = trainer.eval_blocks.batch([0, 1])["input_ids"].to(env.device)
+        start_logits = _logits(trainer.model, input_ids)
         summary = trainer.train()
         assert summary["status"] == "completed", summary
         trainer.save_final_model()
-        input_ids = trainer.eval_blocks.batch([0, 1])["input_ids"].to(env.device)
-        trainer.model.eval()
-        with torch.no_grad():
-            logits = trainer.model(input_ids=input_ids, use_cache=False).logits
+        logits = _logits(trainer.model, input_ids)
         state = gather_full_state_dict(trainer.model)
         if env.is_main:
             torch.save(
-                {"input_ids": input_ids.cpu(), "logits": logits.float().cpu(), "state": state},
+                {
+                    "input_ids": input_ids.cpu(),
+                    "start_logits": start_logits.float().cpu(),
+                    "logits": logits.float().cpu(),
+                    "state": state,
+                },
                 args.probe_out,
             )
         trainer.close()
@@ -52,6 +57,15 @@ def main() -> int:
     finally:
         dist_utils.destroy(synchronize=clean)
     return 0
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """A collective forward in eval mode (no dropout); the model goes back to training mode."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    model.train()
+    return logits
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ EXPECTED_LAYER_CLASS = {
     "gemma": "GemmaDecoderLayer",
     "gpt2": "GPT2Block",
     "gpt_neox": "GPTNeoXLayer",
+    "mixtral": "MixtralDecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
+    "qwen2_moe": "Qwen2MoeDecoderLayer",
+    "olmoe": "OlmoeDecoderLayer",
+    "gpt_oss": "GptOssDecoderLayer",
 }
 TIED = {"qwen2", "gemma", "gpt2"}
 

@@ -6,6 +6,7 @@ a full model), in one process on CPU.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,9 +28,15 @@ def export_checkpoint(
 ) -> Path:
     """Consolidate a sharded DCP checkpoint (any world size) into a Hugging Face folder, in one
     process on CPU. The checkpoint carries the model config and tokenizer (`hf/`). A LoRA
-    checkpoint becomes a PEFT adapter folder, or with `merge` a full model (`lora_export`)."""
+    checkpoint becomes a PEFT adapter folder, or with `merge` a full model (`lora_adapters`);
+    a --freeze_layers checkpoint takes its frozen layers from the pretrained model (`base`, else
+    the run's --model from the offline cache), exactly as the run held them."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     from fsdp_utils.checkpoint.sharded import HF_SUBDIR, read_checkpoint
     from fsdp_utils.hub.resolve import load_model_config
@@ -51,13 +58,51 @@ def export_checkpoint(
     hf_dir = info.path / HF_SUBDIR
     hf_config = load_model_config(hf_dir)
     dtype = resolve_export_dtype(export_dtype, hf_config)
-    model = build_meta_model(hf_config, info.meta["identity"]["precision"])
-    materialize(model, torch.device("cpu"))
-    state = get_model_state_dict(model)
+    identity = info.meta["identity"]
+    if identity.get("freeze_layers"):
+        model = _frozen_model_with_pretrained_weights(info, hf_config, base)
+        options = StateDictOptions(ignore_frozen_params=True)
+    else:
+        model = build_meta_model(hf_config, identity["precision"])
+        materialize(model, torch.device("cpu"))
+        options = StateDictOptions()
+    trained = get_model_state_dict(model, options=options)
     with single_process_dcp_allowed():
-        dcp.load({"model": state}, checkpoint_id=str(info.path))
+        dcp.load({"model": trained}, checkpoint_id=str(info.path))
+    set_model_state_dict(model, trained, options=StateDictOptions(strict=False))
+    state = get_model_state_dict(model)
     drop_tied_duplicates(state, model)
     return write_hf_folder(state, hf_config, Path(destination), hf_dir, dtype)
+
+
+def _frozen_model_with_pretrained_weights(info: Any, hf_config: Any, base: Path | None) -> Any:
+    """A --freeze_layers checkpoint holds what trained only: its model, on CPU, with every
+    weight from the pretrained model (`base`, else the run's --model from the offline cache)
+    and its frozen ones stored as the run stored them."""
+    from fsdp_utils.checkpoint.lora_adapters import base_model_dir
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
+    from fsdp_utils.model.transforms import apply_transforms
+    from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
+
+    identity = info.meta["identity"]
+    config = TrainConfig(
+        model=identity["model"],
+        revision=identity.get("revision"),
+        precision=identity["precision"],
+        freeze_layers=identity["freeze_layers"],
+    )
+    base_dir = base_model_dir(
+        config,
+        base,
+        why="A --freeze_layers checkpoint holds only what trained; the rest comes from",
+    )
+    model = build_meta_model(hf_config, config.precision)
+    key_map = checkpoint_key_map(model, base_dir)
+    apply_transforms(model, find_decoder_layers(model), hf_config, config)
+    materialize(model, torch.device("cpu"))
+    load_pretrained_weights(model, base_dir, key_map)
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         "--base",
         type=Path,
         default=None,
-        help="With --merge: the base model folder (default: the run's --model from the offline "
-        "cache).",
+        help="The pretrained model folder, for --merge and for a --freeze_layers checkpoint "
+        "(which holds the trained layers only); default: the run's --model from the offline "
+        "cache.",
     )
     parser.add_argument(
         "--export_dtype",

@@ -2,7 +2,8 @@
 
 The full state dict is gathered to rank 0's CPU (one copy, on one rank) and written with
 `huggingface_hub.save_torch_state_dict`, which shards large models into 5 GB files with an
-index, exactly as `save_pretrained` does, so `from_pretrained` loads the result.
+index, exactly as `save_pretrained` does, so `from_pretrained` loads the result. Fused
+mixture-of-experts tensors are written back one tensor per expert, as in the source checkpoint.
 
 The weights are written in the source model's dtype (its config's `dtype`, `torch_dtype` in
 older configs), not in the fp32 of the master weights: a bf16 7B model stays 13.5 GB, not 27.
@@ -21,7 +22,8 @@ from torch import nn
 
 from fsdp_utils.atomic import folder_written_atomically
 from fsdp_utils.config.train_config import ExportDtype
-from fsdp_utils.model.build import tied_parameter_names
+from fsdp_utils.model.build import build_meta_model, config_dtype, tied_parameter_names
+from fsdp_utils.model.fused_weights import hub_layout
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,17 +39,6 @@ TOKENIZER_FILES = (
 
 
 EXPORT_DTYPES: tuple[str, ...] = get_args(ExportDtype)
-
-
-def config_dtype(hf_config: Any) -> torch.dtype | None:
-    """The dtype a model config declares (`dtype`, or `torch_dtype` in transformers 4)."""
-    for key in ("dtype", "torch_dtype"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, str):
-            value = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(value, torch.dtype):
-            return value
-    return None
 
 
 def resolve_export_dtype(choice: str, hf_config: Any) -> torch.dtype:
@@ -96,10 +87,17 @@ def write_hf_folder(
 ) -> Path:
     """Write state dict (floating-point tensors cast to `dtype`) + config (saying `dtype`)
     (+ tokenizer files) so that `from_pretrained(destination)` works. Writes into a temporary
-    sibling and renames it, so a crash leaves no half model."""
+    sibling and renames it, so a crash leaves no half model.
+
+    Tensors that transformers fuses on load (mixture-of-experts experts) are written one per
+    expert under the checkpoint's names, as `save_pretrained` writes them (`hub_layout`), so
+    that vLLM and other readers of Hub checkpoints load the result too.
+    """
     from huggingface_hub import save_torch_state_dict
 
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: _compact(v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    # A meta build costs no memory; it is what transformers looks its conversion rules up in.
+    state = hub_layout(state, build_meta_model(hf_config, "fp32"))
     with folder_written_atomically(destination) as tmp:
         save_torch_state_dict(state, tmp, max_shard_size="5GB")
         saved = copy.deepcopy(hf_config)  # the caller's config stays as it is
@@ -109,6 +107,16 @@ def write_hf_folder(
         if tokenizer_source is not None:
             copy_tokenizer_files(tokenizer_source, tmp)
     return Path(destination)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in storage of its own size. A gathered FSDP2 tensor whose dim 0 is smaller
+    than the world size (Qwen2-MoE's shared_expert_gate, [1, hidden]) is a view into the padded
+    all-gather buffer, and safetensors refuses to write a tensor that does not cover its
+    storage."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 def save_hf_model(

@@ -25,52 +25,69 @@ from fsdp_utils.checkpoint.hf_folder import (
     resolve_export_dtype,
     write_hf_folder,
 )
-from fsdp_utils.model.lora import ADAPTER, adapted_modules, peft_config
+from fsdp_utils.model.lora import (
+    adapted_modules,
+    adapted_tensor_name,
+    expert_delta,
+    is_tensor_adapter,
+    lora_settings,
+    peft_config,
+    without_base_layer,
+)
+from fsdp_utils.model.peft_adapter import (
+    ADAPTER,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    is_adapter_key,
+    peft_key,
+)
 
 if TYPE_CHECKING:
     from fsdp_utils.checkpoint.sharded import CheckpointInfo
     from fsdp_utils.config.layout import RunLayout
     from fsdp_utils.config.train_config import TrainConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-
-
-def _is_adapter_key(key: str) -> bool:
-    return ".lora_A." in key or ".lora_B." in key
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_state", "merged_state"]
 
 
 def adapter_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The adapters of a (gathered) LoRA state dict, named as PEFT saves them:
-    `model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    """The adapters of a (gathered) LoRA state dict, named as PEFT saves them
+    (`fsdp_utils.model.peft_adapter.peft_key`)."""
     return {
-        _PEFT_PREFIX + key.replace(f".{ADAPTER}.", "."): value.contiguous()
-        for key, value in state.items()
-        if _is_adapter_key(key)
+        peft_key(key): value.contiguous() for key, value in state.items() if is_adapter_key(key)
     }
 
 
 def merged_state(state: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapter merged in, under the base model's names.
 
-    W' = W + scaling x B @ A (transposed for Conv1D, whose weight is stored (in, out)), computed
-    in fp32 and stored in W's dtype, as peft's `merge_and_unload` does.
+    W' = W + scaling x B @ A (transposed for Conv1D, whose weight is stored (in, out); one pair
+    per expert for fused expert tensors: `expert_delta`), computed in fp32 and stored in W's
+    dtype, as peft's `merge_and_unload` does. With DoRA each output row of W + scaling x B @ A
+    is rescaled to its trained magnitude m: W' = m / ||W + s B A|| x (W + s B A), as peft's DoRA
+    merge does.
     """
     merged = {
-        key.replace(".base_layer.", "."): value
-        for key, value in state.items()
-        if not _is_adapter_key(key)
+        without_base_layer(key): value for key, value in state.items() if not is_adapter_key(key)
     }
     for name, module in adapted_modules(model).items():
         a = state[f"{name}.lora_A.{ADAPTER}.weight"].float()
         b = state[f"{name}.lora_B.{ADAPTER}.weight"].float()
+        if is_tensor_adapter(module):  # fused expert tensors (peft's target_parameters)
+            key = adapted_tensor_name(name, module)
+            weight = merged[key]
+            merged[key] = (weight.float() + expert_delta(a, b, module)).to(weight.dtype)
+            continue
         delta = (b @ a) * module.scaling[ADAPTER]
-        if module.fan_in_fan_out:
-            delta = delta.T
         weight = merged[f"{name}.weight"]
-        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+        updated = (weight.float().T if module.fan_in_fan_out else weight.float()) + delta
+        magnitude = state.get(f"{name}.lora_magnitude_vector.{ADAPTER}.weight")
+        if magnitude is not None:  # DoRA: rows (output features) scaled to their magnitude
+            norm = torch.linalg.norm(updated, dim=1, keepdim=True)
+            updated = updated * (magnitude.float().view(-1, 1) / norm)
+        if module.fan_in_fan_out:
+            updated = updated.T
+        merged[f"{name}.weight"] = updated.to(weight.dtype)
     return merged
 
 
@@ -82,16 +99,36 @@ def saved_target_modules(model: nn.Module) -> list[str]:
 
     from fsdp_utils.model.lora import linear_types
 
-    adapted = set(adapted_modules(model))
+    adapted = {name for name, m in adapted_modules(model).items() if not is_tensor_adapter(m)}
     short = sorted({name.rpartition(".")[2] for name in adapted})
     candidates = {
         name.replace(_CHECKPOINT_PREFIX, "")
         for name, module in model.named_modules()
         if isinstance(module, (*linear_types(), LoraLayer))
+        and not is_tensor_adapter(module)
         and not any(part in name for part in (".base_layer", ".lora_A.", ".lora_B."))
     }
     matched = {name for name in candidates if name.rpartition(".")[2] in short}
     return short if matched == adapted else sorted(adapted)
+
+
+def saved_target_parameters(model: nn.Module) -> list[str]:
+    """`target_parameters` for adapter_config.json: the adapted fused expert tensors, as
+    `experts.gate_up_proj` when that picks exactly them in every layer, else by full name."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    adapted = {
+        adapted_tensor_name(name, module)
+        for name, module in adapted_modules(model).items()
+        if is_tensor_adapter(module)
+    }
+    short = sorted({".".join(name.split(".")[-2:]) for name in adapted})
+    everywhere = set()
+    for name, param in model.named_parameters():
+        plain = without_base_layer(name.replace(_CHECKPOINT_PREFIX, ""))
+        if param.dim() == 3 and ".".join(plain.split(".")[-2:]) in short:
+            everywhere.add(plain)
+    return short if everywhere == adapted else sorted(adapted)
 
 
 def write_adapter_folder(
@@ -127,9 +164,10 @@ def write_lora_outputs(
     (then `state` must hold the base weights too). Returns the adapter folder."""
     adapter_dir, merged_dir = destinations
     lora_config = peft_config(
-        config,
+        lora_settings(config),
         saved_target_modules(model),
         fan_in_fan_out=any(m.fan_in_fan_out for m in adapted_modules(model).values()),
+        parameters=saved_target_parameters(model),
     )
     lora_config.base_model_name_or_path = config.model
     lora_config.revision = config.revision
@@ -187,6 +225,7 @@ def lora_config_of_checkpoint(info: CheckpointInfo) -> TrainConfig:
         lora_alpha=lora["alpha"],
         lora_dropout=lora["dropout"],
         lora_target_modules=lora["target_modules"],
+        lora_dora=lora.get("dora", False),
     )
 
 
@@ -222,7 +261,7 @@ def export_lora_checkpoint(
     hf_dir = info.path / HF_SUBDIR
     hf_config = load_model_config(hf_dir)
     model = build_meta_model(hf_config, config.precision)
-    base_dir = _base_model_dir(config, base) if merge else None
+    base_dir = base_model_dir(config, base) if merge else None
     key_map = checkpoint_key_map(model, base_dir) if base_dir is not None else {}
     apply_lora(model, find_decoder_layers(model), config)
     materialize(model, torch.device("cpu"))
@@ -243,7 +282,9 @@ def export_lora_checkpoint(
     return destination
 
 
-def _base_model_dir(config: TrainConfig, base: Path | None) -> Path:
+def base_model_dir(config: TrainConfig, base: Path | None, *, why: str = "Merging needs") -> Path:
+    """The pretrained model a checkpoint builds on: `base`, else the run's --model and
+    --revision from the offline cache."""
     from fsdp_utils.hub.resolve import resolve_model_dir
 
     if base is not None:
@@ -254,8 +295,8 @@ def _base_model_dir(config: TrainConfig, base: Path | None) -> Path:
         return resolve_model_dir(config.model, config.revision, None)
     except ValueError as err:
         raise ValueError(
-            f"Merging needs the base model {config.model!r}, which was not found ({err}). Give "
-            "its folder with --base FOLDER."
+            f"{why} the base model {config.model!r}, which was not found ({err}). Give its "
+            "folder with --base FOLDER."
         ) from err
 
 

@@ -2,7 +2,8 @@
 
     <output_dir>/checkpoints/step_00000120/
         __0_0.distcp ...     every rank writes its own shards of model and optimizer state
-                             (with --lora: of the adapters only; the base is the pretrained model)
+                             (with --lora or --freeze_layers: of what trains only; the frozen
+                             rest is the pretrained model's)
         .metadata            DCP's index: lets any world size load (resharding)
         hf/                  model config + tokenizer files (what export needs)
         checkpoint.json      written last: step, scheduler, scaler, file sizes, identity
@@ -39,6 +40,7 @@ from fsdp_utils.checkpoint.hf_folder import copy_tokenizer_files
 from fsdp_utils.config.job import JobLeg
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.formats import data_identity
+from fsdp_utils.model import freeze
 from fsdp_utils.model.lora import checkpoint_kind_mismatch, lora_identity, state_dict_options
 from fsdp_utils.parallel import distributed as dist_utils
 
@@ -74,7 +76,9 @@ def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
     identity = {name: getattr(config, name) for name in IDENTITY_FIELDS}
     identity["dataset_include"] = config.resolved_dataset_include
     identity["total_batch_size"] = total_batch_size
-    identity.update(lora_identity(config))  # LoRA runs only: full fine-tunes' stays as it was
+    # LoRA and --freeze_layers runs only: a full fine-tune's identity stays as it always was.
+    identity.update(lora_identity(config))
+    identity.update(freeze.identity(config))
     identity.update(data_identity(config))  # masked formats' settings, when not the defaults
     return identity
 
@@ -261,7 +265,7 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             dist_utils.barrier()
             model_state, optim_state = get_state_dict(
-                model, optimizer, options=state_dict_options(lora=self.config.lora)
+                model, optimizer, options=self._state_dict_options()
             )
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         # CheckpointException is a BaseException: DCP's way of carrying every rank's failure.
@@ -323,7 +327,7 @@ class Checkpointer:
         self, info: CheckpointInfo, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
         """Collective: load model and optimizer shards (resharding to this world size)."""
-        options = state_dict_options(lora=self.config.lora)
+        options = self._state_dict_options()
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         try:
@@ -340,6 +344,11 @@ class Checkpointer:
             optim_state_dict=state["optim"],
             options=options,
         )
+
+    def _state_dict_options(self) -> Any:
+        """Only what trains for LoRA and --freeze_layers: the frozen rest is the pretrained
+        model's, loaded from it on resume."""
+        return state_dict_options(trainable_only=freeze.trains_a_subset(self.config))
 
     def _prune(self, keep: int) -> None:
         complete = list_checkpoints(self.root)

@@ -1,9 +1,10 @@
 """Will the run's checkpoints fit on the disk of its run folder? Checked before training.
 
 A checkpoint holds what `Checkpointer.save` writes: the model's state dict in its storage dtype
-(fp32 master weights for bf16-mixed/fp16-mixed/fp32, bf16 for bf16-true), the optimizer state
-(AdamW: two tensors per trainable parameter in the same dtype; SGD: one with momentum, none
-without), and `hf/` (model config and tokenizer files). For CodeLlama-7B with bf16-mixed AdamW
+(fp32 master weights for bf16-mixed/fp16-mixed/fp32, bf16 for bf16-true; with --lora or
+--freeze_layers only what trains), the optimizer state (AdamW: two tensors per trainable
+parameter in the same dtype; SGD: one with momentum, none without), and `hf/` (model config
+and tokenizer files). For CodeLlama-7B with bf16-mixed AdamW
 that is 6.74 G parameters x (4 + 8) bytes = 81 GB. At the peak of a save the folder holds
 `--keep_last` complete checkpoints and the one being written (older ones are deleted only after
 it is complete), so the run needs up to `keep_last + 1` of them, plus the final model.
@@ -26,6 +27,7 @@ from fsdp_utils.checkpoint.hf_folder import TOKENIZER_FILES, resolve_export_dtyp
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import format_bytes, free_bytes, nearest_existing
+from fsdp_utils.model.freeze import trains_a_subset
 
 OPTIMIZER_STATES = {"adamw": 2}  # state tensors per trainable parameter (exp_avg, exp_avg_sq)
 
@@ -83,9 +85,10 @@ def checkpoint_size(
     """What one checkpoint of this model holds on disk; a meta model is enough (no memory)."""
     parameters = model_bytes = entries = 0
     trainable: dict[int, int] = {}
+    subset = trains_a_subset(config)
     for tensor in model.state_dict(keep_vars=True).values():
         frozen = isinstance(tensor, nn.Parameter) and not tensor.requires_grad
-        if config.lora and frozen:  # a LoRA checkpoint holds the adapters, not the base
+        if subset and frozen:  # LoRA, --freeze_layers: what trains, not the pretrained rest
             continue
         size = tensor.numel() * tensor.element_size()
         parameters += tensor.numel()

@@ -31,6 +31,8 @@ DATA_OPTIONS = (
     "dataset", "dataset_include", "dataset_revision", "cache_dir", "data_cache_dir",
     "template", "seed", "eval_examples", "max_examples", "max_seq_length",
 )  # fmt: skip
+# Trainer options that decide how the model runs, taken from the run's config like the data's.
+MODEL_OPTIONS = ("attn_implementation",)
 # Short spellings of the evaluation's own TrainConfig fields.
 EVAL_OPTIONS = {
     "games": "chess_eval_games",
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    add_config_arguments(parser, only=DATA_OPTIONS)
+    add_config_arguments(parser, only=DATA_OPTIONS + MODEL_OPTIONS)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for short, name in EVAL_OPTIONS.items():
         f = fields[name]
@@ -105,13 +107,20 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def load_model_and_tokenizer(
-    model: str, *, tokenizer: str | None, device: Any, cache_dir: str | None
+    model: str,
+    *,
+    tokenizer: str | None,
+    device: Any,
+    cache_dir: str | None,
+    attn_implementation: str = "sdpa",
 ) -> tuple[Any, Any, Path]:
     """(model, tokenizer, folder). A LoRA adapter folder gets its base model from its
-    `adapter_config.json` and is merged into it."""
+    `adapter_config.json` and is merged into it. The model runs the trainer's attention
+    implementation (`--attn_implementation`, by default the run's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_utils.hub.resolve import resolve_model_dir
+    from fsdp_utils.model.attention import transformers_argument
 
     folder = Path(model).expanduser()
     adapter = folder / "adapter_config.json"
@@ -141,7 +150,9 @@ def load_model_and_tokenizer(
     # A per-tensor progress bar per load is noise in a job log (and in the demo's summary).
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    lm = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto")
+    lm = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype="auto", attn_implementation=transformers_argument(attn_implementation)
+    )
     if adapter.is_file():
         from peft import PeftModel
 
@@ -168,7 +179,11 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
     model, tokenizer, folder = load_model_and_tokenizer(
-        args.model, tokenizer=args.tokenizer, device=device, cache_dir=config.cache_dir
+        args.model,
+        tokenizer=args.tokenizer,
+        device=device,
+        cache_dir=config.cache_dir,
+        attn_implementation=config.attn_implementation,
     )
     evaluator = ChessEvaluator.from_config(config, tokenizer, device=device)
     metrics = evaluator.run(model)

@@ -20,6 +20,8 @@ DeviceName = Literal["auto", "cuda", "cpu"]
 ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
 DataFormat = Literal["auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates"]
 LongExamples = Literal["drop", "truncate", "error"]
+# transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]
 
 DEFAULT_MODEL = "codellama/CodeLlama-7b-hf"
 DEFAULT_DATASET = "laion/strategic_game_chess"
@@ -167,6 +169,15 @@ class TrainConfig:
         default=1.0,
         metadata=_opt("Clip the global gradient norm to this value (0: off).", section="optimizer"),
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata=_opt(
+            "Mixture-of-experts models: weight of the routers' load-balancing loss added to the "
+            "language-model loss and logged as aux_loss (0: off; default: the model config's "
+            "router_aux_loss_coef if it sets output_router_logits, else off).",
+            section="optimizer",
+        ),
+    )
     max_training_steps: int = field(
         default=100, metadata=_opt("Optimizer steps to run.", section="optimizer")
     )
@@ -181,6 +192,16 @@ class TrainConfig:
     )
     seed: int = field(
         default=1234, metadata=_opt("Seed for model init, shuffling, dropout.", section="optimizer")
+    )
+    freeze_layers: int = field(
+        default=0,
+        metadata=_opt(
+            "Freeze the embeddings and the first N decoder layers (llama-recipes' freeze_layers "
+            "/ num_freeze_layers): they keep their pretrained weights and get no gradients, "
+            "optimizer state or place in the checkpoints; the final model still holds them "
+            "(0: train everything).",
+            section="optimizer",
+        ),
     )
 
     # --- parallelism and memory ----------------------------------------------------------
@@ -248,6 +269,16 @@ class TrainConfig:
             "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
             "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
             "the final save of a very large model takes longer (ranks wait for rank 0).",
+            section="parallelism",
+        ),
+    )
+
+    attn_implementation: AttnImplementation = field(
+        default="sdpa",
+        metadata=_opt(
+            "transformers' attention implementation (llama-recipes' use_fast_kernels): sdpa "
+            "(eager for models without it, as transformers does), eager, flash_attention_2 "
+            "(CUDA and the flash-attn package), flex_attention. Checked before the job waits.",
             section="parallelism",
         ),
     )
@@ -417,6 +448,24 @@ class TrainConfig:
         ),
     )
 
+    profile_steps: str | None = field(
+        default=None,
+        metadata=_opt(
+            "A:B: record optimizer steps A to B with the torch profiler, one trace per rank in "
+            "output_dir/profile (Perfetto, TensorBoard); on CUDA also a memory snapshot "
+            "(llama-recipes' use_profiler / profiler_dir).",
+            section="logging",
+        ),
+    )
+    flop_counter: bool = field(
+        default=False,
+        metadata=_opt(
+            "Count the first step's FLOPs with torch's FlopCounterMode and log them beside the "
+            "estimate that MFU uses (llama-recipes' flop_counter).",
+            section="logging",
+        ),
+    )
+
     # --- trackers (fsdp_utils.metrics.trackers) ----------------------------------------------------
     tensorboard: bool = field(
         default=False,
@@ -506,8 +555,28 @@ class TrainConfig:
     lora_target_modules: str | None = field(
         default=None,
         metadata=_opt(
-            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj "
-            "(default: every linear layer of the decoder layers).",
+            "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj; "
+            "mixture-of-experts models also take their fused expert tensors (gate_up_proj, "
+            "down_proj, or experts for both; needs --lora_dropout 0). Default: every linear "
+            "layer of the decoder layers outside mixture-of-experts blocks.",
+            section="lora",
+        ),
+    )
+    lora_dora: bool = field(
+        default=False,
+        metadata=_opt(
+            "With --lora: DoRA (weight-decomposed LoRA, peft's use_dora): a trained magnitude "
+            "per output feature on top of the low-rank direction update.",
+            section="lora",
+        ),
+    )
+    lora_from: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --lora: continue training this PEFT LoRA adapter (llama-recipes' "
+            "from_peft_checkpoint), a local folder or a hub id in the offline cache "
+            "(download_models.py --model ID). Its rank, alpha, targets and DoRA setting win "
+            "over the --lora_* flags.",
             section="lora",
         ),
     )
@@ -539,6 +608,13 @@ class TrainConfig:
         return default_dataset_include(self.dataset)
 
     @property
+    def profile_step_range(self) -> tuple[int, int] | None:
+        """--profile_steps A:B as (A, B), optimizer steps counted from 1; None when off."""
+        if self.profile_steps is None:
+            return None
+        return parse_step_range(self.profile_steps)
+
+    @property
     def resolved_warmup_steps(self) -> int:
         if self.warmup_steps is not None:
             return self.warmup_steps
@@ -552,6 +628,22 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'3:5' -> (3, 5); '4' -> (4, 4). Steps count from 1."""
+    first, sep, last = text.partition(":")
+    try:
+        start, end = int(first), int(last if sep else first)
+    except ValueError:
+        start = end = 0
+    if not 1 <= start <= end:
+        raise ValueError(
+            f"--profile_steps {text!r}: give the first and last optimizer step to record as "
+            "A:B with 1 <= A <= B, e.g. --profile_steps 3:5 (the first steps are slower: "
+            "start after them)."
+        )
+    return start, end
 
 
 def validate_config(config: TrainConfig) -> None:
@@ -613,6 +705,15 @@ def validate_config(config: TrainConfig) -> None:
             f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
         )
     _validate_lora(config)
+    if config.freeze_layers < 0:
+        raise ValueError(f"--freeze_layers must be >= 0 (0: off), got {config.freeze_layers}.")
+    if config.freeze_layers and config.lora:
+        raise ValueError(
+            "--freeze_layers with --lora: LoRA already freezes every pretrained weight. To "
+            "adapt only some layers' projections use --lora_target_modules; to train the top "
+            "layers fully, drop --lora."
+        )
+    _ = config.profile_step_range  # a malformed --profile_steps fails here
     _validate_data_format(config)
     for field_name in ("{moves}",):
         if field_name not in config.template:
@@ -658,3 +759,6 @@ def _validate_lora(config: TrainConfig) -> None:
         )
     if config.lora and not 0.0 <= config.lora_dropout < 1.0:
         raise ValueError(f"--lora_dropout must be in [0, 1), got {config.lora_dropout}.")
+    for name in ("lora_dora", "lora_from"):
+        if getattr(config, name) and not config.lora:
+            raise ValueError(f"--{name} is a LoRA option: add --lora.")

@@ -34,6 +34,10 @@ import torch
 # Implementations whose transformers mask code turns packed position ids into a
 # block-diagonal mask for any batch size.
 HONOURS_PACKING = ("sdpa", "eager", "flex_attention")
+# Model types whose transformers forward builds its masks without the position ids, so that
+# packed documents see each other whatever the implementation (5.23: gpt-oss's GptOssModel
+# calls create_causal_mask without them). tests/test_document_masking.py checks both ways.
+IGNORES_POSITION_IDS = ("gpt_oss",)
 
 
 def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -66,22 +70,42 @@ def attention_implementation(model: Any) -> str:
 
 
 def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
-    """Refuse an attention implementation that would silently let documents see each other."""
-    impl = attention_implementation(model)
-    if impl in HONOURS_PACKING:
-        return
-    if impl.startswith("flash_attention"):
-        if batch_size_per_device == 1:
-            return
+    """Refuse an attention implementation (or a model) that would silently let documents see
+    each other."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in IGNORES_POSITION_IDS:
         raise ValueError(
-            f"--document_masking with {impl}: transformers separates packed documents for flash "
-            "attention only when a forward pass holds one sequence, and this run has "
-            f"--batch_size_per_device {batch_size_per_device}. Use --batch_size_per_device 1 "
-            "(the total batch stays the same), or sdpa attention."
+            f"--document_masking: transformers' {model_type} forward builds its attention masks "
+            "without the position ids, so packed documents would see each other. Train without "
+            "--document_masking (add --no_packing for one document per sequence)."
+        )
+    check_isolates_documents(
+        attention_implementation(model), batch_size_per_device=batch_size_per_device
+    )
+
+
+def isolates_documents(implementation: str, *, batch_size_per_device: int) -> bool:
+    """Whether `--document_masking` keeps packed documents apart under `implementation`."""
+    if implementation in HONOURS_PACKING:
+        return True
+    return implementation.startswith("flash_attention") and batch_size_per_device == 1
+
+
+def check_isolates_documents(implementation: str, *, batch_size_per_device: int) -> None:
+    """The check of `--document_masking` by name: in the preflight (`--attn_implementation`)
+    and on the built model (the implementation transformers settled on)."""
+    if isolates_documents(implementation, batch_size_per_device=batch_size_per_device):
+        return
+    if implementation.startswith("flash_attention"):
+        raise ValueError(
+            f"--document_masking with {implementation}: transformers separates packed "
+            "documents for flash attention only when a forward pass holds one sequence, and "
+            f"this run has --batch_size_per_device {batch_size_per_device}. Use "
+            "--batch_size_per_device 1 (the total batch stays the same), or sdpa attention."
         )
     raise ValueError(
-        f"--document_masking: the model uses the attention implementation {impl!r}, which is "
-        f"not known to honour packed position ids (known: {', '.join(HONOURS_PACKING)}, and "
-        "flash attention with one sequence per pass). Use sdpa, or train without "
+        f"--document_masking: the model uses the attention implementation {implementation!r}, "
+        f"which is not known to honour packed position ids (known: {', '.join(HONOURS_PACKING)}, "
+        "and flash attention with one sequence per pass). Use sdpa, or train without "
         "--document_masking."
     )

@@ -43,6 +43,7 @@ __all__ = [
     "MissingAssetError",
     "describe_dataset_files",
     "download_command",
+    "resolve_adapter_dir",
     "resolve_dataset_files",
     "resolve_model_dir",
 ]
@@ -78,6 +79,21 @@ def resolve_model_dir(
             "`include:` that left it out. Download the model with the default file selection:\n  "
             + spec.command(cache_dir)
         )
+    return snapshot
+
+
+def resolve_adapter_dir(adapter: str, cache_dir: str | None = None) -> Path:
+    """Folder of a PEFT adapter (`--lora_from`): a local folder as is, or a hub id from the
+    offline cache (`download_models.py --model ID` fetches an adapter repo like a model's:
+    adapter_config.json and adapter_model.safetensors)."""
+    if looks_local(adapter):
+        path = Path(adapter).expanduser()
+        if not path.is_dir():
+            raise MissingAssetError(f"--lora_from {path}: no such folder.")
+        return path
+    spec = AssetSpec(adapter, "model")
+    entry, snapshot = _cached(spec, cache_dir, revision_flag="--lora_from")
+    _require_files(spec, entry, snapshot, entry.wanted_paths(None), cache_dir)
     return snapshot
 
 

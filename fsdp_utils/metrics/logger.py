@@ -37,8 +37,10 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
         if "cuda_peak_allocated_gib" in m
         else ""
     )
+    # Mixture-of-experts runs with a router loss: logged beside the language-model loss.
+    aux = f" | aux {m['aux_loss']:.4f}" if m.get("aux_loss") is not None else ""
     return (
-        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
+        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f}{aux} | lr {m['lr']:.2e} | "
         f"grad norm {_fmt(m.get('grad_norm'), '.3f')} | "
         f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/device) | "
         f"MFU {_fmt(m.get('mfu_pct'), '.1f', '%')} | {mem}"
@@ -152,6 +154,7 @@ class RunLogger:
         columns = {
             "step": f"{m['step']}/{self.max_steps}",
             "loss": f"{m['loss']:.4f}",
+            **({"aux loss": f"{m['aux_loss']:.4f}"} if m.get("aux_loss") is not None else {}),
             "lr": f"{m['lr']:.2e}",
             "grad norm": _fmt(m.get("grad_norm"), ".3f"),
             "tokens/s": f"{m['tokens_per_s']:,.0f}",

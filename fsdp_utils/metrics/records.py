@@ -60,6 +60,7 @@ def run_config_record(
         "fsdp_groups": fsdp_groups,
         "parameters": info.parameters,
         "non_embedding_parameters": info.non_embedding_parameters,
+        "active_non_embedding_parameters": info.active_parameters,
         "flops_per_token": flops_per_token,
         "prepared_data": str(data.folder),
         "data_stats": data.meta.get("stats"),

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch only where CUDA is asked about: plots need not import it (1 s)
     import torch
+    from torch import nn
+
+    from fsdp_utils.config.train_config import TrainConfig
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), from NVIDIA's data sheets. V100 has no bf16:
 # its fp16 tensor-core peak is used.
@@ -40,16 +43,95 @@ def _config_int(hf_config: Any, *names: str) -> int:
     raise ValueError(f"config has none of {names}")
 
 
-def flops_per_token(hf_config: Any, non_embedding_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·H·Q·T for
-    attention scores and values (PaLM appendix B; torchtitan, nanoGPT). Recomputation by
-    activation checkpointing is not counted: MFU measures useful work."""
+def tied_output_parameters(hf_config: Any) -> int:
+    """The output projection's weights when they are the token embeddings (tie_word_embeddings:
+    Qwen2, Gemma, GPT-2): a matmul of vocabulary x hidden per token like any linear layer, but
+    left out of the non-embedding count, which subtracts the embedding tensor it shares."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if not getattr(text, "tie_word_embeddings", False):
+        return 0
+    return _config_int(text, "vocab_size") * _config_int(text, "hidden_size", "n_embd")
+
+
+def attention_flops_per_token(hf_config: Any, seq_len: int) -> float:
+    """Attention scores and values, forward and backward, per token: 12·L·H·Q·T, as if every
+    token attended to all T (the convention of PaLM's appendix B, torchtitan and nanoGPT: causal
+    masking and sliding windows are not discounted)."""
     layers = _config_int(hf_config, "num_hidden_layers", "n_layer")
     heads = _config_int(hf_config, "num_attention_heads", "n_head")
     head_dim = getattr(hf_config, "head_dim", None) or (
         _config_int(hf_config, "hidden_size", "n_embd") // heads
     )
-    return 6.0 * non_embedding_params + 12.0 * layers * heads * head_dim * seq_len
+    return 12.0 * layers * heads * head_dim * seq_len
+
+
+def flops_per_token(hf_config: Any, non_embedding_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus 12·L·H·Q·T for
+    attention scores and values (PaLM appendix B; torchtitan, nanoGPT). N counts every weight
+    that multiplies: the non-embedding parameters a token passes through and a tied output
+    projection (nanoGPT counts it; leaving it out undercounted Qwen2, Gemma and GPT-2 by the
+    lm_head's 6·V·d). For a mixture of experts `non_embedding_params` is the active count
+    (`ModelInfo.active_parameters`: top-k / experts of the routed experts' parameters plus
+    everything else), as torchtitan counts its MoE models; router softmax and top-k are left out.
+    Checked against torch's FlopCounterMode for every tiny family (tests/test_flops.py).
+    Recomputation by activation checkpointing is not counted: MFU measures useful work."""
+    matmul_params = non_embedding_params + tied_output_parameters(hf_config)
+    return 6.0 * matmul_params + attention_flops_per_token(hf_config, seq_len)
+
+
+def lora_flops_per_token(
+    full: float, hf_config: Any, non_embedding_params: int, trainable: int
+) -> float:
+    """A LoRA run's FLOPs per token, from full fine-tuning's: the frozen weights (every matmul
+    weight of the model before the adapters) still take forward and input-gradient matmuls
+    but no weight gradients (2 of their 6 per parameter); the adapters take all three."""
+    frozen = non_embedding_params + tied_output_parameters(hf_config)
+    return full - 2.0 * frozen + 6.0 * trainable
+
+
+def frozen_layers_flops_per_token(
+    full: float,
+    hf_config: Any,
+    seq_len: int,
+    *,
+    frozen_layers: int,
+    frozen_layer_params: int,
+    tied_output_frozen: bool,
+) -> float:
+    """A --freeze_layers run's FLOPs per token, from full fine-tuning's: nothing below the first
+    trained layer needs a gradient, so the frozen layers run forward only (2 of 6 per weight, 4
+    of 12 attention units); a lm_head tied to the frozen embeddings gets no weight gradient."""
+    layers = _config_int(hf_config, "num_hidden_layers", "n_layer")
+    attention_per_layer = attention_flops_per_token(hf_config, seq_len) / layers
+    saved = 4.0 * frozen_layer_params + (8.0 / 12.0) * attention_per_layer * frozen_layers
+    if tied_output_frozen:
+        saved += 2.0 * tied_output_parameters(hf_config)
+    return full - saved
+
+
+def training_flops_per_token(
+    hf_config: Any, model: nn.Module, non_embedding_params: int, config: TrainConfig
+) -> float:
+    """The FLOPs per token MFU counts for this run: full fine-tuning's, or a LoRA or
+    --freeze_layers run's (from the built model's frozen and trainable parameters)."""
+    full = flops_per_token(hf_config, non_embedding_params, config.max_seq_length)
+    params = list(model.parameters())
+    if config.lora:
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        return lora_flops_per_token(full, hf_config, non_embedding_params, trainable)
+    if config.freeze_layers:
+        from fsdp_utils.model.freeze import frozen_layer_parameters, tied_output_frozen
+
+        frozen = frozen_layer_parameters(model)
+        return frozen_layers_flops_per_token(
+            full,
+            hf_config,
+            config.max_seq_length,
+            frozen_layers=config.freeze_layers,
+            frozen_layer_params=frozen,
+            tied_output_frozen=tied_output_frozen(model),
+        )
+    return full
 
 
 def _read_status_kib(field: str) -> int | None:

@@ -56,6 +56,18 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
+def config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a model config declares (`dtype`, or `torch_dtype` in transformers 4): the
+    dtype of its checkpoint's weights."""
+    for key in ("dtype", "torch_dtype"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, str):
+            value = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device but buffers for real (on CPU).
@@ -85,17 +97,26 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_meta_model(hf_config: Any, precision: Precision) -> nn.Module:
-    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype."""
+def build_meta_model(
+    hf_config: Any, precision: Precision, *, attn_implementation: str = "sdpa"
+) -> nn.Module:
+    """Instantiate the architecture with parameters on `meta` (no memory) in the storage dtype,
+    with the attention implementation `attn_implementation` (see fsdp_utils.model.attention)."""
     from transformers import AutoModelForCausalLM
 
     dtype = param_dtype_for(precision)
     previous = torch.get_default_dtype()
     source_dtype = getattr(hf_config, "dtype", None)
+    # sdpa goes as transformers' default (None), which falls back to eager for the models that
+    # cannot run SDPA (Gemma 2's soft-capping), as from_pretrained does. Always passed: the
+    # config remembers the last one it was given.
+    requested = None if attn_implementation == "sdpa" else attn_implementation
     torch.set_default_dtype(dtype)
     try:
         with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation=requested
+            )
     except ValueError as err:
         raise ValueError(
             f"transformers cannot build a causal LM from this config ({hf_config.model_type}): "
@@ -172,6 +193,45 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
     )
     return total, total - embedding
+
+
+def routed_expert_parameters(model: nn.Module) -> int:
+    """Parameters of the routed experts of a mixture-of-experts model, of which each token uses
+    only its top-k: transformers names that module `experts` in every MoE family (a shared
+    expert, which every token uses, is `shared_expert`). 0 for dense models."""
+    seen: set[int] = set()
+    total = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "experts":
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    total += param.numel()
+    return total
+
+
+def experts_per_token(hf_config: Any) -> tuple[int, int] | None:
+    """(experts a token is routed to, routed experts per layer) from a transformers MoE config:
+    `num_experts_per_tok` of `num_local_experts` (Mixtral, gpt-oss) or `num_experts` (Qwen-MoE,
+    OLMoE, DeepSeek's `n_routed_experts`); None for dense models."""
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        experts = getattr(hf_config, name, None)
+        if isinstance(top_k, int) and isinstance(experts, int) and experts > 0:
+            return top_k, experts
+    return None
+
+
+def active_parameters(model: nn.Module, hf_config: Any, non_embedding: int) -> int:
+    """Non-embedding parameters one token passes through: all of a dense model's; for a
+    mixture of experts top-k / experts of the routed experts' and all the rest (attention,
+    routers, shared experts, norms)."""
+    routing = experts_per_token(hf_config)
+    routed = routed_expert_parameters(model)
+    if routing is None or routed == 0:
+        return non_embedding
+    top_k, experts = routing
+    return non_embedding - routed + round(routed * top_k / experts)
 
 
 # --- materialisation and weight loading -----------------------------------------------------

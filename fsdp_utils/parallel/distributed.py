@@ -73,6 +73,12 @@ def process_group_backend(device_type: str) -> str:
     raise ValueError(f"No process-group backend for device type {device_type!r}: use cuda or cpu.")
 
 
+def device_type(preference: str) -> str:
+    """--device as a device type: cuda if asked for, or if available with `auto`; else cpu."""
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    return "cuda" if use_cuda else "cpu"
+
+
 def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30) -> DistEnv:
     """Initialise the default process group for this process and pick its device.
 
@@ -84,9 +90,7 @@ def init_distributed(device_preference: str = "auto", timeout_minutes: float = 3
     world_size = world_size_from_env()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
 
-    use_cuda = device_preference == "cuda" or (
-        device_preference == "auto" and torch.cuda.is_available()
-    )
+    use_cuda = device_type(device_preference) == "cuda"
     if use_cuda:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda was requested but no CUDA device is visible.")

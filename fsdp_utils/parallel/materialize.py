@@ -1,7 +1,8 @@
 """From a transformed meta model to the model that trains, torchtitan's order: parallelize
 (activation checkpointing, torch.compile, FSDP2) -> `to_empty` on the device, each rank
 allocating only its shards -> the adapters initialised (LoRA) -> the pretrained weights read
-slice by slice -> DDP's wrapper for `--no_fsdp`."""
+slice by slice (then DoRA's magnitudes, or --lora_from's adapter) -> DDP's wrapper for
+`--no_fsdp`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from pathlib import Path
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.model import lora
 from fsdp_utils.model.build import materialize
-from fsdp_utils.model.transforms import MetaModel
-from fsdp_utils.model.weights import load_pretrained_weights
+from fsdp_utils.model.transforms import MetaModel, load_initial_weights
+from fsdp_utils.model.weights import WeightSource
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import parallelize_model, wrap_ddp
 
@@ -23,20 +23,18 @@ def build_model(
     config: TrainConfig,
     env: DistEnv,
     model_dir: Path,
-    key_map: dict[str, str],
+    key_map: dict[str, WeightSource],
     *,
     load_weights: bool,
 ) -> nn.Module:
     """The model on `env`'s device, sharded, in training mode. `key_map`: model key ->
     checkpoint key, taken on the meta model before its transforms (`checkpoint_key_map`).
-    `load_weights`: False when a checkpoint will fill the weights (a resumed run); a LoRA run
-    loads its frozen base anyway, since its checkpoints hold the adapters only."""
+    `load_weights`: False when a checkpoint will fill the weights (a resumed run); a LoRA or
+    --freeze_layers run loads its frozen part anyway, since its checkpoints hold only what
+    trains (`load_initial_weights`)."""
     model = parallelize_model(meta, config, env)
     materialize(model, env.device)
-    if config.lora:  # adapters from the seed, identical on any world size
-        key_map = lora.init_adapters_and_key_map(model, key_map, seed=config.seed)
-    if load_weights or config.lora:
-        load_pretrained_weights(model, model_dir, key_map)
+    load_initial_weights(model, model_dir, key_map, config, resuming=not load_weights)
     if config.no_fsdp:
         model = wrap_ddp(model, env.device)
     model.train()

@@ -138,7 +138,10 @@ def build_parallel_model(
     trainer runs it, still on meta. The memory planner (which materialises on fake tensors)
     uses this; the Trainer takes the same steps one by one, to map checkpoint keys and check
     the storage on the meta model first."""
-    meta = transform_model(build_meta_model(hf_config, config.precision), config)
+    model = build_meta_model(
+        hf_config, config.precision, attn_implementation=config.attn_implementation
+    )
+    meta = transform_model(model, config)
     return parallelize_model(meta, config, env), meta.info
 
 

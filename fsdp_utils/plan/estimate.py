@@ -34,6 +34,7 @@ from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
+from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
@@ -46,6 +47,7 @@ from fsdp_utils.plan.extrapolate import (
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.step import Batch, TrainStep
 
 
@@ -160,6 +162,7 @@ def traced_step(model: Any, config: TrainConfig, env: DistEnv) -> TrainStep:
         device=env.device,
         scaler=None,
         autocast=autocast_context(config, env.device),
+        router_loss=RouterLoss.build(config, model.config),
     )
 
 
@@ -224,12 +227,23 @@ def check_plannable(config: TrainConfig) -> None:
         )
 
 
-def _untraceable(err: Exception) -> ValueError:
+def _untraceable(err: Exception, hf_config: Any) -> ValueError:
+    real_steps = "a run with a few real steps and read the peak memory in metrics.jsonl"
+    experts = getattr(hf_config, "_experts_implementation", None)
+    if experts not in (None, "grouped_mm"):
+        # transformers' grouped_mm sorts the tokens by expert into buffers of fixed size; the
+        # eager loop gathers each expert's tokens (`nonzero`), sized by the router's choices.
+        return ValueError(
+            f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}): its "
+            f"mixture-of-experts layers run the experts implementation {experts!r}, whose "
+            "buffers are sized by the router's choices, which the planner cannot know without "
+            "the weights. transformers' default, grouped_mm, has fixed sizes and plans: remove "
+            f"experts_implementation from the model's config.json, or plan {real_steps}."
+        )
     return ValueError(
         f"This model cannot be traced on fake tensors ({type(err).__name__}: {err}). Its "
         "forward pass reads tensor values (data-dependent control flow), which the planner "
-        "cannot follow without the weights. Plan a run with a few real steps instead and read "
-        "the peak memory in metrics.jsonl."
+        f"cannot follow without the weights. Plan {real_steps} instead."
     )
 
 
@@ -246,6 +260,7 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     batch = plan_batch(config, cluster.world_size)  # a clear error before any model work
     hf_config = load_model_config(model_config_dir(config))
     check_seq_length(hf_config, config.max_seq_length)
+    config, stand_in = _attention_to_trace(config)
 
     with fake_world(cluster) as env:
         # The device mesh is built in here, outside FakeTensorMode, or it fails.
@@ -256,7 +271,20 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
         if memory is None:
             method = f"all {facts.decoder_layers} layers traced ({method})"
             memory = _trace(model, hf_config, config, env, batch)
-    return Estimate(memory, facts, batch, time.perf_counter() - started, method)
+    return Estimate(memory, facts, batch, time.perf_counter() - started, method + stand_in)
+
+
+def _attention_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:
+    """The config to trace, with a CPU stand-in for an attention implementation that cannot
+    run on the planner's fake CPU tensors, and a note saying so (fsdp_utils.model.attention)."""
+    planned = planned_implementation(config.attn_implementation)
+    if planned == config.attn_implementation:
+        return config, ""
+    note = (
+        f"; {config.attn_implementation} traced as {planned}: both save O(T) per head for "
+        "backward (output and log-sum-exp), never the T x T scores"
+    )
+    return config.replace(attn_implementation=planned), note
 
 
 def _extrapolated(
@@ -324,4 +352,4 @@ def _trace(
         DynamicOutputShapeException,
         UnsupportedFakeTensorException,
     ) as err:
-        raise _untraceable(err) from err
+        raise _untraceable(err, hf_config) from err

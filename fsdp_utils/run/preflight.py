@@ -22,9 +22,14 @@ from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
 from fsdp_utils.metrics.trackers import check_trackers
+from fsdp_utils.model.attention import check_attn_implementation
 from fsdp_utils.model.build import check_seq_length
+from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.lora import check_target_modules
+from fsdp_utils.model.weights import check_not_quantized
+from fsdp_utils.parallel.distributed import device_type
 from fsdp_utils.run.start import storage_preflight
+from fsdp_utils.train.router_loss import resolve_coefficient
 
 GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 # A 70B plan takes about a minute on a 2-core node; a planner that hangs must not hold the job.
@@ -49,14 +54,21 @@ def detect_gpu_memory() -> str | None:
 
 def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
     """Trackers, batch arithmetic, the model and data in the offline cache, the sequence length
-    against the model's context: (batch plan, resolved assets). The trainer's process calls it
-    once and passes both down; `--preflight` runs the same checks."""
+    against the model's context, the attention implementation, LoRA's targets and adapter, the
+    frozen layers: (batch plan, resolved assets). The trainer's process calls it once and
+    passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
-    check_seq_length(assets.model_config, config.max_seq_length)
-    if config.lora:  # an unknown --lora_target_modules fails here, before any data work
-        check_target_modules(assets.model_config, config)
+    hf_config = assets.model_config
+    check_seq_length(hf_config, config.max_seq_length)
+    check_not_quantized(hf_config, assets.model_dir)
+    check_attn_implementation(hf_config, config, device_type=device_type(config.device))
+    resolve_coefficient(config, hf_config)  # --router_aux_loss_coef on a model with routers
+    if config.lora:  # a wrong target or adapter fails here, before any data work
+        check_target_modules(hf_config, config)
+    if config.freeze_layers:
+        check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
     return plan, assets
 
 

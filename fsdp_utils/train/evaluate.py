@@ -1,5 +1,5 @@
 """The held-out loss: every rank runs its share of the eval split through the same forward as
-training (`step.forward_logits`), and the token-summed loss is reduced over all ranks."""
+training (`step.model_forward`), and the token-summed loss is reduced over all ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fsdp_utils.data.blocks import TokenBlocks, eval_batches
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.train.loss import count_targets, token_loss_sum
-from fsdp_utils.train.step import forward_logits
+from fsdp_utils.train.step import model_forward
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
         batch = blocks.batch(indices)
-        logits = forward_logits(model, batch, env.device, autocast)
+        logits = model_forward(model, batch, env.device, autocast).logits
         labels = batch["labels"].to(env.device)
         totals[0] += token_loss_sum(logits, labels)
         totals[1] += count_targets(labels)

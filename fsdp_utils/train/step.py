@@ -33,6 +33,7 @@ from fsdp_utils.train.optim import (
     optimizer_settings,
     settings_in_optimizer,
 )
+from fsdp_utils.train.router_loss import RouterLoss
 
 Batch = dict[str, torch.Tensor]
 
@@ -41,18 +42,25 @@ class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite."""
 
 
-def forward_logits(
-    model: nn.Module, batch: Batch, device: torch.device, autocast: Callable[[], Any]
-) -> torch.Tensor:
-    """The model's logits for a batch, as training and evaluation call it: with the batch's
+def model_forward(
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    **extra: Any,
+) -> Any:
+    """The model's outputs for a batch, as training and evaluation call it: with the batch's
     per-document position ids when it has them, and never an attention mask or a KV cache
-    (either makes transformers ignore the position ids for packing: data/document_masking.py)."""
+    (either makes transformers ignore the position ids for packing: data/document_masking.py).
+    `extra`: keyword arguments of the forward (`output_router_logits` for the router loss)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     with autocast():
-        logits: torch.Tensor = model(
-            input_ids=input_ids, position_ids=batch_position_ids(batch, device), use_cache=False
-        ).logits
-    return logits
+        return model(
+            input_ids=input_ids,
+            position_ids=batch_position_ids(batch, device),
+            use_cache=False,
+            **extra,
+        )
 
 
 def local_counts(batches: list[Batch]) -> list[float]:
@@ -93,6 +101,7 @@ class TrainStep:
         device: torch.device,
         scaler: Any = None,
         autocast: Callable[[], Any] = contextlib.nullcontext,
+        router_loss: RouterLoss | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -102,6 +111,7 @@ class TrainStep:
         self.device = device
         self.scaler = scaler
         self.autocast = autocast
+        self.router_loss = router_loss  # mixture of experts: load balancing (train/router_loss.py)
         # Step (1-based) of the first non-finite gradient norm among the steps not checked on
         # the host, as a 0-d float64 tensor on the device (inf: none); None before any such step.
         self._nonfinite_step: torch.Tensor | None = None
@@ -148,15 +158,28 @@ class TrainStep:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": int(global_tokens)}
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": int(global_tokens)}
+        if self.router_loss is not None:  # its own all-reduce, on checked steps only
+            if check:
+                metrics["aux_loss"] = self.router_loss.step_value(global_targets)
+            else:
+                self.router_loss.reset()
+        return metrics
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
-        logits = forward_logits(self.model, batch, self.device, self.autocast)
-        loss_sum = token_loss_sum(logits, batch["labels"].to(self.device, non_blocking=True))
+        router = self.router_loss
+        extra = router.forward_kwargs if router is not None else {}
+        outputs = model_forward(self.model, batch, self.device, self.autocast, **extra)
+        loss_sum = token_loss_sum(
+            outputs.logits, batch["labels"].to(self.device, non_blocking=True)
+        )
+        objective = loss_sum
+        if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)
+            objective = loss_sum + router.objective_term(outputs, count_targets(batch["labels"]))
         # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
         # average into the sum over all ranks' tokens, divided by the global token count.
-        loss = loss_sum * (self.world_size / max(global_targets, 1.0))
+        loss = objective * (self.world_size / max(global_targets, 1.0))
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()

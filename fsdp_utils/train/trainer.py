@@ -33,19 +33,20 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
-from fsdp_utils.data.document_masking import check_document_masking
+from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
+from fsdp_utils.metrics.profile import StepProbes
 from fsdp_utils.metrics.records import run_config_record, write_run_config, write_status
 from fsdp_utils.metrics.throughput import (
     detect_peak_tflops,
-    flops_per_token,
     memory_snapshot,
     throughput,
+    training_flops_per_token,
 )
 from fsdp_utils.metrics.trackers import open_trackers
-from fsdp_utils.model import lora
+from fsdp_utils.model import freeze, lora
 from fsdp_utils.model.build import build_meta_model
 from fsdp_utils.model.transforms import MetaModel, transform_model
 from fsdp_utils.model.weights import checkpoint_key_map
@@ -62,6 +63,7 @@ from fsdp_utils.train.optim import (
     build_optimizer,
     build_scheduler,
 )
+from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.step import Batch, TrainStep, local_counts, make_grad_scaler
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
@@ -145,6 +147,8 @@ class Trainer:
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
         if config.document_masking:
             check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
+        if (router := RouterLoss.describe(config, self.hf_config)) is not None:
+            self.log.info(router)
         self.autocast = autocast_context(config, env.device)
         self.optimizer = build_optimizer(self.model, config)
         self.train_step = TrainStep(
@@ -156,6 +160,7 @@ class Trainer:
             device=env.device,
             scaler=make_grad_scaler(config, env.device),
             autocast=self.autocast,
+            router_loss=RouterLoss.build(config, self.hf_config),
         )
         if resume_from is not None:
             self._resume(resume_from)
@@ -172,11 +177,10 @@ class Trainer:
                 f"time limit: the job ends at {self.stop.end_time_text()}; saving and stopping "
                 f"at least {self.stop.margin() / 60:.1f} min before"
             )
-        self.flops_per_token = flops_per_token(
-            self.hf_config, meta.info.non_embedding_parameters, config.max_seq_length
+        # MFU counts useful work: no weight gradients for frozen weights (LoRA, --freeze_layers)
+        self.flops_per_token = training_flops_per_token(
+            self.hf_config, self.model, meta.info.active_parameters, config
         )
-        if config.lora:  # MFU counts useful work: no weight gradients for the frozen base
-            self.flops_per_token = lora.flops_per_token(self.flops_per_token, meta.info, self.model)
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config(meta)
 
@@ -196,7 +200,11 @@ class Trainer:
     def _meta_model(self) -> MetaModel:
         """The model as it will train, on meta; its checkpoint key map (taken before the
         transforms rename anything); and, on rank 0, the storage check of its checkpoints."""
-        model = build_meta_model(self.hf_config, self.config.precision)
+        model = build_meta_model(
+            self.hf_config,
+            self.config.precision,
+            attn_implementation=self.config.attn_implementation,
+        )
         self._key_map = checkpoint_key_map(model, self.model_dir)
         meta = transform_model(model, self.config)
 
@@ -237,10 +245,22 @@ class Trainer:
         self.fsdp_groups = fsdp_group_names(model)
         self.log.info(
             f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
-            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding), "
+            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding"
+            + (
+                f", {info.active_parameters / 1e6:,.2f}M active per token"
+                if info.active_non_embedding_parameters is not None
+                else ""
+            )
+            + "), "
             f"{info.decoder_layers} x {info.decoder_layer_class}; "
-            f"{len(self.fsdp_groups)} FSDP shard group(s)"
+            f"{len(self.fsdp_groups)} FSDP shard group(s); attention "
+            f"{attention_implementation(getattr(model, 'module', model))}"
             + (f"\nlora: {lora.describe(self.config, model)}" if self.config.lora else "")
+            + (
+                f"\nfreeze: {freeze.describe(self.config, model)}"
+                if self.config.freeze_layers
+                else ""
+            )
         )
         return model
 
@@ -309,13 +329,15 @@ class Trainer:
         last: dict[str, Any] = {}
         batches = self.step_batches(self.state.step)
         global_counts: list[float] | None = None  # the first step reduces its own
+        self.probes = self._step_probes()  # --profile_steps, --flop_counter
         while self.state.step < config.max_training_steps:
             self._seed_step()
             step = self.state.step + 1
             log_now = step % config.log_every == 0 or step == config.max_training_steps
-            metrics = self.train_step(
-                batches, step=step, global_counts=global_counts, check=log_now
-            )
+            with self.probes.around(step):
+                metrics = self.train_step(
+                    batches, step=step, global_counts=global_counts, check=log_now
+                )
             self.state.step = step
             self.state.tokens_seen += metrics["tokens"]
             more = step < config.max_training_steps
@@ -332,10 +354,12 @@ class Trainer:
                 self.chess_eval.maybe_run(self.model, step, autocast=self.autocast)
             if decision.stop and not self._end_of_leg(decision.stop).finish:
                 self.stop.consume_stop_file()  # handled: the next run must not stop at once
+                self.probes.close()
                 return self._summary("interrupted", decision.stop, last, None, started)
             if decision.save and self.train_step.last_saved_step != step:
                 self._periodic_save()
             watch.lap()  # eval and save time is not step time
+        self.probes.close()
         final_eval = None
         if not config.eval_every or self.state.step % config.eval_every:
             final_eval = self.evaluate()
@@ -346,6 +370,19 @@ class Trainer:
         if self.checkpointing and self.train_step.last_saved_step != self.state.step:
             self.save_checkpoint()
         return self._summary("completed", "max_training_steps", last, final_eval, started)
+
+    def _step_probes(self) -> StepProbes:
+        tokens_per_rank = self.plan.tokens_per_step / self.env.world_size
+        return StepProbes.from_config(
+            self.config,
+            self.layout.root,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            device=self.env.device,
+            start=self.state.step,
+            flops_per_rank_step=self.flops_per_token * tokens_per_rank,
+            log=self.log,
+        )
 
     @staticmethod
     def _summary(
@@ -365,6 +402,7 @@ class Trainer:
         record = {
             "step": self.state.step,
             "loss": metrics["loss"],
+            **({"aux_loss": metrics["aux_loss"]} if "aux_loss" in metrics else {}),
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             **throughput(
