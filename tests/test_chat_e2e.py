@@ -29,11 +29,17 @@ def setup(tmp_path_factory) -> dict[str, Any]:
     template = root / "chatml.jinja"
     template.write_text(CHATML_TEMPLATE)
     rows = [{"messages": c} for c in random_conversations(320, seed=1, words=(3, 8), answer=ANSWER)]
+    question = "vozeti pa gi nothing like the training prompts"
+    samples = [
+        {"messages": [{"role": "user", "content": question}]},  # through the chat template
+        {"prompt": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"},  # as text
+    ]
     return {
         "root": root,
         "model": save_chat_model(root / "model", "plain"),  # no chat template of its own
         "data": write_jsonl(root / "chat.jsonl", rows),
         "template": template,
+        "samples": write_jsonl(root / "samples.jsonl", samples),
     }
 
 
@@ -50,10 +56,12 @@ def _args(setup: dict[str, Any], name: str, **overrides: Any) -> list[str]:
 
 @pytest.fixture(scope="module")
 def answers_run(setup) -> dict[str, Any]:
-    """Two legs: stopped after 10 steps, then resumed to the end."""
-    first = run_finetune(2, _args(setup, "answers", stop_after_steps=10))
+    """Two legs: stopped after 10 steps, then resumed to the end (where the final evaluation
+    answers --sample_prompts)."""
+    samples = {"sample_prompts": setup["samples"], "sample_max_new_tokens": 12}
+    first = run_finetune(2, _args(setup, "answers", stop_after_steps=10, **samples))
     check_ok(first)
-    second = run_finetune(2, _args(setup, "answers"))
+    second = run_finetune(2, _args(setup, "answers", **samples))
     check_ok(second)
     out = setup["root"] / "answers"
     return {"legs": (first, second), "out": out, "train": read_metrics(out)}
@@ -112,6 +120,22 @@ def test_the_exported_model_answers_and_stops_at_the_end_of_turn(answers_run, se
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     # The answer, then <|im_end|>, where generation stops by itself (generation_config.json).
     assert new == [*tokenizer(ANSWER, add_special_tokens=False)["input_ids"], im_end]
+
+
+def test_sample_prompts_are_answered_at_the_evaluation_under_fsdp(answers_run):
+    """Both ranks decode through the sharded model; rank 0 writes samples.jsonl and the log:
+    the trained answer, ended by the end-of-turn token, for chat messages and for text."""
+    records = [
+        json.loads(line) for line in (answers_run["out"] / "samples.jsonl").read_text().splitlines()
+    ]
+    final_step = answers_run["train"][-1]["step"]
+    assert [(r["step"], r["index"]) for r in records] == [(final_step, 1), (final_step, 2)]
+    for record in records:
+        assert record["answer"].strip() == ANSWER and record["stopped"], record
+    assert records[0]["prompt_text"] == records[1]["prompt_text"]  # the template's rendering
+    _first, second = answers_run["legs"]
+    assert f"samples step {final_step}:" in second.stdout
+    assert f"-> '{ANSWER}' (stopped)" in second.stdout
 
 
 def test_with_train_on_prompt_the_loss_stays_high(prompt_run, answers_run):

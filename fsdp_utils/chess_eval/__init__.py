@@ -32,7 +32,7 @@ Parsing rules (`referee.judge`):
 - Unparseable, illegal, after the end, no move: each is one illegal move.
 
 Standalone: `python -m fsdp_utils.chess_eval MODEL`; during training: `--chess_eval_every N`
-(every rank takes part under FSDP; see `generate.py`).
+(every rank takes part under FSDP; see `fsdp_utils.parallel.generate`).
 """
 
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, Example, format_table, log_record

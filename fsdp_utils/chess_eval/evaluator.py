@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from fsdp_utils.chess_eval.games import PHASES, Prefix, make_prefixes, moves_offset, render_prompt
-from fsdp_utils.chess_eval.generate import continue_prompts, top1_hits
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.generate import continue_prompts, top1_hits
 
 DEFAULT_BATCH_SIZE = 8
 

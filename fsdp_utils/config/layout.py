@@ -3,6 +3,7 @@
 <output_dir>/
     config.json        resolved TrainConfig (+ world size, batch plan, versions)
     metrics.jsonl      one JSON object per logged step / eval / event
+    samples.jsonl      the model's answers to --sample_prompts at every evaluation
     checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
     final/             Hugging Face model + tokenizer (safetensors) at the end; with --lora
                        a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
@@ -36,6 +37,11 @@ class RunLayout:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        """The answers to --sample_prompts, one JSON object per prompt and evaluation."""
+        return self.root / "samples.jsonl"
 
     @property
     def checkpoints(self) -> Path:

@@ -436,6 +436,23 @@ class TrainConfig:
             "Sequences per forward pass in the chess evaluation (default: 8).", section="evaluation"
         ),
     )
+    sample_prompts: str | None = field(
+        default=None,
+        metadata=_opt(
+            "A jsonl file of prompts (chat `messages`, or a `prompt` string): at every evaluation "
+            "the model answers each greedily, under FSDP, into output_dir/samples.jsonl and the "
+            "log.",
+            section="evaluation",
+        ),
+    )
+    sample_max_new_tokens: int = field(
+        default=64,
+        metadata=_opt(
+            "At most this many tokens per --sample_prompts answer (it ends earlier at EOS or the "
+            "end-of-turn token).",
+            section="evaluation",
+        ),
+    )
 
     # --- metrics -------------------------------------------------------------------------
     log_every: int = field(
@@ -649,7 +666,7 @@ def parse_step_range(text: str) -> tuple[int, int]:
 def validate_config(config: TrainConfig) -> None:
     """Checks that need no model, data or world size (those come in the batch plan)."""
     positive = ["batch_size_per_device", "max_seq_length", "max_training_steps", "log_every"]
-    positive.append("checkpoint_every_n_layers")
+    positive += ["checkpoint_every_n_layers", "sample_max_new_tokens"]
     for name in positive:
         if getattr(config, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")

@@ -166,6 +166,14 @@ class PreparedData:
         own = self.folder / TOKENIZER_SUBDIR
         return own if own.is_dir() else model_dir
 
+    def stop_token_ids(self, model_dir: Path) -> list[int]:
+        """The tokens a generation of the trained model ends at: generation_config.json's EOS
+        ids (the end-of-turn token among them: `tokenizer_dir`) and the chat data's end of
+        turn."""
+        ids = _generation_eos_ids(self.tokenizer_dir(model_dir))
+        eot = self.meta["stats"].get("end_of_turn_id")
+        return ids + ([int(eot)] if eot is not None and eot not in ids else [])
+
 
 def dataset_files(config: TrainConfig) -> list[Path]:
     """The data files of the run: training data and the held-out games come from the same

@@ -30,6 +30,7 @@ from fsdp_utils.model.weights import check_not_quantized
 from fsdp_utils.parallel.distributed import device_type
 from fsdp_utils.run.start import storage_preflight
 from fsdp_utils.train.router_loss import resolve_coefficient
+from fsdp_utils.train.samples import read_sample_prompts
 
 GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 # A 70B plan takes about a minute on a 2-core node; a planner that hangs must not hold the job.
@@ -69,6 +70,8 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         check_target_modules(hf_config, config)
     if config.freeze_layers:
         check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
+    if config.sample_prompts:  # a missing file or a bad line fails before the queue
+        read_sample_prompts(config.sample_prompts)
     return plan, assets
 
 

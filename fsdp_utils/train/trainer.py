@@ -64,6 +64,7 @@ from fsdp_utils.train.optim import (
     build_scheduler,
 )
 from fsdp_utils.train.router_loss import RouterLoss
+from fsdp_utils.train.samples import SamplePrompts, format_answers, write_answers
 from fsdp_utils.train.step import Batch, TrainStep, local_counts, make_grad_scaler
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
@@ -92,6 +93,7 @@ class Trainer:
     flops_per_token: float
     peak_tflops: float | None
     eval_seconds: float | None = None  # the last evaluation's, for the time-limit estimate
+    samples: SamplePrompts | None = None  # --sample_prompts
 
     def __init__(
         self, config: TrainConfig, env: DistEnv, *, plan: BatchPlan, assets: ResolvedAssets
@@ -132,6 +134,7 @@ class Trainer:
             self.config = config = epoch_steps(config, blocks, total)
             self.log.max_steps = config.max_training_steps
             self.log.info(describe_epochs(config, blocks, total))
+        self.samples = self._sample_prompts()
 
         self.checkpointer = Checkpointer(
             self.layout.checkpoints,
@@ -426,7 +429,8 @@ class Trainer:
         return record
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Collective: the held-out loss now (`fsdp_utils.train.evaluate`), logged."""
+        """Collective: the held-out loss now (`fsdp_utils.train.evaluate`), logged; and the
+        answers to --sample_prompts (`fsdp_utils.train.samples`)."""
         metrics = evaluate(
             self.model,
             self.eval_blocks,
@@ -435,11 +439,32 @@ class Trainer:
             max_batches=self.config.eval_batches,
             autocast=self.autocast,
         )
-        if metrics is None:
-            return None
-        record = {"step": self.state.step, **metrics}
-        self.log.eval(record)
+        record = None if metrics is None else {"step": self.state.step, **metrics}
+        if record is not None:
+            self.log.eval(record)
+        if self.samples is not None:
+            answers = self.samples.answer(
+                self.model, device=self.env.device, autocast=self.autocast
+            )
+            if self.env.is_main:
+                write_answers(self.layout.samples, self.state.step, answers)
+                self.log.info(format_answers(self.state.step, answers))
         return record
+
+    def _sample_prompts(self) -> SamplePrompts | None:
+        """--sample_prompts, encoded with the tokenizer the model is trained (and exported) with."""
+        if not self.config.sample_prompts:
+            return None
+        from transformers import AutoTokenizer
+
+        samples = SamplePrompts.load(
+            self.config.sample_prompts,
+            AutoTokenizer.from_pretrained(self.data.tokenizer_dir(self.model_dir)),
+            stop_ids=self.data.stop_token_ids(self.model_dir),
+            max_new_tokens=self.config.sample_max_new_tokens,
+        )
+        self.log.info(samples.describe())
+        return samples
 
     def _timed_evaluate(self) -> None:
         watch = Stopwatch()
