@@ -45,6 +45,19 @@ class ModelInfo:
             return self.non_embedding_parameters
         return self.active_non_embedding_parameters
 
+    def describe(self) -> str:
+        """'llama, 6,738.42M parameters (6,607.34M non-embedding), 32 x LlamaDecoderLayer'."""
+        active = (
+            f", {self.active_parameters / 1e6:,.2f}M active per token"
+            if self.active_non_embedding_parameters is not None
+            else ""
+        )
+        return (
+            f"{self.model_type}, {self.parameters / 1e6:,.2f}M parameters "
+            f"({self.non_embedding_parameters / 1e6:,.2f}M non-embedding{active}), "
+            f"{self.decoder_layers} x {self.decoder_layer_class}"
+        )
+
 
 @dataclass(frozen=True)
 class MetaModel:

@@ -46,9 +46,7 @@ from fsdp_utils.plan.extrapolate import (
     why_layers_differ,
 )
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
-from fsdp_utils.train.optim import build_optimizer, build_scheduler
-from fsdp_utils.train.router_loss import RouterLoss
-from fsdp_utils.train.step import Batch, TrainStep
+from fsdp_utils.train.step import Batch, TrainStep, build_train_step
 
 
 @dataclass(frozen=True)
@@ -148,21 +146,18 @@ def placeholder_micro_batches(plan: BatchPlan, count: int, seed: int) -> list[Ba
 
 
 def traced_step(model: Any, config: TrainConfig, env: DistEnv) -> TrainStep:
-    """The trainer's step on a (fake) model: same optimizer, schedule, loss scaling, micro-batch
-    loop and gradient sync. No gradient scaler for fp16-mixed: it holds two scalars and unscales
-    in place (no memory to plan), and its inf check would read a fake value and could skip the
-    step."""
-    optimizer = build_optimizer(model, config)
-    return TrainStep(
+    """The trainer's step on a (fake) model: same optimizer, schedule, loss scaling, router loss,
+    micro-batch loop and gradient sync. No gradient scaler for fp16-mixed: it holds two scalars
+    and unscales in place (no memory to plan), and its inf check would read a fake value and
+    could skip the step."""
+    return build_train_step(
         model,
-        optimizer,
-        build_scheduler(optimizer, config),
-        config=config,
+        config,
         world_size=env.world_size,
         device=env.device,
-        scaler=None,
+        hf_config=model.config,
         autocast=autocast_context(config, env.device),
-        router_loss=RouterLoss.build(config, model.config),
+        grad_scaler=False,
     )
 
 

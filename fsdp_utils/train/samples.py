@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.generate import continue_prompts
 
 BATCH_SIZE = 8  # prompts per decoding batch
@@ -149,6 +150,22 @@ class SamplePrompts:
                 )
         model.train()
         return records
+
+    def run(
+        self,
+        model: nn.Module,
+        step: int,
+        *,
+        env: DistEnv,
+        autocast: Callable[[], Any],
+        out: Path,
+        log: Callable[[str], None],
+    ) -> None:
+        """Collective: answer every prompt; rank 0 appends the answers to `out` and logs them."""
+        answers = self.answer(model, device=env.device, autocast=autocast)
+        if env.is_main:
+            write_answers(out, step, answers)
+            log(format_answers(step, answers))
 
 
 def write_answers(path: Path, step: int, records: list[dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from fsdp_utils.parallel.parallelize import gradient_sync_context
 from fsdp_utils.train.loss import count_targets, token_loss_sum
 from fsdp_utils.train.optim import (
     apply_settings,
+    build_optimizer,
     build_scheduler,
     describe_changes,
     optimizer_settings,
@@ -80,6 +81,32 @@ def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device.type)
+
+
+def build_train_step(
+    model: nn.Module,
+    config: TrainConfig,
+    *,
+    world_size: int,
+    device: torch.device,
+    hf_config: Any,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    grad_scaler: bool = True,
+) -> TrainStep:
+    """The step of a run: its optimizer (`optim.build_optimizer`), schedule, gradient scaler
+    (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts)."""
+    optimizer = build_optimizer(model, config)
+    return TrainStep(
+        model,
+        optimizer,
+        build_scheduler(optimizer, config),
+        config=config,
+        world_size=world_size,
+        device=device,
+        scaler=make_grad_scaler(config, device) if grad_scaler else None,
+        autocast=autocast,
+        router_loss=RouterLoss.build(config, hf_config),
+    )
 
 
 class TrainStep:

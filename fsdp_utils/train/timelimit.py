@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.parallel import distributed as dist_utils
 
@@ -254,6 +255,27 @@ class StopController:
         # A STOP file present at start is honoured, not taken for a stale one: the signal may
         # have come while this run was starting. The launcher removes a previous leg's STOP
         # (slurm/finetune.sh), and a run that stops because of it consumes it (consume_stop_file).
+
+    @classmethod
+    def for_run(cls, config: TrainConfig, layout: RunLayout, *, is_main: bool) -> StopController:
+        """The controller of a run: its stop file, save cadence, step budget and margin."""
+        return cls(
+            layout.stop_file(config.stop_file),
+            save_every_steps=config.save_every_steps,
+            save_every_minutes=config.save_every_minutes,
+            stop_after_steps=config.stop_after_steps,
+            margin_minutes=config.time_limit_margin_minutes,
+            is_main=is_main,
+        )
+
+    def describe_time_limit(self) -> str | None:
+        """The log's line about the job's end (rank 0, and only when the end is known)."""
+        if not self.end_time_known():
+            return None
+        return (
+            f"time limit: the job ends at {self.end_time_text()}; saving and stopping at least "
+            f"{self.margin() / 60:.1f} min before"
+        )
 
     def end_time_known(self) -> bool:
         return self.is_main and self._end_time() is not None

@@ -59,13 +59,9 @@ from fsdp_utils.parallel.parallelize import (
     fsdp_group_names,
 )
 from fsdp_utils.train.evaluate import evaluate
-from fsdp_utils.train.optim import (
-    build_optimizer,
-    build_scheduler,
-)
 from fsdp_utils.train.router_loss import RouterLoss
-from fsdp_utils.train.samples import SamplePrompts, format_answers, write_answers
-from fsdp_utils.train.step import Batch, TrainStep, local_counts, make_grad_scaler
+from fsdp_utils.train.samples import SamplePrompts
+from fsdp_utils.train.step import Batch, TrainStep, build_train_step, local_counts
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
 
@@ -153,33 +149,16 @@ class Trainer:
         if (router := RouterLoss.describe(config, self.hf_config)) is not None:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
-        self.optimizer = build_optimizer(self.model, config)
-        self.train_step = TrainStep(
-            self.model,
-            self.optimizer,
-            build_scheduler(self.optimizer, config),
-            config=config,
-            world_size=env.world_size,
-            device=env.device,
-            scaler=make_grad_scaler(config, env.device),
-            autocast=self.autocast,
-            router_loss=RouterLoss.build(config, self.hf_config),
-        )
+        self.train_step = build_train_step(
+            self.model, config, world_size=env.world_size, device=env.device,
+            hf_config=self.hf_config, autocast=self.autocast,
+        )  # fmt: skip
+        self.optimizer = self.train_step.optimizer
         if resume_from is not None:
             self._resume(resume_from)
-        self.stop = StopController(
-            self.layout.stop_file(config.stop_file),
-            save_every_steps=config.save_every_steps,
-            save_every_minutes=config.save_every_minutes,
-            stop_after_steps=config.stop_after_steps,
-            margin_minutes=config.time_limit_margin_minutes,
-            is_main=env.is_main,
-        )
-        if self.stop.end_time_known():
-            self.log.info(
-                f"time limit: the job ends at {self.stop.end_time_text()}; saving and stopping "
-                f"at least {self.stop.margin() / 60:.1f} min before"
-            )
+        self.stop = StopController.for_run(config, self.layout, is_main=env.is_main)
+        if (limit := self.stop.describe_time_limit()) is not None:
+            self.log.info(limit)
         # MFU counts useful work: no weight gradients for frozen weights (LoRA, --freeze_layers)
         self.flops_per_token = training_flops_per_token(
             self.hf_config, self.model, meta.info.active_parameters, config
@@ -244,18 +223,9 @@ class Trainer:
         model = build_model(
             meta, self.config, self.env, self.model_dir, self._key_map, load_weights=load_weights
         )
-        info = meta.info
         self.fsdp_groups = fsdp_group_names(model)
         self.log.info(
-            f"model: {info.model_type}, {info.parameters / 1e6:,.2f}M parameters "
-            f"({info.non_embedding_parameters / 1e6:,.2f}M non-embedding"
-            + (
-                f", {info.active_parameters / 1e6:,.2f}M active per token"
-                if info.active_non_embedding_parameters is not None
-                else ""
-            )
-            + "), "
-            f"{info.decoder_layers} x {info.decoder_layer_class}; "
+            f"model: {meta.info.describe()}; "
             f"{len(self.fsdp_groups)} FSDP shard group(s); attention "
             f"{attention_implementation(getattr(model, 'module', model))}"
             + (f"\nlora: {lora.describe(self.config, model)}" if self.config.lora else "")
@@ -358,7 +328,7 @@ class Trainer:
             if decision.stop and not self._end_of_leg(decision.stop).finish:
                 self.stop.consume_stop_file()  # handled: the next run must not stop at once
                 self.probes.close()
-                return self._summary("interrupted", decision.stop, last, None, started)
+                return _summary("interrupted", decision.stop, last, None, started)
             if decision.save and self.train_step.last_saved_step != step:
                 self._periodic_save()
             watch.lap()  # eval and save time is not step time
@@ -372,7 +342,7 @@ class Trainer:
             )
         if self.checkpointing and self.train_step.last_saved_step != self.state.step:
             self.save_checkpoint()
-        return self._summary("completed", "max_training_steps", last, final_eval, started)
+        return _summary("completed", "max_training_steps", last, final_eval, started)
 
     def _step_probes(self) -> StepProbes:
         tokens_per_rank = self.plan.tokens_per_step / self.env.world_size
@@ -386,14 +356,6 @@ class Trainer:
             flops_per_rank_step=self.flops_per_token * tokens_per_rank,
             log=self.log,
         )
-
-    @staticmethod
-    def _summary(
-        status: str, reason: str, last: dict[str, Any], final_eval: Any, started: float
-    ) -> dict[str, Any]:
-        seconds = time.perf_counter() - started
-        return {"status": status, "reason": reason, "last": last, "eval": final_eval,
-                "seconds": seconds}  # fmt: skip
 
     def _seed_step(self) -> None:
         """Random state as a pure function of (seed, step, rank): dropout masks of a resumed
@@ -443,12 +405,10 @@ class Trainer:
         if record is not None:
             self.log.eval(record)
         if self.samples is not None:
-            answers = self.samples.answer(
-                self.model, device=self.env.device, autocast=self.autocast
-            )
-            if self.env.is_main:
-                write_answers(self.layout.samples, self.state.step, answers)
-                self.log.info(format_answers(self.state.step, answers))
+            self.samples.run(
+                self.model, self.state.step, env=self.env, autocast=self.autocast,
+                out=self.layout.samples, log=self.log.info,
+            )  # fmt: skip
         return record
 
     def _sample_prompts(self) -> SamplePrompts | None:
@@ -555,3 +515,13 @@ class Trainer:
 
     def close(self) -> None:
         self.log.close()
+
+
+def _summary(
+    status: str, reason: str, last: dict[str, Any], final_eval: Any, started: float
+) -> dict[str, Any]:
+    """What `Trainer.train` returns: how it ended, the last step's and the final eval's
+    records, and the seconds it took."""
+    seconds = time.perf_counter() - started
+    return {"status": status, "reason": reason, "last": last, "eval": final_eval,
+            "seconds": seconds}  # fmt: skip
