@@ -28,7 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
 
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
@@ -90,19 +95,22 @@ def traced_micro_batches(batch: BatchPlan, defer_grad_sync: bool) -> int:
     return min(batch.gradient_accumulation_steps, 3 if defer_grad_sync else 2)
 
 
-class _UnitScalars(TorchDispatchMode):
-    """Reading a fake tensor's value (`.item()`, `.tolist()`, `float()`) gives 1.
+class _UnitScalarsFakeMode(FakeTensorMode):
+    """`FakeTensorMode` in which reading a tensor's value (`.item()`, `.tolist()`, `float()`)
+    gives 1.
 
     The step reads a few scalars that fake tensors do not have (token counts, the loss, the
     gradient norm, AdamW's step count for its bias correction); no allocation depends on them.
     1 is a value all of them can take in a healthy step (0 would divide by zero in AdamW).
+    A subclass rather than a second dispatch mode on top: every operator of the trace passes
+    through each mode on the stack in Python, and one mode less saves a tenth of a plan's time.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
-        return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _never_fake(x: Any) -> bool:
@@ -116,8 +124,9 @@ def _transformers_eager_paths() -> Iterator[None]:
     transformers takes a fake tensor for a sign of compilation (`is_tracing`) and then builds
     an explicit causal mask that an eager run skips (it passes `is_causal` to SDPA instead): a
     (batch, 1, seq, seq) mask that every layer saves for backward. The run being planned is
-    eager, so its checks take the eager path; the values they read come from `_UnitScalars`
-    (True: no padding and no packed-sequence boundaries, as in the trainer's full blocks).
+    eager, so its checks take the eager path; the values they read come from
+    `_UnitScalarsFakeMode` (True: no padding and no packed-sequence boundaries, as in the
+    trainer's full blocks).
     """
     from transformers.utils import import_utils
 
@@ -320,19 +329,8 @@ def _trace(
 ) -> StepMemory:
     """Materialise `model` (from `build_parallel_model`, on meta) on fake tensors and trace
     one training step of it."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-        UnsupportedFakeTensorException,
-    )
-
     try:
-        with (
-            FakeTensorMode(allow_non_fake_inputs=True),
-            _UnitScalars(),
-            _transformers_eager_paths(),
-        ):
+        with _UnitScalarsFakeMode(allow_non_fake_inputs=True), _transformers_eager_paths():
             materialize(model, env.device)
             model.train()
             step = traced_step(model, config, env)
