@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system demo test test-quick lint format bench gpu-check clean help
+.PHONY: setup setup-system demo test test-quick lint format bench bench-full gpu-check clean help
 
 help:
 	@echo "make setup       create $(VENV) (torch CPU pinned first) and install the package with test/lint extras"
@@ -16,7 +16,8 @@ help:
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
 	@echo "make lint        ruff check + ruff format --check + mypy + import layers and circles"
-	@echo "make bench       throughput (tokens/s) and the memory-plan table, results in bench/results/"
+	@echo "make bench       throughput, LoRA and memory-planner benchmarks, results in bench/results/ (~10 min)"
+	@echo "make bench-full  the long set: more rounds, every row, fast vs full traces (about an hour)"
 	@echo "make gpu-check   on a GPU node: run the CUDA paths, measure tokens/s, MFU, memory vs plan"
 
 $(STAMPS)/venv: pyproject.toml
@@ -57,13 +58,12 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The short set by default; bench/run_all.py prints each benchmark's time and the total at the end.
 bench: setup
-	$(PY) bench/throughput.py
-	$(PY) bench/plan_table.py
-	$(PY) bench/lora.py
-	$(PY) bench/lora_plan_table.py
-	@if [ -f bench/results/gpu_check/gpu_check.md ]; then cat bench/results/gpu_check/gpu_check.md; \
-	else echo "GPU table: none measured here (make gpu-check on a GPU node writes bench/results/gpu_check/)"; fi
+	$(PY) bench/run_all.py
+
+bench-full: setup
+	$(PY) bench/run_all.py --full
 
 # On a GPU node (srun ... make gpu-check): random-weight Llama models, several configurations,
 # measured against the planner. Without a CUDA device it says so and exits 2.

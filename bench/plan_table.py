@@ -1,15 +1,19 @@
-"""The memory table of docs/plan.md: CodeLlama-7B on 4 x A100-80GB, batch per device 1 to 16,
-with and without activation checkpointing (the tutorial's questions), how long planning takes for 7B,
-13B and 70B, and how the fast planner agrees with the full trace.
+"""The figures of docs/plan.md: the memory table (CodeLlama-7B on 4 x A100-80GB, batch per device
+1 to 16, with and without activation checkpointing: the tutorial's questions), how long
+planning takes for 7B, 13B and 70B, how long the whole `python -m fsdp_utils.plan` command
+takes, and how the fast planner agrees with the full trace.
 
-    python bench/plan_table.py                      # from the configs in tests/fixtures/configs
-    python bench/plan_table.py --model codellama/CodeLlama-7b-hf   # from the offline cache
-    python bench/plan_table.py --timings            # only the planning times (7B, 13B, 70B)
-    python bench/plan_table.py --agreement          # fast vs full trace on tiny 20-layer models
+    python bench/plan_table.py                   # make bench: the table, the times, the command
+    python bench/plan_table.py --full            # make bench-full: + the full trace of every row
+                                                 #   and model, + the agreement on tiny models
+    python bench/plan_table.py --model codellama/CodeLlama-7b-hf   # the table from the cache
+    python bench/plan_table.py --timings         # only the planning times and the command
+    python bench/plan_table.py --baseline ../old # another checkout's command joins every round
+    python bench/plan_table.py --agreement       # only fast vs full trace, tiny 20-layer models
 
 Each row is one `plan_memory` (fake-tensor traces of the trainer's step, extrapolated from
-shallow copies of the model), checked against the full trace of every layer (`--full_trace`).
-Total batch 64, so that 16 per device x 4 GPUs divides it; everything else is
+shallow copies of the model); with --full it is checked against the full trace of every layer
+(`--full_trace`). Total batch 64, so that 16 per device x 4 GPUs divides it; everything else is
 chess_finetune.py's defaults (1024 tokens per sequence, bf16-mixed, AdamW, FSDP2 per decoder
 layer). Times are wall and CPU seconds: on a shared machine the CPU time is the steadier one.
 """
@@ -17,6 +21,12 @@ layer). Times are wall and CPU seconds: on a shared machine the CPU time is the 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +35,36 @@ from typing import Any
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, MemoryPlan, plan_memory
 
-CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "configs"
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "tests" / "fixtures" / "configs"
+RESULTS = REPO / "bench" / "results"
 GPU = GPU_PRESETS["a100-80gb"]
 GIB = 1024**3
+
+# meta-llama/Llama-2-7b-hf's shapes (its config.json's values; the weights are not needed).
+LLAMA_2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+}
+# The command of issue 23 ("the planner's speed"): what every preflight of such a job runs.
+COMMAND_FLAGS = [
+    "--nodes", "1", "--gpus_per_node", "4", "--gpu_memory", "80GiB",
+    "--batch_size_per_device", "1", "--max_seq_length", "1024", "--gradient_checkpointing",
+]  # fmt: skip
 
 
 def timed_plan(
@@ -48,7 +85,8 @@ def _difference(fast: MemoryPlan, full: MemoryPlan) -> str:
     return f"{100 * (fast.peak_bytes / full.peak_bytes - 1):+.3f}%"
 
 
-def table(model: str) -> str:
+def table(model: str, full_trace: bool) -> str:
+    """The tutorial's questions; with `full_trace` each row is checked against the full trace."""
     rows = [
         "| batch/GPU | accum. | act. ckpt | params | grads | optimizer | activations "
         "| temporaries | peak | peak in | + margin | fits 80 GB? | plan (wall / CPU) "
@@ -65,7 +103,10 @@ def table(model: str) -> str:
                 gradient_checkpointing=checkpointing,
             )
             plan, wall, cpu = timed_plan(config)
-            full, full_wall, full_cpu = timed_plan(config, full_trace=True)
+            checked = "not run (--full) | "
+            if full_trace:
+                full, full_wall, full_cpu = timed_plan(config, full_trace=True)
+                checked = f"{full_wall:.0f} s / {full_cpu:.0f} s | {_difference(plan, full)}"
             if plan.fits:
                 largest[checkpointing] = batch
             g = plan.parts_gib()
@@ -74,8 +115,7 @@ def table(model: str) -> str:
                 f"| {batch} | {plan.batch.gradient_accumulation_steps} | "
                 f"{'yes' if checkpointing else 'no'} | {' | '.join(g)} | {phase} | "
                 f"{plan.required_bytes / GIB:.1f} | "
-                f"{'yes' if plan.fits else '**no**'} | {wall:.0f} s / {cpu:.0f} s | "
-                f"{full_wall:.0f} s / {full_cpu:.0f} s | {_difference(plan, full)} |"
+                f"{'yes' if plan.fits else '**no**'} | {wall:.0f} s / {cpu:.0f} s | {checked} |"
             )
             print(rows[-1], flush=True)
     rows.append("")
@@ -87,22 +127,78 @@ def table(model: str) -> str:
     return "\n".join(rows)
 
 
-def timings() -> str:
+def timings(full_trace: tuple[str, ...]) -> str:
+    """In-process planning times of CodeLlama-7B, -13B and -70B; the full trace of those named
+    in `full_trace` too (the first plan of a process pays the lazy imports: 7B's here)."""
     lines = [
         "",
-        "Planning time, chess_finetune.py defaults (total batch 32, 1 per GPU, 4 GPUs), "
-        "fast planner vs --full_trace:",
+        "Planning time in one process, chess_finetune.py defaults (total batch 32, 1 per GPU, "
+        "4 GPUs), fast planner vs --full_trace:",
     ]
     for name in ("codellama-7b", "codellama-13b", "codellama-70b"):
         config = TrainConfig(model=str(CONFIGS / name))
         plan, wall, cpu = timed_plan(config)
-        full, full_wall, full_cpu = timed_plan(config, full_trace=True)
-        lines.append(
-            f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU ({plan.trace_method}); full trace "
-            f"{full_wall:.1f} s wall, {full_cpu:.1f} s CPU; peak {plan.peak_bytes / GIB:.2f} GiB, "
-            f"{_difference(plan, full)} ({plan.verdict})"
-        )
-        print(lines[-1], flush=True)
+        line = f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU ({plan.trace_method}); "
+        if name in full_trace:
+            full, full_wall, full_cpu = timed_plan(config, full_trace=True)
+            line += (
+                f"full trace {full_wall:.1f} s wall, {full_cpu:.1f} s CPU; peak "
+                f"{plan.peak_bytes / GIB:.2f} GiB, {_difference(plan, full)} ({plan.verdict})"
+            )
+        else:
+            line += f"peak {plan.peak_bytes / GIB:.2f} GiB ({plan.verdict}); full trace: --full"
+        lines.append(line)
+        print(line, flush=True)
+    return "\n".join(lines)
+
+
+def _run_command(checkout: Path, model: Path) -> tuple[float, float]:
+    """One `python -m fsdp_utils.plan` as a user runs it, with `checkout`'s fsdp_utils (first on
+    PYTHONPATH; this interpreter's packages): wall and CPU seconds (user + system)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "fsdp_utils.plan", "--model", str(model), *COMMAND_FLAGS],
+        env={**os.environ, "PYTHONPATH": str(checkout)},
+        cwd=checkout,
+        capture_output=True,
+        check=True,
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} s ({min(values):.1f} - {max(values):.1f})"
+
+
+def command_timings(repeats: int, baseline: Path | None) -> str:
+    """The whole command of issue 23 on Llama-2-7B's config, imports included, `repeats` times;
+    with `baseline`, that checkout's command alternates with this one's (the order reversed
+    every other round, as bench/throughput.py interleaves its runs)."""
+    model = RESULTS / "configs" / "llama-2-7b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_2_7B, indent=2))
+    checkouts = {"this checkout": REPO}
+    if baseline is not None:
+        checkouts["baseline"] = baseline.resolve()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in checkouts}
+    for index in range(repeats):
+        order = list(checkouts) if index % 2 == 0 else list(reversed(checkouts))
+        for name in order:
+            times[name].append(_run_command(checkouts[name], model))
+    flags = " ".join(COMMAND_FLAGS)
+    lines = [
+        "",
+        f"The whole command, {repeats} runs (median, min - max): python -m fsdp_utils.plan "
+        f"--model <Llama-2-7B config.json> {flags}",
+    ]
+    for name, runs in times.items():
+        walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+        lines.append(f"  {name}: {_spread(walls)} wall, {_spread(cpus)} CPU")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines.append(f"  (load average at the end: {load} on {os.cpu_count()} cores)")
     return "\n".join(lines)
 
 
@@ -151,17 +247,35 @@ def agreement(layers: int = 20) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=str(CONFIGS / "codellama-7b"))
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="make bench-full: every row and model against its full trace, and the agreement",
+    )
     parser.add_argument("--timings", action="store_true", help="only the planning times")
     parser.add_argument("--agreement", action="store_true", help="only fast vs full, tiny")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the whole command")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout, whose command alternates with this one's"
+    )
     args = parser.parse_args()
+    # The default set traces CodeLlama-7B in full once: it is the figure docs/plan.md quotes.
+    full_trace = (
+        ("codellama-7b", "codellama-13b", "codellama-70b") if args.full else ("codellama-7b",)
+    )
     if args.agreement:
         print(f"\n{agreement()}")
-    elif args.timings:
-        print(timings())
-    else:
-        print(f"\n{table(args.model)}\n{timings()}")
+        return
+    if not args.timings:
+        print(f"\n{table(args.model, full_trace=args.full)}")
+    print(timings(full_trace))
+    print(command_timings(args.repeats, args.baseline))
+    if args.full:
+        print(f"\n{agreement()}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
     (bench/bare_fsdp2.py): what our loop, metrics and checks cost;
 (b) useful (non-pad) tokens/s with packing against the original script's pad-per-batch (each
     micro-batch padded to its longest document), both in the bare loop;
-(c) chess_finetune.py packed against --no_packing (every document padded to the block length).
+(c) chess_finetune.py packed against --no_packing (every document padded to the block length;
+    the long set only: the ratio is the data's padding, it hardly moves between rounds).
 
-    python bench/throughput.py                      # what `make bench` runs: 1 + 5 rounds
+    python bench/throughput.py                      # make bench: a warm-up round + 3 rounds, (a) and (b)
+    python bench/throughput.py --full               # make bench-full: + 5 rounds, (c) too
     python bench/throughput.py --pairs 2 --steps 5  # quick, while developing
     python bench/throughput.py --baseline /tmp/old   # also another checkout's chess_finetune.py
 
@@ -168,6 +170,28 @@ def bare(
     return {k: float(result[k]) for k in keys}
 
 
+Figures = dict[str, float]
+
+
+def interleaved_rounds(
+    measures: dict[str, Callable[[], Figures]], pairs: int
+) -> list[dict[str, Figures]]:
+    """A warm-up round (discarded), then `pairs` measured rounds; a round runs every
+    configuration once, in the reverse order every other round. Raises `ChildFailed`."""
+    rounds: list[dict[str, Figures]] = []
+    for index in range(pairs + 1):
+        order = list(measures) if index % 2 == 0 else list(reversed(measures))
+        label = "warm-up round (discarded)" if index == 0 else f"round {index}/{pairs}"
+        print(f"{label}: {' -> '.join(order)}", flush=True)
+        figures = {}
+        for name in order:
+            figures[name] = measures[name]()
+            print(f"  {name}: {figures[name]['useful_tokens_per_s']:,.0f} useful tokens/s")
+        if index > 0:
+            rounds.append(figures)
+    return rounds
+
+
 def spread(values: list[float], fmt: str) -> str:
     return (
         f"{statistics.median(values):{fmt}} ({min(values):{fmt}} - {max(values):{fmt}})"
@@ -180,7 +204,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pairs", type=int, default=5, help="measured rounds after a warm-up")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the long set (make bench-full): 5 measured rounds instead of 3, and --no_packing",
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=None, help="measured rounds after a warm-up (3; --full: 5)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup_steps", type=int, default=3, help="untimed steps per run")
     parser.add_argument(
@@ -190,6 +221,7 @@ def main() -> None:
         "every round, against the bare loop and against this checkout's",
     )
     args = parser.parse_args()
+    args.pairs = args.pairs or (5 if args.full else 3)
     if args.pairs < 1 or args.steps < 1 or args.warmup_steps < 1:
         parser.error("--pairs, --steps and --warmup_steps must be at least 1")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -202,7 +234,9 @@ def main() -> None:
 
     reruns: list[dict[str, Any]] = []
     measures: dict[str, Callable[[], dict[str, float]]] = {}
-    ratio_pairs = dict(RATIOS)
+    ratio_pairs = {
+        name: pair for name, pair in RATIOS.items() if args.full or NO_PACKING not in pair
+    }
     if args.baseline:  # next to OURS in either order, so that (e) compares neighbours
         baseline = args.baseline.resolve()
         measures[BASELINE] = lambda: finetune(paths, args, reruns, checkout=baseline)
@@ -211,19 +245,10 @@ def main() -> None:
     measures[OURS] = lambda: finetune(paths, args, reruns)
     measures[BARE] = lambda: bare(paths, prepared, "packed", args, reruns)
     measures[PAD] = lambda: bare(paths, prepared, "pad_per_batch", args, reruns)
-    measures[NO_PACKING] = lambda: finetune(paths, args, reruns, "--no_packing")
-    rounds: list[dict[str, dict[str, float]]] = []
+    if args.full:
+        measures[NO_PACKING] = lambda: finetune(paths, args, reruns, "--no_packing")
     try:
-        for index in range(args.pairs + 1):
-            order = list(measures) if index % 2 == 0 else list(reversed(measures))
-            label = "warm-up round (discarded)" if index == 0 else f"round {index}/{args.pairs}"
-            print(f"{label}: {' -> '.join(order)}", flush=True)
-            figures = {}
-            for name in order:
-                figures[name] = measures[name]()
-                print(f"  {name}: {figures[name]['useful_tokens_per_s']:,.0f} useful tokens/s")
-            if index > 0:
-                rounds.append(figures)
+        rounds = interleaved_rounds(measures, args.pairs)
     except ChildFailed as err:
         sys.exit(f"error: {err}")
 
