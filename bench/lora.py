@@ -1,21 +1,22 @@
 """LoRA against full fine-tuning, one run on the same tiny model and data (CPU, 2 processes, gloo):
 
-- tokens/s of chess_finetune.py with and without --lora, in interleaved rounds as
-  bench/throughput.py runs them (a warm-up round, then `--pairs` rounds; every figure and ratio
-  as median and min-max over the rounds, ratios pair by pair), by wall clock and by rank 0's
-  CPU time;
 - per-process memory of one training step, measured with the planner's tracker on the real run
   (`python -m fsdp_utils.plan.measure`): the peak, and the state (parameters, gradients,
-  optimizer state) that lives between steps;
+  optimizer state) that lives between steps, in fp32 and in bf16-mixed (where the frozen base
+  is kept in bf16: no fp32 master copy); with --full also the bf16-mixed LoRA peak without
+  dropout;
+- with --full, tokens/s of chess_finetune.py with and without --lora in both precisions, in
+  interleaved rounds as bench/throughput.py runs them (a warm-up round, then `--pairs` rounds;
+  every figure and ratio as median and min-max over the rounds, ratios pair by pair), by wall
+  clock and by rank 0's CPU time.
 
-in fp32 and in bf16-mixed (where the frozen base is kept in bf16: no fp32 master copy).
+    python bench/lora.py            # make bench: the memory of both precisions
+    python bench/lora.py --full     # make bench-full: + tokens/s in both precisions, 5 rounds
 
-    python bench/lora.py            # make bench: tokens/s in fp32 (3 rounds); memory in both
-    python bench/lora.py --full     # make bench-full: tokens/s in bf16-mixed too, 5 rounds
-
-The bf16-mixed tokens/s are in the long set only: a CPU's bf16 speed says nothing about a GPU's,
-and on a CPU without native bf16 those runs are several times slower. The memory figures are
-bytes, the same on any device, and are measured in both precisions by default.
+The short set leaves the tokens/s to bench/throughput.py, whose rounds time fp32 LoRA beside
+the same full fine-tuning run ((d) there). bf16-mixed tokens/s are in the long set only: a CPU's
+bf16 speed says nothing about a GPU's, and on a CPU without native bf16 those runs are several
+times slower. The memory figures are bytes, the same on any device.
 
 Writes bench/results/lora.json and prints a table. CPU timings on a shared machine are noisy:
 compare the ratios of one run, not absolute numbers across machines.
@@ -89,16 +90,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--full", action="store_true", help="make bench-full: bf16-mixed tokens/s too, 5 rounds"
+        "--full", action="store_true", help="make bench-full: tokens/s too, in 5 rounds"
     )
-    parser.add_argument("--pairs", type=int, default=None, help="measured rounds (3; --full: 5)")
+    parser.add_argument("--pairs", type=int, default=5, help="measured rounds, with --full")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup_steps", type=int, default=3, help="untimed steps per run")
     args = parser.parse_args()
-    args.pairs = args.pairs or (5 if args.full else 3)
     RESULTS.mkdir(parents=True, exist_ok=True)
     paths = assets()
-    timed = PRECISIONS if args.full else ("fp32",)
+    timed = PRECISIONS if args.full else ()
     reruns: list[dict[str, Any]] = []  # failed runs that were rerun (printed as they happen)
 
     def run(precision: str, method: str) -> Callable[[], Figures]:
@@ -106,14 +106,16 @@ def main() -> None:
 
     measures = {f"{p} {m}": run(p, m) for p in timed for m in FLAGS}
     try:
-        rounds = interleaved_rounds(measures, args.pairs)
+        rounds = interleaved_rounds(measures, args.pairs) if measures else []
         memory = {
             (precision, method): measure(paths, reruns, "--precision", precision, *FLAGS[method])
             for precision in PRECISIONS
             for method in FLAGS
         }
-        no_dropout = measure(
-            paths, reruns, "--precision", "bf16-mixed", "--lora", "--lora_dropout", "0"
+        no_dropout = (
+            measure(paths, reruns, "--precision", "bf16-mixed", "--lora", "--lora_dropout", "0")
+            if args.full
+            else None
         )
     except ChildFailed as err:
         sys.exit(f"error: {err}")
@@ -139,13 +141,17 @@ def main() -> None:
         "rounds": rounds,
         "reruns": reruns,
         "rows": rows,
-        "bf16_mixed_lora_dropout_0_peak_mib": no_dropout["peak"] / MIB,
+        "bf16_mixed_lora_dropout_0_peak_mib": no_dropout["peak"] / MIB if no_dropout else None,
     }
     (RESULTS / "lora.json").write_text(json.dumps(summary, indent=2))
+    speeds = (
+        f"{args.pairs} interleaved rounds after a warm-up round, {args.steps} timed steps per run "
+        f"after {args.warmup_steps}; median (min - max) over the rounds, ratios pair by pair"
+        if args.full
+        else "fp32 in bench/throughput.py's (d), both precisions with --full"
+    )
     print(
-        f"\n{summary['setup']}\ntokens/s: {args.pairs} interleaved rounds after a warm-up "
-        f"round, {args.steps} timed steps per run after {args.warmup_steps}; median (min - max) "
-        "over the rounds, ratios pair by pair; memory: one tracked step after a warm-up step\n"
+        f"\n{summary['setup']}\ntokens/s: {speeds}; memory: one tracked step after a warm-up step\n"
     )
     print(
         "| precision | tokens/s full | tokens/s LoRA | LoRA/full (wall) | LoRA/full (rank 0 CPU) "
@@ -162,12 +168,13 @@ def main() -> None:
                 f"{spread(r['ratio_tokens_per_s'], '.2f')} | {spread(r['ratio_cpu_time'], '.2f')}"
             )
         else:
-            speed = "--full | --full | | "
+            speed = "--full | --full | --full | --full"
         print(
             f"| {r['precision']} | {speed} | {p['full']:.1f} | {p['lora']:.1f} | "
             f"{r['ratio_peak']:.2f} | {s['full']:.2f} | {s['lora']:.2f} | {r['ratio_state']:.3f} |"
         )
-    print(f"bf16-mixed LoRA with --lora_dropout 0: peak {no_dropout['peak'] / MIB:.1f} MiB")
+    if no_dropout:
+        print(f"bf16-mixed LoRA with --lora_dropout 0: peak {no_dropout['peak'] / MIB:.1f} MiB")
     for rerun in reruns:
         passed = "passed on the rerun" if rerun.get("rerun_passed") else "failed again"
         print(f"\nnote: {rerun['run']} failed once (exit code {rerun['exit_code']}); {passed}")

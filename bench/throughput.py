@@ -5,10 +5,13 @@
 (b) useful (non-pad) tokens/s with packing against the original script's pad-per-batch (each
     micro-batch padded to its longest document), both in the bare loop;
 (c) chess_finetune.py packed against --no_packing (every document padded to the block length;
-    the long set only: the ratio is the data's padding, it hardly moves between rounds).
+    the long set only: the ratio is the data's padding, it hardly moves between rounds);
+(d) chess_finetune.py --lora against full fine-tuning (fp32; bench/lora.py --full adds
+    bf16-mixed, and measures both kinds of runs' memory).
 
-    python bench/throughput.py                      # make bench: a warm-up round + 3 rounds, (a) and (b)
-    python bench/throughput.py --full               # make bench-full: + 5 rounds, (c) too
+    python bench/throughput.py                      # make bench: a warm-up round + 3 rounds of
+                                                    #   6 timed steps; (a), (b), (d)
+    python bench/throughput.py --full               # make bench-full: 5 rounds of 10 steps; + (c)
     python bench/throughput.py --pairs 2 --steps 5  # quick, while developing
     python bench/throughput.py --baseline /tmp/old   # also another checkout's chess_finetune.py
 
@@ -56,11 +59,13 @@ OURS = "chess_finetune.py (packed)"
 BARE = "bare FSDP2 loop (packed)"
 PAD = "bare FSDP2 loop, pad per batch"
 NO_PACKING = "chess_finetune.py --no_packing"
+LORA = "chess_finetune.py --lora (packed)"
 BASELINE = "baseline checkout's chess_finetune.py (packed)"
 RATIOS = {
     "(a) chess_finetune.py / bare FSDP2 loop": (OURS, BARE),
     "(b) packing / pad per batch (bare loop)": (BARE, PAD),
     "(c) packing / --no_packing (chess_finetune.py)": (OURS, NO_PACKING),
+    "(d) LoRA / full fine-tuning (chess_finetune.py)": (LORA, OURS),
 }
 
 
@@ -212,8 +217,12 @@ def main() -> None:
     parser.add_argument(
         "--pairs", type=int, default=None, help="measured rounds after a warm-up (3; --full: 5)"
     )
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--warmup_steps", type=int, default=3, help="untimed steps per run")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per run (6; --full: 10)"
+    )
+    parser.add_argument(
+        "--warmup_steps", type=int, default=None, help="untimed steps per run (2; --full: 3)"
+    )
     parser.add_argument(
         "--baseline",
         type=Path,
@@ -222,6 +231,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.pairs = args.pairs or (5 if args.full else 3)
+    args.steps = args.steps or (10 if args.full else 6)
+    args.warmup_steps = args.warmup_steps or (3 if args.full else 2)
     if args.pairs < 1 or args.steps < 1 or args.warmup_steps < 1:
         parser.error("--pairs, --steps and --warmup_steps must be at least 1")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -237,14 +248,15 @@ def main() -> None:
     ratio_pairs = {
         name: pair for name, pair in RATIOS.items() if args.full or NO_PACKING not in pair
     }
-    if args.baseline:  # next to OURS in either order, so that (e) compares neighbours
+    if args.baseline:  # next to OURS in either order, so that (f) compares neighbours
         baseline = args.baseline.resolve()
         measures[BASELINE] = lambda: finetune(paths, args, reruns, checkout=baseline)
-        ratio_pairs["(d) baseline checkout / bare FSDP2 loop"] = (BASELINE, BARE)
-        ratio_pairs["(e) chess_finetune.py / baseline checkout"] = (OURS, BASELINE)
+        ratio_pairs["(e) baseline checkout / bare FSDP2 loop"] = (BASELINE, BARE)
+        ratio_pairs["(f) chess_finetune.py / baseline checkout"] = (OURS, BASELINE)
     measures[OURS] = lambda: finetune(paths, args, reruns)
     measures[BARE] = lambda: bare(paths, prepared, "packed", args, reruns)
     measures[PAD] = lambda: bare(paths, prepared, "pad_per_batch", args, reruns)
+    measures[LORA] = lambda: finetune(paths, args, reruns, "--lora")
     if args.full:
         measures[NO_PACKING] = lambda: finetune(paths, args, reruns, "--no_packing")
     try:
@@ -269,7 +281,8 @@ def main() -> None:
     setup = (
         f"{NPROC} CPU processes (gloo), Llama 4 layers x 256 hidden, seq {SEQ}, "
         f"{PER_DEVICE}/device, total batch {TOTAL}, fp32; {args.pairs} interleaved rounds "
-        f"after a warm-up round, {args.steps} timed steps per run after {args.warmup_steps}"
+        f"after a warm-up round, {args.steps} timed steps per run after {args.warmup_steps}; "
+        "--lora: r 8, alpha 16, dropout 0.05 on every linear layer of the blocks"
     )
     summary = {
         "setup": setup,
