@@ -80,11 +80,17 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     """Check (once per process), start the run folder, train, save: the whole run on this
     process's rank. User mistakes raise ValueError (one paragraph, printed by `main`).
     `after_setup`: called with the set-up Trainer before its first step (tools and tests use
-    it to instrument the model)."""
+    it to instrument the model). A process group that exists already is the caller's (a tool
+    that runs several runs in one process, as tests/family_runs.py): it is used and left up."""
+    import torch.distributed as dist
+
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.run.session import open_trainer
     from fsdp_utils.train.step import TrainingDivergedError
 
+    # Tearing a group down and setting one up again in the same torchrun workers can deadlock
+    # (a fast rank meets the previous group's keys in the store): only the owner tears down.
+    owns_group = not dist.is_initialized()
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
     clean = False
@@ -119,7 +125,8 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         # gloo can hang or abort at exit.
         del trainer
         gc.collect()
-        dist_utils.destroy(synchronize=clean)
+        if owns_group:
+            dist_utils.destroy(synchronize=clean)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -4,15 +4,17 @@
 - random legal chess games (the `chess` package) written as parquet shards in the schema of
   `laion/strategic_game_chess` (`Moves`, `Termination`, `Result`, files `chess_game_NNNN.parquet`);
 - a BPE tokenizer trained with `tokenizers` on the rendered games;
-- small Llama / Qwen2 / Mistral / Gemma / GPT-2 / GPT-NeoX models saved as safetensors, and
-  mixture-of-experts ones (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, gpt-oss).
+- small models of every dense family we support (Llama, Qwen2, Qwen3, Mistral, Gemma 1-3,
+  Phi-3, OLMo 2, Granite, GPT-2, GPT-NeoX), built with transformers' own config classes and saved
+  with `save_pretrained` as safetensors, and mixture-of-experts ones (Mixtral, Qwen3-MoE,
+  Qwen2-MoE, OLMoE, gpt-oss).
 """
 
 from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,15 @@ SPECIAL_TOKENS = {
     "pad_token": "<pad>",
     "unk_token": "<unk>",
 }
-TINY_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox")
+# Dense families (see docs/models.md): the first six since the start, then issue 23's.
+TINY_DENSE_ARCHITECTURES: tuple[str, ...] = (
+    "llama", "qwen2", "mistral", "gemma", "gpt2", "gpt_neox",
+    "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
+)  # fmt: skip
 # Mixture-of-experts families (4 experts, 2 per token), saved by `save_pretrained` in the Hub's
 # layout: one tensor per expert (gpt-oss: fused, as its bf16 checkpoints are).
 TINY_MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
-TINY_ARCHITECTURES += TINY_MOE_ARCHITECTURES
+TINY_ARCHITECTURES = TINY_DENSE_ARCHITECTURES + TINY_MOE_ARCHITECTURES
 
 
 # --- games ---------------------------------------------------------------------------------
@@ -116,6 +122,91 @@ def train_chess_tokenizer(texts: list[str], vocab_size: int = 512) -> Any:
 # --- models --------------------------------------------------------------------------------
 
 
+# Tokens: shorter than the tests' 64-token blocks, so that sliding-window layers do slide.
+SLIDING_WINDOW = 16
+
+
+def _defaults(head_dim: int, layers: int) -> dict[str, Any]:
+    return {}
+
+
+def _head_dim(head_dim: int, layers: int) -> dict[str, Any]:
+    """Configs whose head_dim defaults to the released models' (128 or 256), not hidden/heads."""
+    return {"head_dim": head_dim}
+
+
+def _mistral(head_dim: int, layers: int) -> dict[str, Any]:
+    """A sliding window in every layer, as Mistral 7B v0.1 (4096 there)."""
+    return {"head_dim": head_dim, "sliding_window": SLIDING_WINDOW}
+
+
+def _gemma2(head_dim: int, layers: int) -> dict[str, Any]:
+    """Local (sliding) and global attention alternate; attention and final logits soft-capped
+    (the config's defaults, 50 and 30); queries scaled by head_dim**-0.5 as in Gemma 2 2B/9B."""
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": types,
+    }
+
+
+def _gemma3(head_dim: int, layers: int) -> dict[str, Any]:
+    """Five local layers to one global (fewer when the model is shallower, so that both kinds
+    are in it), qk-norm instead of soft-capping, two rotary bases (the config's defaults)."""
+    period = min(6, layers)
+    types = [
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)
+    ]
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": types,
+    }
+
+
+def _phi3(head_dim: int, layers: int) -> dict[str, Any]:
+    """Fused qkv_proj and gate_up_proj (the modeling code's); rotary on 3/4 of each head as in
+    Phi-4-mini; a sliding window in every layer as in Phi-3-mini (2047 there)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    return {"rope_parameters": rope, "sliding_window": SLIDING_WINDOW}
+
+
+def _granite(head_dim: int, layers: int) -> dict[str, Any]:
+    """Granite 3's scaling of embeddings, residuals, attention scores and logits (the 2B
+    model's values; its attention multiplier is 1/head_dim)."""
+    return {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 1.0 / head_dim,
+        "logits_scaling": 8.0,
+    }
+
+
+# Decoder-only families built from `hidden_size`, `num_attention_heads`, ...: transformers'
+# config class, and what the family sets beyond those. Qwen2's q/k/v biases and the qk-norms of
+# Qwen3, Gemma 3 and OLMo 2 (OLMo 2's over all heads, after the projections, with its norms
+# after attention and MLP) are in the modeling code.
+_DECODERS: dict[str, tuple[str, Callable[[int, int], dict[str, Any]]]] = {
+    "llama": ("LlamaConfig", _defaults),
+    "qwen2": ("Qwen2Config", _defaults),
+    "mistral": ("MistralConfig", _mistral),
+    "gemma": ("GemmaConfig", _head_dim),
+    "qwen3": ("Qwen3Config", _head_dim),
+    "gemma2": ("Gemma2Config", _gemma2),
+    "gemma3": ("Gemma3TextConfig", _gemma3),
+    "phi3": ("Phi3Config", _phi3),
+    "olmo2": ("Olmo2Config", _defaults),
+    "granite": ("GraniteConfig", _granite),
+}
+# Input and output embeddings tied, as in the family's small released models (Llama 2, Mistral
+# 7B, Phi-3-mini, OLMo 2 and Pythia do not tie; Qwen2.5/Qwen3 up to 4B, Gemma 1-3, Granite 3
+# 2B and GPT-2 do).
+TIED_FAMILIES = frozenset({"qwen2", "gemma", "gpt2", "qwen3", "gemma2", "gemma3", "granite"})
+
+
 def tiny_model_config(
     arch: str,
     vocab_size: int,
@@ -127,10 +218,13 @@ def tiny_model_config(
     special_ids: dict[str, int] | None = None,
     tie_word_embeddings: bool | None = None,
 ) -> Any:
-    """A small transformers config of the given architecture family."""
+    """A small transformers config of the given architecture family, built with transformers'
+    own config class, that keeps what sets the family apart in training (`_DECODERS` and the
+    functions it names). `tie_word_embeddings` None: the family's released models' choice."""
     import transformers
 
     ids = special_ids or {}
+    head_dim = hidden_size // num_heads
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "bos_token_id": ids.get("bos"),
@@ -140,27 +234,7 @@ def tiny_model_config(
     intermediate = 2 * hidden_size
     if arch in TINY_MOE_ARCHITECTURES:
         return _tiny_moe_config(arch, hidden_size, num_layers, num_heads, max_positions, common)
-    if arch in ("llama", "qwen2", "mistral", "gemma"):
-        cls = {
-            "llama": transformers.LlamaConfig,
-            "qwen2": transformers.Qwen2Config,
-            "mistral": transformers.MistralConfig,
-            "gemma": transformers.GemmaConfig,
-        }[arch]
-        # Qwen2.5 and Gemma tie the input and output embeddings; Llama 2 and Mistral do not.
-        tied = arch in ("qwen2", "gemma") if tie_word_embeddings is None else tie_word_embeddings
-        extra: dict[str, Any] = {"head_dim": hidden_size // num_heads} if arch == "gemma" else {}
-        return cls(
-            hidden_size=hidden_size,
-            intermediate_size=intermediate,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=max(1, num_heads // 2),
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=tied,
-            **extra,
-            **common,
-        )
+    tied = arch in TIED_FAMILIES if tie_word_embeddings is None else tie_word_embeddings
     if arch == "gpt2":
         return transformers.GPT2Config(
             n_embd=hidden_size,
@@ -168,19 +242,33 @@ def tiny_model_config(
             n_head=num_heads,
             n_positions=max_positions,
             n_inner=intermediate,
+            tie_word_embeddings=tied,
             **common,
         )
-    if arch == "gpt_neox":
+    if arch == "gpt_neox":  # rotary on a quarter of each head (rotary_pct 0.25), as Pythia
         return transformers.GPTNeoXConfig(
             hidden_size=hidden_size,
             intermediate_size=intermediate,
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(tie_word_embeddings),
+            tie_word_embeddings=tied,
             **common,
         )
-    raise ValueError(f"Unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}.")
+    if arch not in _DECODERS:
+        raise ValueError(f"Unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}.")
+    cls_name, family = _DECODERS[arch]
+    return getattr(transformers, cls_name)(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tied,
+        **family(head_dim, num_layers),
+        **common,
+    )
 
 
 def _tiny_moe_config(

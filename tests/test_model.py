@@ -18,7 +18,12 @@ from fsdp_utils.model.build import (
     tied_parameter_names,
 )
 from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
-from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model, tiny_model_config
+from fsdp_utils.synthetic import (
+    TIED_FAMILIES,
+    TINY_ARCHITECTURES,
+    save_tiny_model,
+    tiny_model_config,
+)
 
 EXPECTED_LAYER_CLASS = {
     "llama": "LlamaDecoderLayer",
@@ -27,13 +32,19 @@ EXPECTED_LAYER_CLASS = {
     "gemma": "GemmaDecoderLayer",
     "gpt2": "GPT2Block",
     "gpt_neox": "GPTNeoXLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "phi3": "Phi3DecoderLayer",
+    "olmo2": "Olmo2DecoderLayer",
+    "granite": "GraniteDecoderLayer",
     "mixtral": "MixtralDecoderLayer",
     "qwen3_moe": "Qwen3MoeDecoderLayer",
     "qwen2_moe": "Qwen2MoeDecoderLayer",
     "olmoe": "OlmoeDecoderLayer",
     "gpt_oss": "GptOssDecoderLayer",
 }
-TIED = {"qwen2", "gemma", "gpt2"}
+TIED = TIED_FAMILIES
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.synthetic import save_tiny_model
 from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -21,33 +20,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
-
-
-@pytest.fixture(scope="module")
-def tied_assets(tiny_assets, tmp_path_factory) -> dict[str, Path]:
-    """The same data with a 3-layer Qwen2 whose input and output embeddings are tied."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
-    folder = save_tiny_model(
-        tmp_path_factory.mktemp("qwen2"), tokenizer, arch="qwen2", num_layers=3
-    )
-    return {"model": folder, "data": tiny_assets["data"]}
-
-
-@pytest.mark.parametrize(("assets_name", "layers"), [("tiny_assets", 2), ("tied_assets", 3)])
-def test_one_shard_group_per_decoder_layer_plus_root(
-    request, tmp_path, data_cache, assets_name, layers
-):
-    assets = request.getfixturevalue(assets_name)
-    out = tmp_path / "run"
-    check_ok(
-        run_finetune(
-            2, tiny_args(assets, out, data_cache, max_training_steps=1, no_final_save=True)
-        )
-    )
-    resolved = json.loads((out / "config.json").read_text())["resolved"]
-    groups = resolved["fsdp_groups"]
-    assert groups[0] == "" and len(groups) == layers + 1  # the root takes embeddings + lm_head
-    assert all(".layers." in g for g in groups[1:]), groups
 
 
 def test_root_only_sharding(tmp_path, data_cache, tiny_assets):
