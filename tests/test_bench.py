@@ -44,3 +44,33 @@ def test_bench_shows_a_failing_run_and_reruns_it_once(tmp_path, capsys):
         bench.run_child(broken, "broken run", [])
     err = capsys.readouterr().err
     assert "attempt 1 of 2" in err and "attempt 2 of 2" in err
+
+
+def test_rounds_are_interleaved_the_warm_up_dropped_and_the_order_reversed(capsys):
+    bench = _bench_module()
+    calls: list[str] = []
+
+    def run(name: str):
+        def measure() -> dict[str, float]:
+            calls.append(name)
+            return {"useful_tokens_per_s": float(len(calls))}
+
+        return measure
+
+    rounds = bench.interleaved_rounds({"a": run("a"), "b": run("b"), "c": run("c")}, pairs=2)
+    # A warm-up round, then 2 measured ones, every other one in the reverse order.
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert rounds == [
+        {
+            "c": {"useful_tokens_per_s": 4.0},
+            "b": {"useful_tokens_per_s": 5.0},
+            "a": {"useful_tokens_per_s": 6.0},
+        },
+        {
+            "a": {"useful_tokens_per_s": 7.0},
+            "b": {"useful_tokens_per_s": 8.0},
+            "c": {"useful_tokens_per_s": 9.0},
+        },
+    ]
+    assert "warm-up round (discarded): a -> b -> c" in capsys.readouterr().out
+    assert bench.spread([3.0, 1.0, 2.0], ".1f") == "2.0 (1.0 - 3.0)"

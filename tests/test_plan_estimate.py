@@ -191,6 +191,12 @@ EXTRAPOLATED = {
             "batch_size_per_device": 1,
         },
     ),
+    # Local and global attention layers take turns: copies of whole pairs of layers.
+    "gemma2-alternating-deferred": (
+        "gemma2",
+        26,
+        {"gradient_checkpointing": True, "defer_grad_sync": True, "batch_size_per_device": 1},
+    ),
 }
 
 
@@ -213,7 +219,7 @@ def test_extrapolated_plan_equals_the_full_trace(tmp_path, case):
 
 def test_models_too_shallow_or_with_unlike_layers_are_traced_whole(configs, tmp_path):
     from fsdp_utils.model.build import build_meta_model, find_decoder_layers
-    from fsdp_utils.plan.extrapolate import why_layers_differ
+    from fsdp_utils.plan.extrapolate import layer_period, why_layers_differ
 
     shallow = estimate(_config(configs["llama"]), Cluster(1, 2))
     assert shallow.method == "all 2 layers traced (too few layers to gain from extrapolating)"
@@ -224,6 +230,7 @@ def test_models_too_shallow_or_with_unlike_layers_are_traced_whole(configs, tmp_
     layers = find_decoder_layers(model)
     layers[2].mlp = type(layers[0].mlp)(tiny_model_config("llama", 512, hidden_size=32))
     assert why_layers_differ(model) == "decoder layer 2 differs from layer 0"
+    assert layer_period(model) is None  # nor do they repeat
 
 
 def test_a_planner_crash_is_exit_3_with_its_traceback(tmp_path, capsys):

@@ -4,6 +4,7 @@ the report (no tracing here; see test_plan_estimate.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fsdp_utils.config.batch import plan_batch
 from fsdp_utils.config.train_config import TrainConfig
@@ -216,3 +217,22 @@ def test_layer_counts_for_extrapolation():
     assert counts.at_full((100, 130, 160)) == 100 + 77 * 30
     assert counts.at_full((100, 130, 170)) is None  # not linear yet: trace deeper copies
     assert counts.deeper().depths == (4, 5, 6)
+    # Layers that repeat every 2 (Gemma 2): copies of whole periods, ending as the model does
+    # (on a global layer: 42 is even), none shallow enough to key a layer from both ends.
+    assert layer_counts(42, 2, repeating=True).depths == (6, 8, 10)
+    assert layer_counts(43, 2, repeating=True).depths == (7, 9, 11)
+    assert layer_counts(20, 2, repeating=True) is None  # 6 + 8 + 10 > 20
+
+
+@pytest.mark.parametrize(
+    ("arch", "layers", "period"), [("llama", 4, 1), ("gemma2", 6, 2), ("gemma3", 13, 6)]
+)
+def test_layer_period_is_where_the_stack_repeats(arch, layers, period):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.plan.extrapolate import layer_period
+    from fsdp_utils.synthetic import tiny_model_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_model_config(arch, 64, num_layers=layers))
+    assert layer_period(model) == period

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_mod
 from fsdp_utils.plan.extrapolate import (
     extrapolate_memory,
     layer_counts,
+    layer_period,
     truncated_config,
     why_layers_differ,
 )
@@ -301,13 +303,16 @@ def _extrapolated(
 ) -> tuple[StepMemory | None, str]:
     """The step memory extrapolated from shallow copies of `model` and how; or None and why
     the model must be traced whole."""
-    every_n = config.checkpoint_every_n_layers if config.gradient_checkpointing else 1
-    counts = layer_counts(facts.decoder_layers, every_n)
+    pattern = layer_period(model)
+    if pattern is None:
+        return None, why_layers_differ(model) or "its decoder layers do not repeat"
+    # Copies grow by whole checkpointing periods and whole periods of the layers' pattern.
+    checkpointing = config.checkpoint_every_n_layers if config.gradient_checkpointing else 1
+    every_n = math.lcm(checkpointing, pattern)
+    counts = layer_counts(facts.decoder_layers, every_n, repeating=pattern > 1)
     if counts is None:
         return None, "too few layers to gain from extrapolating"
-    differ = why_layers_differ(model)
-    if differ is not None:
-        return None, differ
+    repeats = f", whose layers repeat every {pattern}" if pattern > 1 else ""
     traced: dict[int, StepMemory] = {}
     while counts is not None:
         for depth in counts.depths:
@@ -319,7 +324,7 @@ def _extrapolated(
                 traced[depth] = _trace(shallow, shallow_config, config, env, batch)
         memory = extrapolate_memory(counts, [traced[d] for d in counts.depths], every_n)
         if memory is not None:
-            return memory, counts.describe()
+            return memory, counts.describe() + repeats
         counts = counts.deeper()
     return None, "its memory does not grow linearly over shallow copies"
 

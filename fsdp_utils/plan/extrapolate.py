@@ -13,7 +13,9 @@ are wrapped as in the full model), checked to grow by the same bytes at each ste
 extrapolated to L; the step's peak is the highest of them. A single peak would not do: which
 moment holds it changes with L (a tied Qwen2 with checkpointing peaks in its first
 micro-batch up to 5 layers, in its second from 6 on). When a figure does not grow linearly,
-the depths move up by k; when the layers are not alike, every layer is traced.
+the depths move up by k. Layers that differ in a repeating pattern (Gemma 2's local and global
+attention layers take turns) are alike a period apart: k is then also a whole number of periods,
+so that every copy ends as the full stack does. Layers that do not repeat are traced whole.
 
 `python -m fsdp_utils.plan --full_trace` traces every layer.
 """
@@ -81,13 +83,18 @@ def _counts(shallow: int, step: int, full: int) -> LayerCounts | None:
     return counts if sum(counts.depths) < full else None
 
 
-def layer_counts(full: int, every_n: int) -> LayerCounts | None:
+def layer_counts(full: int, every_n: int, *, repeating: bool = False) -> LayerCounts | None:
     """The depths to trace for a model of `full` layers, checkpointing every `every_n`-th (1:
-    all or none); None when tracing them would cost what tracing the model does."""
+    all or none), or whose layers repeat every `every_n` (`repeating`: the two at once give
+    their least common multiple); None when tracing them would cost what the model does."""
     # Layers 0, k, 2k, ... are checkpointed: the shallow models end on a layer wrapped as the
     # full model's last one is, and each depth adds a whole period of k layers. The k layers
     # after the first and before the last (keyed in `_labelled`) must be middle layers.
     shallowest = max(SHALLOWEST, every_n + 2)
+    if repeating:
+        # No layer keyed from both ends: with alike layers the shallowest copy grows linearly
+        # from there in most runs (bench/plan_table.py --agreement), a pattern's seldom does.
+        shallowest = 2 * (every_n + 1)
     return _counts(shallowest + (full - shallowest) % every_n, every_n, full)
 
 
@@ -119,6 +126,17 @@ def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
         ]
         parts.append((name, plain_class_name(module), tuple(settings), tuple(tensors)))
     return tuple(parts)
+
+
+def layer_period(model: nn.Module) -> int | None:
+    """After how many decoder layers the stack of `model` (parallelized) repeats itself: 1 when
+    every layer is alike, 2 for Gemma 2's local and global attention taking turns, 6 for Gemma
+    3's five local layers to one global. None when it does not repeat at least twice."""
+    signatures = [layer_signature(layer) for layer in parallelized_decoder_layers(model)]
+    for period in range(1, len(signatures) // 2 + 1):
+        if all(s == signatures[i % period] for i, s in enumerate(signatures)):
+            return period
+    return None
 
 
 def why_layers_differ(model: nn.Module) -> str | None:
