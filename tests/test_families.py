@@ -113,10 +113,14 @@ def test_lora_trains_and_peft_loads_the_adapter_folder(family_runs, arch):
 
     adapter = _ran(family_runs, f"{arch} lora") / "final"
     base = AutoModelForCausalLM.from_pretrained(family_runs["models"][arch]).eval()
-    # The default targets: every linear layer (GPT-2: Conv1D) of every decoder layer.
+    # The default targets: every linear layer (GPT-2: Conv1D) of every decoder layer, outside
+    # the mixture-of-experts blocks (the modules holding `experts`) of MoE families.
     layer = find_decoder_layers(base)[0]
+    moe = [name for name, module in layer.named_modules() if hasattr(module, "experts")]
     linear = {
-        n.rpartition(".")[2] for n, m in layer.named_modules() if isinstance(m, linear_types())
+        name.rpartition(".")[2]
+        for name, module in layer.named_modules()
+        if isinstance(module, linear_types()) and not any(name.startswith(f"{b}.") for b in moe)
     }
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert {name.rpartition(".")[2] for name in saved["target_modules"]} == linear
