@@ -26,17 +26,15 @@ from fsdp_utils.checkpoint.sharded import MARKER, read_checkpoint, run_identity
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import load_model_config
-from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
+from fsdp_utils.model.build import build_meta_model, find_decoder_layers
 from fsdp_utils.model.lora import (
     adapted_modules,
     apply_lora,
-    base_key_map,
-    init_adapters,
     target_modules,
 )
-from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.synthetic import save_tiny_model
+from tests.lora_helpers import lora_model_on_cpu
 from tests.test_plan_validation import _measure
 from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
 
@@ -135,13 +133,7 @@ def test_adapter_folder_and_merged_model_give_the_lora_models_logits(
 
     model_dir = tied_and_conv1d_models[arch]
     config = TrainConfig(model=str(model_dir), lora=True, precision="fp32", lora_dropout=0.0)
-    hf_config = load_model_config(model_dir)
-    key_map = checkpoint_key_map(build_meta_model(hf_config, "fp32"), model_dir)
-    model = build_meta_model(hf_config, "fp32")
-    apply_lora(model, find_decoder_layers(model), config)
-    materialize(model, torch.device("cpu"))
-    init_adapters(model, seed=0)
-    load_pretrained_weights(model, model_dir, base_key_map(model, key_map))
+    model, hf_config = lora_model_on_cpu(model_dir, config)
     with torch.no_grad():  # B starts at zero: give it values so the merge is not a no-op
         for name, param in model.named_parameters():
             if ".lora_B." in name:

@@ -24,18 +24,15 @@ from fsdp_utils.hub.cache import snapshot_dir
 from fsdp_utils.hub.manifest import FileRecord, ManifestEntry, record_entry
 from fsdp_utils.hub.resolve import load_model_config, resolve_adapter_dir
 from fsdp_utils.hub.specs import specs_from_train_config
-from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
+from fsdp_utils.model.build import build_meta_model, find_decoder_layers
 from fsdp_utils.model.lora import (
     adapted_modules,
     apply_lora,
-    base_key_map,
-    init_adapters,
-    init_dora_magnitudes,
     lora_settings,
 )
 from fsdp_utils.model.peft_adapter import read_adapter_folder
-from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
 from fsdp_utils.synthetic import save_tiny_model
+from tests.lora_helpers import lora_model_on_cpu
 from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,19 +58,6 @@ def _peft_adapter(model_dir: Path, folder: Path, **lora_options) -> Path:
 # --- PEFT's names, DoRA's merge (one process) -------------------------------------------------
 
 
-def _lora_model(model_dir: Path, config: TrainConfig):
-    """Our LoRA model on CPU, the base loaded and the adapters given values."""
-    hf_config = load_model_config(model_dir)
-    key_map = checkpoint_key_map(build_meta_model(hf_config, "fp32"), model_dir)
-    model = build_meta_model(hf_config, "fp32")
-    apply_lora(model, find_decoder_layers(model), config)
-    materialize(model, torch.device("cpu"))
-    init_adapters(model, seed=0)
-    load_pretrained_weights(model, model_dir, base_key_map(model, key_map))
-    init_dora_magnitudes(model)
-    return model, hf_config
-
-
 @pytest.fixture(scope="module")
 def gpt2_dir(tiny_assets, tmp_path_factory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
@@ -85,7 +69,7 @@ def test_our_adapter_names_are_pefts(tiny_assets, tmp_path):
 
     peft_dir = _peft_adapter(tiny_assets["model"], tmp_path / "peft", use_dora=True)
     config = TrainConfig(lora=True, lora_dora=True, precision="fp32")
-    model, _ = _lora_model(tiny_assets["model"], config)
+    model, _ = lora_model_on_cpu(tiny_assets["model"], config)
     ours = adapter_state(get_model_state_dict(model))
     theirs = load_file(peft_dir / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys()
@@ -102,7 +86,7 @@ def test_a_dora_adapter_and_its_merge_give_the_models_logits(tiny_assets, gpt2_d
 
     model_dir = tiny_assets["model"] if arch == "llama" else gpt2_dir
     config = TrainConfig(model=str(model_dir), lora=True, lora_dora=True, precision="fp32")
-    model, hf_config = _lora_model(model_dir, config)
+    model, hf_config = lora_model_on_cpu(model_dir, config)
     for name, module in adapted_modules(model).items():  # peft's init, row norms of W
         weight = module.get_base_layer().weight
         rows = weight.T if module.fan_in_fan_out else weight

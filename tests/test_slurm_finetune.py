@@ -150,6 +150,10 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     abandoned run in the folder aside; the stop file and run folder come from a --config file;
     the GPU sampler, which ends at once without nvidia-smi, is stopped without noise."""
     run_dir, log, halt = tmp_path / "run", tmp_path / "slurm.out", tmp_path / "HALT"
+    # Leg 1 has 15 s between the job's start and the margin; on a quiet machine the start takes
+    # about 10 s and a step 0.08 s, so 60 steps could end in it and nothing would be requeued.
+    # 150 (~12 s) cannot, and what is left fits easily in leg 2's 5 minutes.
+    steps = 150
     abandoned = run_dir / "checkpoints" / "step_00005000"  # a higher step than this run reaches
     abandoned.mkdir(parents=True)
     (abandoned / "checkpoint.json").write_text(json.dumps({"step": 5000, "files": {}}))
@@ -165,7 +169,7 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     sbatch = (*RESOURCES[:-1], "--time=1", "--signal=B:USR1@40")
     job = submit(
         local_slurm, log, env, *TINY_RUN, "--config", str(config), "--resume", "never",
-        "--max_training_steps", "60", "--time_limit_margin_minutes", "0.75",
+        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "0.75",
         "--save_every_minutes", "0",
         sbatch=sbatch,
     )  # fmt: skip
@@ -179,8 +183,8 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     def resumed_and_stepping() -> bool:
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         resumed = [r["step"] for r in records if r.get("kind") == "resumed"]
-        steps = [r["step"] for r in records if r.get("kind") == "train"]
-        return bool(resumed) and max(steps) >= resumed[-1] + 2  # type: ignore[operator]
+        trained = [r["step"] for r in records if r.get("kind") == "train"]
+        return bool(resumed) and max(trained) >= resumed[-1] + 2  # type: ignore[operator]
 
     deadline = time.monotonic() + 120
     while not resumed_and_stepping():
@@ -200,11 +204,11 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     assert "finishing in this job instead of requeueing (stop at step" in text
     assert "stop file): the remaining work" in text and "fits in the" in text
     status = json.loads((run_dir / "status.json").read_text())
-    assert (status["status"], status["step"]) == ("completed", 60)
+    assert (status["status"], status["step"]) == ("completed", steps)
     assert (run_dir / "final" / "config.json").is_file() and not halt.exists()
-    steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
-    assert steps.count(1) == 1, "the second leg started again from step 1"
-    assert max(steps) == 60 and len(set(steps)) == len(steps)
+    done = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
+    assert done.count(1) == 1, "the second leg started again from step 1"
+    assert max(done) == steps and len(set(done)) == len(done)
     # The abandoned run's checkpoint was set aside, never resumed nor kept among the new ones.
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] != []
     assert not (run_dir / "checkpoints" / abandoned.name).exists()
