@@ -81,7 +81,7 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     process's rank. User mistakes raise ValueError (one paragraph, printed by `main`).
     `after_setup`: called with the set-up Trainer before its first step (tools and tests use
     it to instrument the model). A process group that exists already is the caller's (a tool
-    that runs several runs in one process, as tests/family_runs.py): it is used and left up."""
+    that runs several runs in one process, as tests/finetune_runs.py): it is used and left up."""
     import torch.distributed as dist
 
     from fsdp_utils.parallel import distributed as dist_utils

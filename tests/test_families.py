@@ -1,8 +1,8 @@
 """Every model family we support, end to end: one short 2-process FSDP2 run of each (the loss
 falls; one shard group per decoder layer plus the root), its export (from_pretrained loads it
-with the source's keys and shapes), and a LoRA run (peft loads the adapter folder). All runs share one torchrun (tests/family_runs.py runs
-chess_finetune.py's main once per run), so that the interpreter, torch and transformers start
-once per process instead of once per run.
+with the source's keys and shapes), and a LoRA run (peft loads the adapter folder). All runs
+share one torchrun (tests/finetune_runs.py runs chess_finetune.py's main once per run), so that
+the interpreter, torch and transformers start once per process instead of once per run.
 
 The plan of every family is checked in test_plan_estimate.py
 (`test_every_architecture_plans_with_16_bytes_per_parameter_of_state`); deeper checks (exact
@@ -13,9 +13,7 @@ test_lora.py, test_checkpoint.py and test_export.py.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, tiny_args
+from tests.train_helpers import read_metrics, run_finetunes, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +39,8 @@ def family_runs(tiny_assets, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("families")
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
     data_cache = root / "data_cache"
-    runs, models = [], {}
+    runs: dict[str, list[str]] = {}
+    models = {}
     for arch in TINY_ARCHITECTURES:
         models[arch] = save_tiny_model(root / arch / "model", tokenizer, arch=arch)
         assets = {"model": models[arch], "data": tiny_assets["data"]}
@@ -52,17 +51,8 @@ def family_runs(tiny_assets, tmp_path_factory) -> dict[str, Any]:
             argv = tiny_args(
                 assets, root / arch / name, data_cache, learning_rate=LEARNING_RATE, **extra
             )
-            runs.append({"name": f"{arch} {name}", "argv": [str(a) for a in argv]})
-    (root / "runs.json").write_text(json.dumps(runs))
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "family_runs.py"), str(root / "runs.json")]
-    command += [str(root / "results.json")]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    check_ok(result)
-    results = json.loads((root / "results.json").read_text())
+            runs[f"{arch} {name}"] = argv
+    results = run_finetunes(2, runs, root)
     return {"root": root, "models": models, "results": results}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_finetune, run_finetunes, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +40,11 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out)]
 
 
+def _all_ok(results: dict[str, dict[str, float]]) -> None:
+    failed = {name: r for name, r in results.items() if r["exit_code"] != 0}
+    assert not failed, failed
+
+
 def test_same_total_batch_same_losses_on_1_and_2_processes(tmp_path, data_cache, tiny_assets):
     """Total batch 8 as 1x4x2, 2x2x2, 2x1x4 (FSDP), 2x2x2 (DDP) and with activation
     checkpointing + deferred sync: fp32 losses agree step by step."""
@@ -53,14 +58,18 @@ def test_same_total_batch_same_losses_on_1_and_2_processes(tmp_path, data_cache,
             {"batch_size_per_device": 2, "gradient_checkpointing": True, "defer_grad_sync": True},
         ),
     }
-    losses = {}
-    for name, (nproc, overrides) in runs.items():
-        out = tmp_path / name.replace(" ", "_").replace(",", "")
-        args = tiny_args(
-            tiny_assets, out, data_cache, max_training_steps=5, no_final_save=True, **overrides
+    folders = {name: tmp_path / name.replace(" ", "_").replace(",", "") for name in runs}
+    argv = {
+        name: tiny_args(
+            tiny_assets, folders[name], data_cache, max_training_steps=5, no_final_save=True,
+            **overrides,
         )
-        check_ok(run_finetune(nproc, args))
-        losses[name] = _losses(out)
+        for name, (_, overrides) in runs.items()
+    }  # fmt: skip
+    for nproc in (1, 2):
+        batch = {name: argv[name] for name, (n, _) in runs.items() if n == nproc}
+        _all_ok(run_finetunes(nproc, batch, tmp_path / f"{nproc}-process runs"))
+    losses = {name: _losses(folder) for name, folder in folders.items()}
     reference = losses["1 proc, 4 per device"]
     assert len(reference) == 5 and reference[-1] < reference[0]  # it does learn
     for name, values in losses.items():
@@ -197,14 +206,17 @@ def test_sharding_strategies_and_offload_change_memory_not_the_math(
         "fp16-mixed": {"precision": "fp16-mixed"},
         "bf16-true + sgd": {"precision": "bf16-true", "optimizer": "sgd"},
     }
-    losses = {}
-    for name, overrides in variants.items():
-        out = tmp_path / name.replace(" ", "").replace("+", "_")
-        args = tiny_args(
-            tiny_assets, out, data_cache, max_training_steps=3, no_final_save=True, **overrides
+    folders = {name: tmp_path / name.replace(" ", "").replace("+", "_") for name in variants}
+    argv = {
+        name: tiny_args(
+            tiny_assets, folders[name], data_cache, max_training_steps=3, no_final_save=True,
+            **overrides,
         )
-        check_ok(run_finetune(2, args))
-        losses[name] = _losses(out)
+        for name, overrides in variants.items()
+    }  # fmt: skip
+    _all_ok(run_finetunes(2, argv, tmp_path / "runs"))
+    losses = {name: _losses(folder) for name, folder in folders.items()}
+    assert len(losses["full"]) == 3
     for name in ("shard_grad_op", "hybrid", "no_shard", "cpu_offload"):
         assert losses[name] == pytest.approx(losses["full"], rel=1e-5), name
     for name in ("bf16-mixed", "fp16-mixed"):

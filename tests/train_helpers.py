@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,32 @@ def tiny_args(
         elif value is not False and value is not None:
             args += [f"--{key}", str(value)]
     return args
+
+
+def run_finetunes(nproc: int, runs: dict[str, list[str]], root: Path) -> dict[str, Any]:
+    """Several chess_finetune.py runs in one torchrun (tests/finetune_runs.py), sparing each
+    the start of the interpreter, torch and the process group: {name: {"exit_code", "seconds"}}.
+    A run that fails shows its exit code (its message is in the output) and the others still
+    run; the caller checks the codes it cares about."""
+    root.mkdir(parents=True, exist_ok=True)
+    listed = [{"name": name, "argv": [str(a) for a in argv]} for name, argv in runs.items()]
+    (root / "runs.json").write_text(json.dumps(listed))
+    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
+    command += [str(REPO_ROOT / "tests" / "finetune_runs.py"), str(root / "runs.json")]
+    command += [str(root / "results.json")]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    done = root / "results.json"
+    results: dict[str, Any] = json.loads(done.read_text()) if done.exists() else {}
+    if len(results) < len(runs):  # a crash, not a run's exit code: show torchrun's output
+        check_ok(result)
+        raise AssertionError(f"torchrun ended after {len(results)} of {len(runs)} runs")
+    for outcome in results.values():
+        if outcome["exit_code"] != 0:  # its message is in the output, among the other runs'
+            outcome["output_tail"] = f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return results
 
 
 def worker_pids(parent: int) -> list[int]:

@@ -1,12 +1,13 @@
-"""chess_finetune.py's main, run several times in one torchrun: one short run per model family.
+"""chess_finetune.py's main, run several times in one torchrun: short runs that differ in flags
+(one per model family, one per sharding strategy, ...).
 
-    torchrun --standalone --nproc_per_node 2 tests/family_runs.py RUNS.json RESULTS.json
+    torchrun --standalone --nproc_per_node 2 tests/finetune_runs.py RUNS.json RESULTS.json
 
 RUNS.json is a list of {"name": ..., "argv": [chess_finetune.py flags]}. Each run goes through
 `fsdp_utils.cli.main`, as `chess_finetune.py` does (parse, check, set up, train, final save),
 in the one process group this script sets up: the interpreter, torch, transformers and the
 group start once for all the runs, not once per run (seconds each, per process). Rank 0 writes
-RESULTS.json after every run ({name: {"exit_code", "seconds"}}), so a crash in one family leaves
+RESULTS.json after every run ({name: {"exit_code", "seconds"}}), so a crash in one run leaves
 the results of the runs before it.
 """
 
