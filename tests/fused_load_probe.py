@@ -32,6 +32,7 @@ def main() -> int:
     from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
     from fsdp_utils.model.fused_weights import FusedTensor, load_fused_tensors, local_block
     from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
+    from fsdp_utils.parallel.distributed import destroy
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -67,7 +68,9 @@ def main() -> int:
             }
     if rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
-    dist.destroy_process_group()
+    # All ranks end together: rank 1, done first while rank 0 compares with from_pretrained,
+    # must not tear gloo down under it (a SIGABRT on exit; see distributed.destroy).
+    destroy(synchronize=True)
     return 0
 
 
