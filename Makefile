@@ -16,8 +16,8 @@ help:
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
 	@echo "make lint        ruff check + ruff format --check + mypy + import layers and circles"
-	@echo "make bench       throughput, LoRA and memory-planner benchmarks, results in bench/results/ (~10 min)"
-	@echo "make bench-full  the long set: more rounds, every row, fast vs full traces (about an hour)"
+	@echo "make bench       throughput, LoRA and memory-planner benchmarks, results in bench/results/ (~7 min)"
+	@echo "make bench-full  the long set: more rounds, every row, fast vs full traces (not timed here; well over the short set)"
 	@echo "make gpu-check   on a GPU node: run the CUDA paths, measure tokens/s, MFU, memory vs plan"
 
 $(STAMPS)/venv: pyproject.toml

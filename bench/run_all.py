@@ -1,6 +1,6 @@
 """`make bench` and `make bench-full`: every benchmark in turn, then how long each one took.
 
-    python bench/run_all.py           # make bench: the short set (about 10 min on a quiet 2-core machine)
+    python bench/run_all.py           # make bench: the short set (6.5 min on a quiet 2-core machine)
     python bench/run_all.py --full    # make bench-full: more rounds, every row
 
 Each benchmark runs as its own process and prints as it goes; its results land in
