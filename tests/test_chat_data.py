@@ -171,6 +171,25 @@ def test_alpaca_with_and_without_input(tmp_path, models):
     assert prepared.meta["stats"]["format"] == "alpaca"
 
 
+def test_an_eval_split_as_large_as_what_it_leaves_is_refused(tmp_path, models):
+    """The default 200 held-out rows on a set of 200 would leave 1 row to train on: more held
+    out than trained on is refused, with the fix."""
+    rows = [{"instruction": f"Say {i}.", "input": "", "output": str(i)} for i in range(40)]
+    (tmp_path / "alpaca.json").write_text(json.dumps(rows))
+    data, cache = tmp_path / "alpaca.json", tmp_path / "cache"
+    with pytest.raises(
+        ValueError,
+        match=r"--eval_examples 200 would hold out 39 of the 40 documents for evaluation, "
+        r"leaving 1 to train on\. .*--eval_examples 4 ",
+    ):
+        prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=200)
+    with pytest.raises(ValueError, match="would hold out 21 of the 40 documents"):
+        prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=21)
+    prepared = prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=20)
+    stats = prepared.meta["stats"]
+    assert (stats["eval"]["documents"], stats["train"]["documents"]) == (20, 20)
+
+
 def test_samsum_style_templates(tmp_path, models):
     rows = [{"id": "1", "dialogue": "A: hi\nB: yo", "summary": "They greet."}]
     data = write_jsonl(tmp_path / "samsum.jsonl", rows)

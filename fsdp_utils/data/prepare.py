@@ -383,6 +383,23 @@ def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
     return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
 
 
+def _training_split(config: TrainConfig, docs: Any) -> dict[str, Any]:
+    """`_split` for a training run, which must keep at least as much to train on as it
+    evaluates. The default (200) suits the chess games and most published sets; on a small set
+    it would leave a handful of rows to train on, and the run would fail later with a message
+    about blocks. (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
+    splits = _split(config, docs)
+    n_eval, n_train = len(splits["eval"]), len(splits["train"])
+    if n_eval > n_train:
+        raise ValueError(
+            f"--eval_examples {config.eval_examples} would hold out {n_eval:,} of the "
+            f"{n_eval + n_train:,} documents for evaluation, leaving {n_train:,} to train on. "
+            f"Hold out fewer, e.g. a tenth: --eval_examples {(n_eval + n_train) // 10} (0: no "
+            "eval split)."
+        )
+    return splits
+
+
 def held_out_games(
     config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
 ) -> list[dict[str, Any]]:
@@ -440,7 +457,7 @@ def _build(
 
     docs = _load_documents(config, raw, chess=choice.name == "chess")
     num_proc = _num_proc(config, len(docs))
-    splits = _split(config, docs)
+    splits = _training_split(config, docs)
 
     def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
         ids = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
@@ -541,7 +558,7 @@ def _build_rows(
         }
     )
     num_proc = _num_proc(config, len(raw))
-    for name, split in _split(config, raw).items():
+    for name, split in _training_split(config, raw).items():
         if len(split) == 0:
             continue
         encoded = split.map(
