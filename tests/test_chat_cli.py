@@ -58,7 +58,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
         ["the chat template of", "renders the start of a conversation differently", "in row 0"],
     ),
     "overlong row with --long_examples error": (
-        "chatml", "long", {"long_examples": "error", "max_seq_length": 128},
+        "chatml", "long", {"long_examples": "error", "max_seq_length": 128, "eval_examples": 2},
         ["Row 20 has", "more than --max_seq_length 128", "--long_examples truncate"],
     ),
 }  # fmt: skip
