@@ -19,6 +19,7 @@ Data modes:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -119,7 +120,11 @@ def main(argv: list[str] | None = None, on_timed: Callable[[bool], None] | None 
         print(json.dumps({"mode": args.mode, "useful_tokens_per_s": useful / seconds,
                           "seconds_per_step": seconds / args.steps,
                           "cpu_seconds_per_step": cpu_seconds / args.steps}))  # fmt: skip
-    dist.barrier()  # all ranks end together: see fsdp_utils.parallel.distributed.destroy
+    # The model, its optimizer and mesh go first, then all ranks end together: see
+    # fsdp_utils.parallel.distributed.destroy.
+    del model, optimizer, mesh
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -11,9 +11,11 @@ with `from_pretrained`. The test reads OUT.json.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,8 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> int:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_utils.parallel.distributed import destroy
+
+    dist.init_process_group("gloo")
+    results = _load_each(init_device_mesh("cpu", (dist.get_world_size(),)), sys.argv[2:])
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
+    # All ranks end together, the models and the mesh freed first: rank 1, done first while
+    # rank 0 compares with from_pretrained, must not tear gloo down under it, nor keep a group
+    # alive past its peer (either aborts a rank at exit: see distributed.destroy).
+    gc.collect()
+    destroy(synchronize=True)
+    return 0
+
+
+def _load_each(mesh: Any, folders: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
     from transformers import AutoModelForCausalLM
@@ -32,13 +51,10 @@ def main() -> int:
     from fsdp_utils.model.build import build_meta_model, find_decoder_layers, materialize
     from fsdp_utils.model.fused_weights import FusedTensor, load_fused_tensors, local_block
     from fsdp_utils.model.weights import checkpoint_key_map, load_pretrained_weights
-    from fsdp_utils.parallel.distributed import destroy
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
-    for folder in map(Path, sys.argv[2:]):
+    for folder in map(Path, folders):
         dim = 1 if folder.name.endswith("-dim1") else 0
         model = build_meta_model(load_model_config(folder), "fp32")
         key_map = checkpoint_key_map(model, folder)
@@ -66,12 +82,7 @@ def main() -> int:
                 "full": sum(reference[k].numel() for k in fused),
                 "different": [k for k, v in reference.items() if not torch.equal(state[k], v)],
             }
-    if rank == 0:
-        Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
-    # All ranks end together: rank 1, done first while rank 0 compares with from_pretrained,
-    # must not tear gloo down under it (a SIGABRT on exit; see distributed.destroy).
-    destroy(synchronize=True)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

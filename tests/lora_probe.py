@@ -12,6 +12,7 @@ merged model, the pretrained weights and an adapter continued with --lora_from.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--probe_out", type=Path, required=True)
     config, args = parse_config(sys.argv[1:], parser)
     env = dist_utils.init_distributed(config.device)
-    clean = False
+    clean, trainer = False, None
     try:
         trainer = open_trainer(config, env)
         trainer.setup()
@@ -52,9 +53,14 @@ def main() -> int:
                 },
                 args.probe_out,
             )
-        trainer.close()
         clean = True
     finally:
+        if trainer is not None:
+            trainer.close()
+        # As fsdp_utils.cli.run does: the model and its process-group references go before the
+        # group, or a rank's gloo can abort at exit while its peer is gone (SIGABRT, seen here).
+        del trainer
+        gc.collect()
         dist_utils.destroy(synchronize=clean)
     return 0
 

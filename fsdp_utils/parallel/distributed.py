@@ -257,7 +257,10 @@ def destroy(*, synchronize: bool = False) -> None:
     peer may be gone): all ranks meet at a barrier first. A gloo peer that tears its connections
     down while another rank is still at work (rank 0 writing files) can make that rank abort in
     its own teardown ("terminate called without an active exception", SIGABRT, exit 1 from
-    torchrun after a run that completed): seen in this project's tests and benchmark."""
+    torchrun after a run that completed): seen in this project's tests and benchmark. Free
+    the model, its optimizer and meshes (and `gc.collect()`) before calling this, as
+    `fsdp_utils.cli.run` does: a group they still reference outlives this call, and is torn
+    down at exit, after its peer may be gone, with the same abort."""
     if dist.is_initialized():
         if synchronize and is_distributed():
             dist.barrier()
