@@ -10,12 +10,17 @@ Rank 0 writes its `StepMemory` as JSON, to compare with `plan_memory` for the sa
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdp_utils.config.parse import build_parser, parse_config
-from fsdp_utils.plan.tracking import track_train_step
+from fsdp_utils.plan.tracking import StepMemory, track_train_step
+
+if TYPE_CHECKING:
+    from fsdp_utils.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,22 +37,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     env = dist_utils.init_distributed(config.device)
-    clean = False
+    clean, trainer = False, None
     try:
         plan = plan_batch(config, env.world_size)
         trainer = Trainer(config, env, plan=plan, assets=resolve_assets(config))
         trainer.setup()
-        # Warm-up: creates the optimizer state, untracked.
-        trainer.train_step(trainer.step_batches(0), step=1)
-        memory = track_train_step(trainer.train_step, lambda: trainer.step_batches(1), step=2)
-        trainer.close()
+        memory = _measure(trainer)
         clean = True
     finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = None  # and its model's hold on the group, before the group (see destroy)
+        gc.collect()
         dist_utils.destroy(synchronize=clean)
     if env.is_main:
         record = {"world_size": env.world_size, "device": str(env.device), **memory.to_dict()}
         args.out.write_text(json.dumps(record, indent=2))
     return 0
+
+
+def _measure(trainer: Trainer) -> StepMemory:
+    """A warm-up step (it creates the optimizer state, untracked), then one tracked step."""
+    trainer.train_step(trainer.step_batches(0), step=1)
+    return track_train_step(trainer.train_step, lambda: trainer.step_batches(1), step=2)
 
 
 if __name__ == "__main__":
