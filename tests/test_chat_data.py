@@ -612,11 +612,13 @@ def test_packed_blocks_carry_each_rows_mask(tmp_path, models):
 def test_document_masking_gives_each_conversation_the_logits_it_has_alone(tmp_path, models):
     """ChatML's end-of-turn token is the EOS here (as in Qwen): restarting positions after
     every EOS would cut a conversation into its turns. The stored row starts do not."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_utils.data.blocks import batch_position_ids
     from fsdp_utils.synthetic import random_conversations
+    from fsdp_utils.train.step import model_forward
 
     rows = [{"messages": c} for c in random_conversations(24, seed=3, turns=(2, 3), words=(2, 6))]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -629,11 +631,7 @@ def test_document_masking_gives_each_conversation_the_logits_it_has_alone(tmp_pa
     cpu = torch.device("cpu")
     checked = 0
     with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch_position_ids(batch, cpu),
-            use_cache=False,
-        ).logits
+        packed = model_forward(model, batch, cpu, contextlib.nullcontext).logits  # as trained
         leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
         for r in range(2):
             starts = np.flatnonzero(np.asarray(blocks.row_starts[r]))

@@ -4,6 +4,7 @@ and the two traps (an all-ones mask, a KV cache) that silently let documents see
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from pathlib import Path
@@ -14,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import batch_position_ids
 from fsdp_utils.data.document_masking import (
     IGNORES_POSITION_IDS,
     check_document_masking,
@@ -24,7 +24,7 @@ from fsdp_utils.data.prepare import PreparedData, prepare_dataset
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, save_tiny_model
 from fsdp_utils.train.loss import token_loss_sum
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
-from fsdp_utils.train.step import TrainStep
+from fsdp_utils.train.step import TrainStep, model_forward
 
 CPU = torch.device("cpu")
 
@@ -96,11 +96,7 @@ def test_packed_document_logits_equal_the_document_alone(prepared, models, arch,
     batch = prepared.split("train", document_masking=True).batch(np.arange(4))
     r, start, end = _complete_document(batch, eos)
     with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch_position_ids(batch, CPU),
-            use_cache=False,
-        ).logits
+        packed = model_forward(model, batch, CPU, contextlib.nullcontext).logits  # as trained
         alone = model(input_ids=batch["input_ids"][r : r + 1, start:end], use_cache=False).logits
         leaky = model(input_ids=batch["input_ids"], use_cache=False).logits
     if arch in IGNORES_POSITION_IDS:
