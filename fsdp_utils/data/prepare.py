@@ -60,7 +60,7 @@ from fsdp_utils.hub.selection import SAFETENSORS_INDEX, SUPPORT_SUFFIXES
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 # The same for the masked formats (chat, prompt/completion, alpaca, templates): only their
 # keys carry it, so chess and text keep the keys (and caches) they had.
-MASKED_VERSION = 1
+MASKED_VERSION = 2  # 2: chat masks by character offsets, nothing after the end-of-turn token
 TOKENIZER_SUBDIR = "tokenizer"  # with --chat_template: the tokenizer the final model carries
 
 
