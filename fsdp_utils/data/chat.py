@@ -143,6 +143,7 @@ class ChatEncoder:
         # End-of-turn candidates: special tokens (<|im_end|>, <|eot_id|>, </s>), not added
         # ones that are ordinary text to the model (Qwen3's <think>, <tool_call>).
         added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.added_ids = frozenset(added)
         special = {i for i, t in added.items() if getattr(t, "special", True)}
         self.special_ids = frozenset(special | set(getattr(tokenizer, "all_special_ids", [])))
 
@@ -154,24 +155,41 @@ class ChatEncoder:
         return "locating each answer's text in the rendered conversation (character offsets)"
 
     def render(
-        self, conversations: Sequence[list[Message]], *, generation_prompt: bool
+        self,
+        conversations: Sequence[list[Message]],
+        *,
+        generation_prompt: bool,
+        rows: Sequence[int] | None = None,
     ) -> list[str]:
+        """The conversations rendered to text; a ValueError naming the row (`rows`: each
+        conversation's row) that the template refuses, with the template's own message."""
         if not conversations:
             return []
-        try:
+
+        def render(batch: list[list[Message]]) -> list[str]:
             return list(
                 self.tokenizer.apply_chat_template(
-                    list(conversations),
+                    batch,
                     chat_template=self.template.text,
                     add_generation_prompt=generation_prompt,
                     tokenize=False,
                 )
             )
+
+        try:
+            return render(list(conversations))
         except Exception as err:  # a Jinja error, or the template's raise_exception
+            cause, row = err, " a row"
+            for k, messages in enumerate(conversations):  # which row: render them one by one
+                try:
+                    render([messages])
+                except Exception as one:
+                    cause, row = one, f" row {rows[k]}" if rows is not None else row
+                    break
             raise ValueError(
-                f"{self.template.source} cannot render the conversation: {err}. Fix the rows "
-                "(a --dataset_module can), or give a template that accepts them with "
-                "--chat_template FILE."
+                f"{self.template.source} cannot render the conversation of{row}: "
+                f"{cause}. Fix the rows (a --dataset_module can), or give a template that accepts "
+                "them with --chat_template FILE."
             ) from None
 
     def tokens(self, texts: Sequence[str]) -> list[Rendered]:
@@ -221,6 +239,12 @@ class ChatEncoder:
                 return_assistant_tokens_mask=True,
             )
         except Exception as err:
+            # The same rows as text: the error names the row the template refuses.
+            self.render(
+                [c.messages for c in conversations],
+                generation_prompt=False,
+                rows=[c.row for c in conversations],
+            )
             raise ValueError(
                 f"{self.template.source} cannot render the conversation: {err}."
             ) from None
@@ -240,10 +264,18 @@ class ChatEncoder:
     ) -> list[tuple[Conversation, Rendered, list[Answer]]]:
         """Each conversation rendered whole and tokenised, with the token span of each of its
         trained answers (see the module's docstring for the rule)."""
-        texts = self.render([c.messages for c in conversations], generation_prompt=False)
+        texts = self.render(
+            [c.messages for c in conversations],
+            generation_prompt=False,
+            rows=[c.row for c in conversations],
+        )
         rendered = self.tokens(texts)
         turns = [(c, i) for c in conversations for i in c.trained_turns()]
-        opened = self.render([c.messages[:i] for c, i in turns], generation_prompt=True)
+        opened = self.render(
+            [c.messages[:i] for c, i in turns],
+            generation_prompt=True,
+            rows=[c.row for c, _ in turns],
+        )
         openings = dict(zip(((id(c), i) for c, i in turns), opened, strict=True))
         return [
             (c, r, self._locate(c, r, {i: openings[id(c), i] for i in c.trained_turns()}))
@@ -321,15 +353,15 @@ class ChatEncoder:
             return None
         for candidate in (content, content.strip()):
             at = text.find(candidate, low)
-            # Not inside a special token's text (an answer "Assistant" in <｜Assistant｜>).
-            while at >= 0 and ids[bisect.bisect_right(starts, at) - 1] in self.special_ids:
+            # Not inside an added token's text (an answer "Assistant" in <｜Assistant｜>).
+            while at >= 0 and ids[bisect.bisect_right(starts, at) - 1] in self.added_ids:
                 at = text.find(candidate, at + 1)
             if at < 0:
                 continue
             if check_between:
                 between = ids[bisect.bisect_left(starts, low) : bisect.bisect_left(starts, at)]
                 if any(t in self.special_ids for t in between):
-                    return None
+                    continue
             return at, at + len(candidate)
         return None
 

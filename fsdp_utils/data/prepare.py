@@ -541,6 +541,7 @@ def _build_rows(
         stats["chat_template"] = template.source
         stats["generation_markers"] = template.has_generation_markers
         chat = ChatEncoder(tokenizer, template, train_on_prompt=config.train_on_prompt)
+        stats["answers_found_by"] = chat.rule
         end_of_turn = check_end_of_turn(chat, conversations)
         if end_of_turn is not None:
             stats["end_of_turn"] = end_of_turn.token
@@ -647,7 +648,7 @@ def _summary(stats: dict[str, Any]) -> list[str]:
         " - the answers and the token ending each, unless --train_on_prompt",
     ]
     if "chat_template" in stats:
-        how = (
+        how = stats.get("answers_found_by") or (  # data prepared before the offset rule
             "{% generation %} markers"
             if stats["generation_markers"]
             else "rendering each conversation's prefixes"
