@@ -410,10 +410,24 @@ def test_encoded_tokens_are_apply_chat_templates(base, style):
     tokenizer = chat_tokenizer(style, base=base)
     template = ChatTemplate(CHAT_STYLES[style][0] or "", style)
     conversations = random_conversations(40, seed=5, turns=(1, 3), system="be brief")
+    for k in range(0, 40, 3):  # characters of several bytes, inside answers and prompts
+        conversations[k][-1]["content"] += " café ☕ naïve"
+        conversations[k][1]["content"] = "日本 " + conversations[k][1]["content"]
     rows = [Conversation(m, row) for row, m in enumerate(conversations)]
-    encoded = ChatEncoder(tokenizer, template, train_on_prompt=False)(rows)
+    encoder = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    encoded = encoder(rows)
     expected = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=False)
     assert [ids for ids, _ in encoded] == expected
+    # Token positions from the ids alone (a byte-level BPE) agree with the tokenizer's offsets
+    # on the first batch; later batches take them from the ids, with the same masks.
+    assert encoder.ids_give_offsets is True
+    offsets = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    offsets.ids_give_offsets = False
+    assert encoder(rows) == offsets(rows) == encoded
+    trained = [
+        tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) for ids, mask in encoded
+    ]
+    assert trained[0].endswith(" café ☕ naïve" + CHAT_STYLES[style][1]["eos_token"])
 
 
 def test_a_tokenizer_whose_added_tokens_eat_whitespace(base):
@@ -429,10 +443,11 @@ def test_a_tokenizer_whose_added_tokens_eat_whitespace(base):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>")
     template = ChatTemplate(CHATML_TEMPLATE.replace("<|im_end|>", "<|end|>"), "rstrip")
     rows = [Conversation(MULTI_TURN, 0), Conversation(ONE_TURN, 1)]
-    encoded = ChatEncoder(tokenizer, template, train_on_prompt=False)(rows)
-    ids, mask = encoded[0]
+    encoder = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    ids, mask = encoder(rows)[0]
     trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == "kalo mine<|end|>sa ti<|end|>"  # the newline went into <|end|>
+    assert encoder.ids_give_offsets is False  # <|end|> stands for more than its own text
 
 
 # --- packing with masks --------------------------------------------------------------------

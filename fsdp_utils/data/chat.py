@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # ShareGPT `from` values -> chat roles.
@@ -146,6 +148,10 @@ class ChatEncoder:
         self.added_ids = frozenset(added)
         special = {i for i, t in added.items() if getattr(t, "special", True)}
         self.special_ids = frozenset(special | set(getattr(tokenizer, "all_special_ids", [])))
+        # Whether token positions may come from the ids alone (`tokens`): decided on the
+        # first batch, against the tokenizer's offsets.
+        self.bytes_per_id: np.ndarray | None = None
+        self.ids_give_offsets: bool | None = None
 
     @property
     def rule(self) -> str:
@@ -193,8 +199,13 @@ class ChatEncoder:
             ) from None
 
     def tokens(self, texts: Sequence[str]) -> list[Rendered]:
-        """Token ids and character offsets of rendered texts (no special tokens added: the
-        template wrote them)."""
+        """Token ids of rendered texts (no special tokens added: the template wrote them) and
+        each token's characters.
+
+        The tokenizer's offsets cost a third more than its ids alone; a byte-level BPE's
+        tokens each stand for as many bytes as their vocabulary entry has characters, so the
+        characters follow from the ids (`_from_ids`). The first batch checks that against
+        the offsets; a tokenizer where it does not hold gets the offsets from then on."""
         if not texts:
             return []
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -205,12 +216,38 @@ class ChatEncoder:
                 "Save it as a fast one into the model's folder: AutoTokenizer.from_pretrained("
                 "MODEL, use_fast=True).save_pretrained(MODEL)."
             )
-        return [
-            Rendered(text, e.ids, e.offsets)
+        fast: list[Rendered | None] = []
+        if self.bytes_per_id is None:
+            self.bytes_per_id = _bytes_per_id(self.tokenizer)
+        if self.ids_give_offsets is not False:
+            encoded = backend.encode_batch_fast(list(texts), add_special_tokens=False)
+            fast = [self._from_ids(t, e.ids) for t, e in zip(texts, encoded, strict=True)]
+            if self.ids_give_offsets and None not in fast:
+                return fast  # type: ignore[return-value]
+        full = [
+            Rendered(text, e.ids, [s for s, _ in e.offsets], [e for _, e in e.offsets])
             for text, e in zip(
                 texts, backend.encode_batch(list(texts), add_special_tokens=False), strict=True
             )
         ]
+        if self.ids_give_offsets is None:
+            self.ids_give_offsets = fast == full
+        return full
+
+    def _from_ids(self, text: str, ids: list[int]) -> Rendered | None:
+        """Each token's characters from its byte count (None if they do not add up)."""
+        assert self.bytes_per_id is not None
+        ends = np.cumsum(self.bytes_per_id[ids]) if ids else np.zeros(0, np.int64)
+        data = np.frombuffer(text.encode("utf-8"), np.uint8)
+        if (ends[-1] if len(ends) else 0) != len(data):
+            return None
+        starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+        if len(data) != len(text) and len(ends):
+            # Not ASCII: a token spans the characters its bytes are part of (as the
+            # tokenizer's offsets say; a character split over two tokens is in both).
+            upto = np.cumsum((data & 0xC0) != 0x80)  # characters begun by byte b and before
+            starts, ends = upto[starts] - 1, upto[ends - 1]
+        return Rendered(text, list(ids), starts.tolist(), ends.tolist())
 
     def __call__(self, conversations: Sequence[Conversation]) -> list[Encoded | None]:
         """(input_ids, loss_mask) per conversation; None for one with no trained turn."""
@@ -283,9 +320,7 @@ class ChatEncoder:
         ]
 
     def _locate(self, c: Conversation, r: Rendered, openings: dict[int, str]) -> list[Answer]:
-        text, ids, offsets = r.text, r.ids, r.offsets
-        starts = [s for s, _ in offsets]
-        ends = [e for _, e in offsets]
+        text, ids, starts, ends = r.text, r.ids, r.starts, r.ends
         answers: list[Answer] = []
         cursor = 0  # the end of what was found so far: the next answer lies after it
         done = 0  # messages passed by the cursor
@@ -333,7 +368,7 @@ class ChatEncoder:
             after = bisect.bisect_left(starts, end)  # the first token starting after the answer
             eot = self._end_of_turn(c, i, r, after, anywhere=rewritten)
             answers.append(Answer(i, first, eot))
-            cursor = offsets[eot][1]
+            cursor = ends[eot]
         return answers
 
     def _find(
@@ -374,7 +409,7 @@ class ChatEncoder:
         for j in range(k, len(r.ids)):
             if r.ids[j] in self.special_ids:
                 return j
-            piece = r.text[r.offsets[j][0] : r.offsets[j][1]]
+            piece = r.text[r.starts[j] : r.ends[j]]
             if not anywhere and not piece.isspace():
                 token = self.tokenizer.convert_ids_to_tokens(r.ids[j])
                 raise ValueError(
@@ -427,7 +462,22 @@ class ChatEncoder:
 class Rendered:
     text: str
     ids: list[int]
-    offsets: list[tuple[int, int]]  # each token's characters in `text`
+    starts: list[int]  # each token's characters in `text`: [starts[k], ends[k])
+    ends: list[int]
+
+
+def _bytes_per_id(tokenizer: Any) -> np.ndarray:
+    """How many bytes of text each token id stands for in a byte-level BPE (one per character
+    of its vocabulary entry; an added token, its text's bytes); other tokenizers differ, which
+    the first batch finds out (`ChatEncoder.tokens`)."""
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    lengths = np.zeros(max(vocab.values(), default=0) + 1, np.int64)
+    for token, i in vocab.items():
+        lengths[i] = len(token)
+    for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if i < len(lengths):
+            lengths[i] = len(str(added).encode("utf-8"))
+    return lengths
 
 
 @dataclass(frozen=True)
