@@ -347,3 +347,25 @@ def test_a_tool_call_is_trained_as_the_template_writes_it(base, tmp_path):
         '<tool_call>\n{"name": "lookup", "arguments": {"q": "ka"}}\n</tool_call><|im_end|>',
         "it is lo mi<|im_end|>",
     ]
+
+
+def test_qwen3_trains_the_last_answer_with_its_reasoning_and_earlier_ones_not(base, tmp_path):
+    """Qwen3 shows an answer before the last user turn without its <think> part (context, not
+    trained); the last answer, written as the template writes it, is trained whole."""
+    from transformers import AutoTokenizer
+
+    from tests.chat_helpers import row_segments
+
+    messages = [
+        {"role": "user", "content": "q0 hi"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nka lo"},
+        {"role": "user", "content": "and"},
+        {"role": "assistant", "content": "<think>\nso\n</think>\n\nmi ne"},
+    ]
+    model = _save_tokenizer(tmp_path / "model", base, "qwen3")
+    prepared, _ = _prepare(model, [messages] * 2, tmp_path)
+    runs = row_segments(prepared, AutoTokenizer.from_pretrained(model))
+    assert [text for text, trained in runs if trained] == [
+        "<think>\nso\n</think>\n\nmi ne<|im_end|>"
+    ]
+    assert "<|im_start|>assistant\nka lo<|im_end|>" in runs[0][0]  # shown without its reasoning

@@ -136,7 +136,7 @@ Encoded = tuple[list[int], list[int]]  # input_ids, loss_mask
 
 class ChatEncoder:
     """Tokens and loss masks of conversations, a batch at a time: two render calls (whole
-    conversations, and each trained turn's opening) and one tokeniser call (with offsets)."""
+    conversations, and each trained turn's opening) and one tokeniser call."""
 
     def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_prompt: bool) -> None:
         self.tokenizer = tokenizer
@@ -202,7 +202,7 @@ class ChatEncoder:
         """Token ids of rendered texts (no special tokens added: the template wrote them) and
         each token's characters.
 
-        The tokenizer's offsets cost a third more than its ids alone; a byte-level BPE's
+        The tokenizer's offsets cost about a third more than its ids alone; a byte-level BPE's
         tokens each stand for as many bytes as their vocabulary entry has characters, so the
         characters follow from the ids (`_from_ids`). The first batch checks that against
         the offsets; a tokenizer where it does not hold gets the offsets from then on."""
@@ -253,11 +253,15 @@ class ChatEncoder:
         """(input_ids, loss_mask) per conversation; None for one with no trained turn."""
         if self.template.has_generation_markers and all(c.trained_from == 0 for c in conversations):
             return self._by_markers(conversations)
+        if self.train_on_prompt:  # every token: no answer to find
+            texts = self.render(
+                [c.messages for c in conversations],
+                generation_prompt=False,
+                rows=[c.row for c in conversations],
+            )
+            return [(r.ids, [1] * len(r.ids)) for r in self.tokens(texts)]
         encoded: list[Encoded | None] = []
         for c, rendered, answers in self.answers(conversations):
-            if self.train_on_prompt:
-                encoded.append((rendered.ids, [1] * len(rendered.ids)))
-                continue
             mask = [0] * len(rendered.ids)
             for a in answers:
                 mask[a.first : a.end_of_turn + 1] = [1] * (a.end_of_turn + 1 - a.first)
@@ -389,7 +393,7 @@ class ChatEncoder:
         for candidate in (content, content.strip()):
             at = text.find(candidate, low)
             # Not inside an added token's text (an answer "Assistant" in <｜Assistant｜>).
-            while at >= 0 and ids[bisect.bisect_right(starts, at) - 1] in self.added_ids:
+            while at >= 0 and self._inside_added(at, starts, ids):
                 at = text.find(candidate, at + 1)
             if at < 0:
                 continue
@@ -399,6 +403,10 @@ class ChatEncoder:
                     continue
             return at, at + len(candidate)
         return None
+
+    def _inside_added(self, at: int, starts: list[int], ids: list[int]) -> bool:
+        k = bisect.bisect_right(starts, at) - 1  # the token holding character `at`
+        return k >= 0 and starts[k] < at and ids[k] in self.added_ids
 
     def _end_of_turn(
         self, c: Conversation, turn: int, r: Rendered, k: int, *, anywhere: bool
