@@ -136,6 +136,7 @@ def test_generation_markers_give_the_mask(tmp_path, models):
         ("\n", False),
     ]
     assert prepared.meta["stats"]["generation_markers"] is True
+    assert prepared.meta["stats"]["answers_found_by"] == "the template's {% generation %} markers"
 
 
 def test_sharegpt_conversations_are_chat(tmp_path, models):

@@ -648,11 +648,7 @@ def _summary(stats: dict[str, Any]) -> list[str]:
         " - the answers and the token ending each, unless --train_on_prompt",
     ]
     if "chat_template" in stats:
-        how = stats.get("answers_found_by") or (  # data prepared before the offset rule
-            "{% generation %} markers"
-            if stats["generation_markers"]
-            else "rendering each conversation's prefixes"
-        )
+        how = stats["answers_found_by"]
         eot = stats.get("end_of_turn")
         lines.append(
             f"data: chat: {stats['chat_template']}; answers found by {how}; "
