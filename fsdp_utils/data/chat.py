@@ -25,7 +25,8 @@ user or tool turn, no role header, nothing the template writes after the end-of-
 
 Rendered text is tokenised without adding special tokens: a template that writes the BOS
 itself (Llama 3) gets exactly one. Cost: two renders (whole, openings) and one tokenisation
-with offsets per conversation, however many turns it has.
+per conversation, however many turns it has; each token's characters follow from its ids
+(`ChatEncoder.tokens`).
 """
 
 from __future__ import annotations
