@@ -20,6 +20,7 @@ from pathlib import Path
 import tomllib
 from packaging.requirements import Requirement
 
+from fsdp_utils import versions
 from fsdp_utils.versions import (
     Found,
     declared_requirements,
@@ -136,6 +137,14 @@ def test_the_ranges_are_pyprojects_as_installed():
         with_test
     )
     assert "pytest" not in {r.name for r in declared_requirements()}
+
+
+def test_a_checkout_never_installed_reads_pyproject(monkeypatch):
+    monkeypatch.setattr(versions, "DISTRIBUTION", "no-such-distribution")
+    assert [str(r) for r in declared_requirements()] == [
+        str(Requirement(line)) for line in PYPROJECT["dependencies"]
+    ]
+    assert "pytest" in {r.name for r in declared_requirements(["test"])}
 
 
 def test_versions_compare_as_pip_compares_them():

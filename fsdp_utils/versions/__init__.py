@@ -56,7 +56,14 @@ def _pyproject_requirements() -> list[str]:
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     lines = list(project.get("dependencies", []))
     for extra, deps in project.get("optional-dependencies", {}).items():
-        lines += [f'{dep}; extra == "{extra}"' for dep in deps]
+        for dep in deps:  # as pip writes an extra's requirement into the metadata
+            requirement, _, marker = dep.partition(";")
+            condition = f'extra == "{extra}"'
+            lines.append(
+                f"{requirement}; ({marker.strip()}) and {condition}"
+                if marker.strip()
+                else f"{requirement}; {condition}"
+            )
     return lines
 
 
