@@ -14,16 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 if TYPE_CHECKING:
     from fsdp_utils.train.trainer import Trainer
 
     AfterSetup = Callable[[Trainer], None]
 
-EXIT_USAGE = 2
-# Rank 0 reports before the others learn of its failure; this is only so that its exit, not
-# torchrun's SIGTERM after another rank's, ends it.
-PEER_EXIT_DELAY_S = 2.0
 
 DESCRIPTION = """Fine-tune a causal LM on chess games (or any text) with FSDP2.
 Run with torchrun (one process per GPU; gloo on CPU) or as a plain process."""
@@ -70,8 +67,6 @@ def _rank() -> int:
 
 def _fail(message: str) -> int:
     if _rank() == 0:
-        from fsdp_utils.parallel.distributed import report_error  # torch: not for --help
-
         report_error(message)
     return EXIT_USAGE
 

@@ -7,16 +7,11 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import os
 import socket
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -24,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_utils.config.train_config import Sharding
+from fsdp_utils.error_report import report_error
 
 T = TypeVar("T")
 
@@ -186,24 +182,6 @@ class PeerFailure(Exception):
 class ReportedError(ValueError):
     """A user mistake that rank 0 has already reported (`report_error`): the command exits 2
     without printing it again."""
-
-
-def report_error(message: str) -> None:
-    """A user mistake's one paragraph on stderr (rank 0 calls this). Under torchrun it also goes
-    into the error file the agent reads (TORCHELASTIC_ERROR_FILE): the agent's closing "Root
-    Cause" report then shows it where it would say "To enable traceback see ...", so the message
-    stays the last thing in the job's log."""
-    print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        # torch.distributed.elastic's format: {"message": {"message": ..., "extraInfo":
-        # {"py_callstack": shown as the failure's traceback, "timestamp": ...}}}
-        text = f"error: {message}"
-        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(
-                json.dumps({"message": {"message": text, "extraInfo": info}})
-            )
 
 
 def on_main_rank(
