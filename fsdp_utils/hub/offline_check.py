@@ -92,7 +92,7 @@ def check_dataset(spec: AssetSpec, cache_dir: Path) -> str:
     for path in files:
         if path.suffix == ".parquet":
             rows += pq.ParquetFile(path).metadata.num_rows  # reads the footer: catches truncation
-        else:
+        elif path.suffix in (".jsonl", ".json"):
             with path.open() as f:
                 json.loads(f.readline())  # jsonl: the first record parses
                 rows += 1 + sum(1 for _ in f)
