@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=100_000,
         help="bootstrap resamples for the standard errors of non-mean metrics (lm-eval's default)",
     )
+    p.add_argument(
+        "--gen_kwargs",
+        metavar="K=V,...",
+        help="generation settings for every generation task (lm-eval's), e.g. max_gen_toks=64",
+    )
     p.add_argument("--seed", type=int, default=0, help="lm-eval's random seed (few-shot order)")
     return p
 
@@ -100,7 +105,7 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     )
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.lm_harness.task_cache import use_cached_nltk
-    from fsdp_utils.lm_harness.tasks import offline_tasks, quiet_task_logs
+    from fsdp_utils.lm_harness.tasks import LeafTask, offline_tasks, quiet_task_logs, task_manager
     from fsdp_utils.parallel import distributed as dist_utils
 
     quiet_task_logs()
@@ -113,22 +118,22 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     use_cached_nltk(cache)
     overrides = Path(tempfile.mkdtemp(prefix="fsdp-utils-lm-eval-tasks-"))
 
-    def prepare() -> tuple[Any, dict[str, Any], Path]:
+    user_tasks: set[str] = set()
+    if args.include_path:  # the user's own tasks read local data: nothing to look up
+        user = TaskManager(include_path=args.include_path, include_defaults=False)
+        user_tasks = set(user.all_tasks)
+
+    def prepare() -> tuple[Any, list[LeafTask], Path]:
         source = resolve_model_source(args.model, args.cache_dir)
-        user_tasks = set()
-        if args.include_path:
-            user_tasks = set(TaskManager(include_path=args.include_path).task_index) - set(
-                TaskManager().task_index
-            )
-        provenance = offline_tasks([n for n in names if n not in user_tasks], cache, overrides)
+        leaves = offline_tasks([n for n in names if n not in user_tasks], cache, overrides)
         out = output_folder(args, source.run_dir)
         out.mkdir(parents=True, exist_ok=True)
-        return source, provenance, out
+        return source, leaves, out
 
     # Rank 0 checks (one message for a mistake); every rank then writes its own task files
     # (the temporary folder is per process).
     checked = dist_utils.on_main_rank(prepare)
-    source, provenance, out = dist_utils.broadcast_object(checked)  # type: ignore[misc]
+    source, leaves, out = dist_utils.broadcast_object(checked)  # type: ignore[misc]
     if not env.is_main:
         prepare()
     hf_config = load_model_config(source.weights_dir)
@@ -153,7 +158,9 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
         model_info=identity,
         log=log if env.is_main else None,
     )
-    include = [str(overrides)] + ([args.include_path] if args.include_path else [])
+    manager = task_manager(
+        names, leaves, overrides, [args.include_path] if args.include_path else None
+    )
     with torch.no_grad():
         results = simple_evaluate(
             lm,
@@ -162,7 +169,8 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
             limit=args.limit,
             log_samples=args.log_samples,
             bootstrap_iters=args.bootstrap_iters,
-            task_manager=TaskManager(include_path=include),
+            task_manager=manager,
+            gen_kwargs=args.gen_kwargs,
             random_seed=args.seed,
             numpy_random_seed=args.seed,
             torch_random_seed=args.seed,
@@ -173,7 +181,11 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     if not env.is_main or results is None:
         return None
     results["config"]["model"] = source.requested
-    results["fsdp_utils"] = {"model": identity, "datasets": provenance}
+    datasets = {
+        leaf.task: {"dataset": leaf.dataset, "config": leaf.config, "commit": leaf.commit}
+        for leaf in leaves
+    }
+    results["fsdp_utils"] = {"model": identity, "datasets": datasets}
     write_results(results, out, log_samples=args.log_samples, log=log)
     return results
 

@@ -33,6 +33,7 @@ from fsdp_utils.lm_harness.tasks import (
     quiet_task_logs,
     save_task_records,
     snapshot_of,
+    task_manager,
     write_overrides,
 )
 
@@ -226,8 +227,6 @@ def check_tasks(
 ) -> dict[str, str]:
     """Build every leaf task from the cache, offline, as the evaluation does. Returns
     {name: why} for those that fail."""
-    from lm_eval.tasks import TaskManager
-
     use_cached_nltk(cache)
     quiet_task_logs()
     failed: dict[str, str] = {}
@@ -240,7 +239,7 @@ def check_tasks(
                     folder,
                     {leaf.task: leaf.yaml for leaf in leaves},
                 )
-                loaded = TaskManager(include_path=str(folder)).load([name])
+                loaded = task_manager([name], leaves, folder).load([name])
                 docs = sum(_count_docs(task) for task in loaded["tasks"].values())
                 log(f"OK   lm-eval {name}: {len(loaded['tasks'])} task(s), {docs} documents")
             except Exception as err:  # report every task, with what went wrong

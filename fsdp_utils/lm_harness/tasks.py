@@ -185,20 +185,30 @@ def write_overrides(leaves: dict[str, Path], folder: Path, yamls: dict[str, str]
         (folder / f"{task}.yaml").write_text(text)
 
 
-def offline_tasks(names: list[str], cache: Path, folder: Path) -> dict[str, dict[str, Any]]:
-    """Write the include folder for `names` from the cache; returns, per leaf task, where its
-    data comes from (for the results file)."""
-    provenance: dict[str, dict[str, Any]] = {}
-    data: dict[str, Path] = {}
-    yamls: dict[str, str] = {}
-    for leaves in cached_leaves(names, cache).values():
-        for leaf in leaves:
-            data[leaf.task] = snapshot_of(leaf, cache)
-            yamls[leaf.task] = leaf.yaml
-            provenance[leaf.task] = {
-                "dataset": leaf.dataset,
-                "config": leaf.config,
-                "commit": leaf.commit,
-            }
-    write_overrides(data, folder, yamls)
-    return provenance
+def task_manager(
+    names: list[str], leaves: list[LeafTask], folder: Path, extra: list[str] | None = None
+) -> Any:
+    """lm-eval's TaskManager over the task folders the leaves come from, then the override
+    folder (and the user's --include_path). Indexing all of lm-eval's ~15,000 YAMLs costs
+    seconds to tens of seconds; a task family's own folder (tasks/mmlu for every MMLU subject
+    and group) is enough, unless a name lies elsewhere: then everything is indexed."""
+    from lm_eval.tasks import TaskManager
+
+    root = lm_eval_tasks_dir()
+    families = sorted({str(root / Path(leaf.yaml).parts[0]) for leaf in leaves})
+    paths = [*families, str(folder), *(extra or [])]
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if all(name in manager.all_tasks for name in names):
+        return manager
+    return TaskManager(include_path=[str(folder), *(extra or [])])
+
+
+def offline_tasks(names: list[str], cache: Path, folder: Path) -> list[LeafTask]:
+    """Write the include folder for `names` from the cache; returns their leaf tasks."""
+    leaves = [leaf for found in cached_leaves(names, cache).values() for leaf in found]
+    write_overrides(
+        {leaf.task: snapshot_of(leaf, cache) for leaf in leaves},
+        folder,
+        {leaf.task: leaf.yaml for leaf in leaves},
+    )
+    return leaves
