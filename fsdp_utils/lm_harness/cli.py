@@ -71,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K=V,...",
         help="generation settings for every generation task (lm-eval's), e.g. max_gen_toks=64",
     )
-    p.add_argument("--seed", type=int, default=0, help="lm-eval's random seed (few-shot order)")
     return p
 
 
@@ -161,6 +160,7 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     manager = task_manager(
         names, leaves, overrides, [args.include_path] if args.include_path else None
     )
+    # lm-eval's default seeds, as its own command uses them: the same few-shot examples.
     with torch.no_grad():
         results = simple_evaluate(
             lm,
@@ -171,10 +171,6 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
             bootstrap_iters=args.bootstrap_iters,
             task_manager=manager,
             gen_kwargs=args.gen_kwargs,
-            random_seed=args.seed,
-            numpy_random_seed=args.seed,
-            torch_random_seed=args.seed,
-            fewshot_random_seed=args.seed,
         )
     del lm, model
     gc.collect()
