@@ -11,13 +11,14 @@ checks it: see `.importlinter`):
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
     chess_eval/  did the model learn chess? (python-chess as the referee)
+    lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
     train/       the trainer: train -> train_step (TrainStep) -> forward_backward
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
     run/         before a run: preflight, run-folder start, shared paths; opening the Trainer
     slurm/       sbatch/submitit launchers, a local Slurm for tests
 
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
-`export` and `plot` (`python -m fsdp_utils.export|plot`); `synthetic` builds the tiny models,
+`export`, `plot` and `evaluate` (`python -m fsdp_utils.export|plot|evaluate`); `synthetic` builds the tiny models,
 tokenizers and datasets of the demo and the tests.
 """
 

@@ -38,6 +38,7 @@ examples:
   python download_models.py --model codellama/CodeLlama-7b-hf \\
       --dataset laion/strategic_game_chess --dataset-include 'chess_game_000[1-2].parquet'
   python download_models.py --config assets.yaml --cache-dir /projects/me/hf-cache/hub
+  python download_models.py --eval_tasks arc_easy,gsm8k,mmlu   # lm-eval benchmarks' data
   python download_models.py --verify             # offline: re-hash the cache
   python download_models.py --check-offline      # offline: load everything, no network
 
