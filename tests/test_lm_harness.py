@@ -302,3 +302,30 @@ def test_a_task_not_in_the_cache_names_the_download_command(
     assert result.returncode == 2, result.stdout + result.stderr
     assert "python download_models.py --eval_tasks arc_easy,boolq" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_compare_prints_base_against_this_with_standard_errors(tmp_path: Path) -> None:
+    from fsdp_utils.lm_harness.compare import comparison_table, load_results
+
+    def results(acc: float, se: float, ppl: float) -> dict[str, Any]:
+        return {
+            "results": {
+                "arc_easy": {"alias": "arc_easy", "acc,none": acc, "acc_stderr,none": se},
+                "wikitext": {"word_perplexity,none": ppl, "word_perplexity_stderr,none": "N/A"},
+            }
+        }
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "results_2026-01-01T00-00-00.json").write_text(json.dumps(results(0.5, 0.03, 9.0)))
+    (folder / "results_2026-02-01T00-00-00.json").write_text(json.dumps(results(0.6, 0.03, 8.0)))
+    base = load_results(folder)  # the newest
+    table = comparison_table(base, results(0.68, 0.04, 7.5), base_name="base")
+    lines = table.splitlines()
+    assert lines[0] == "compared with base:"
+    assert lines[2].split() == ["arc_easy", "acc,none", "0.6000", "±", "0.0300", "0.6800", "±",
+                                "0.0400", "+0.0800", "(+1.6", "se)"]  # fmt: skip
+    assert lines[3].split() == ["wikitext", "word_perplexity,none", "8.0000", "7.5000", "-0.5000"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no results_"):
+        load_results(tmp_path / "empty")

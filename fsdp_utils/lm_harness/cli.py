@@ -6,7 +6,7 @@ offline cache, a model folder, a run folder (its final model) or a LoRA adapter 
 base). The tasks' datasets come from the offline cache (`download_models.py --eval_tasks`);
 nothing is fetched. lm-eval's results JSON (and with --log_samples its per-sample files) go to
 --output_dir (default: <run>/lm_eval for a run folder, else ./lm_eval_results), its table to the
-log.
+log; --compare BASE_RESULTS prints the base model's scores against these.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_dir", metavar="DIR", help="where the results JSON goes")
     p.add_argument("--log_samples", action="store_true", help="also write per-sample files")
     p.add_argument(
+        "--compare",
+        metavar="BASE_RESULTS",
+        help="a results JSON (or its folder) of the base model: print base against this",
+    )
+    p.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "bf16-true", "bf16-mixed", "fp16-mixed", "fp32"],
@@ -96,6 +101,7 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
 
     from fsdp_utils.hub.cache import hub_cache_dir
     from fsdp_utils.hub.resolve import load_model_config
+    from fsdp_utils.lm_harness.compare import comparison_table, load_results
     from fsdp_utils.lm_harness.loading import (
         default_precision,
         eval_config,
@@ -123,6 +129,8 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
         user_tasks = set(user.all_tasks)
 
     def prepare() -> tuple[Any, list[LeafTask], Path]:
+        if args.compare:
+            load_results(args.compare)  # a wrong path fails now, not after the evaluation
         source = resolve_model_source(args.model, args.cache_dir)
         leaves = offline_tasks([n for n in names if n not in user_tasks], cache, overrides)
         out = output_folder(args, source.run_dir)
@@ -183,6 +191,8 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     }
     results["fsdp_utils"] = {"model": identity, "datasets": datasets}
     write_results(results, out, log_samples=args.log_samples, log=log)
+    if args.compare:
+        log(comparison_table(load_results(args.compare), results, base_name=args.compare))
     return results
 
 
