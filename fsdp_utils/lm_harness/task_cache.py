@@ -261,20 +261,12 @@ def _count_docs(task: Any) -> int:
 def run_offline_task_check(cache: Path, log: Log = print) -> int:
     """`check_tasks` on every recorded task in a child process with no network (as
     --check-offline runs the assets' check). 0 when every task builds, or none is recorded."""
-    import subprocess
-
-    from fsdp_utils.hub.offline import OFFLINE_VARIABLES
-    from fsdp_utils.hub.offline_check import isolation_prefix
+    from fsdp_utils.hub.offline_check import run_isolated
 
     if not load_task_records(cache):
         return 0
-    prefix, how = isolation_prefix()
-    log(f"offline check of the lm-eval tasks: {how}")
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ) | OFFLINE_VARIABLES
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    command = [*prefix, sys.executable, "-m", "fsdp_utils.lm_harness.task_cache"]
-    return subprocess.run([*command, "--cache-dir", str(cache)], env=env, check=False).returncode
+    module, args = "fsdp_utils.lm_harness.task_cache", ["--cache-dir", str(cache)]
+    return run_isolated(module, args, what="offline check of the lm-eval tasks", log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
