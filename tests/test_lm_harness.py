@@ -60,7 +60,9 @@ def eval_tasks(include: Path) -> Any:
     return task_manager(TASKS, leaves, include)
 
 
-def reference(model_dir: Path, include: Path, *, bootstrap_iters: int = 0) -> dict[str, Any]:
+def reference(
+    model_dir: Path, include: Path, *, bootstrap_iters: int = 0, tasks: list[str] = TASKS
+) -> dict[str, Any]:
     """lm-eval's own HFLM on the tasks, reading the datasets through `include`."""
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,15 +75,17 @@ def reference(model_dir: Path, include: Path, *, bootstrap_iters: int = 0) -> di
         max_length=MAX_LENGTH,
         device="cpu",
     )
-    return _evaluate(lm, include, bootstrap_iters)
+    return _evaluate(lm, include, bootstrap_iters, tasks)
 
 
-def _evaluate(lm: Any, include: Path, bootstrap_iters: int) -> dict[str, Any]:
+def _evaluate(
+    lm: Any, include: Path, bootstrap_iters: int, tasks: list[str] = TASKS
+) -> dict[str, Any]:
     from lm_eval import simple_evaluate
 
     results = simple_evaluate(
         lm,
-        tasks=TASKS,
+        tasks=tasks,
         limit=LIMIT,
         gen_kwargs=GEN_KWARGS,
         log_samples=True,
@@ -216,7 +220,7 @@ def test_one_process_equals_hflm_request_by_request(
 
 @pytest.mark.slow
 def test_two_processes_offline_equal_hflm_from_the_download(
-    hub_mirror: HubMirror, eval_model: Path, tmp_path: Path
+    hub_mirror: HubMirror, eval_model: Path, tiny_assets: dict[str, Path], tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
     cache = home / "hub"
@@ -289,6 +293,21 @@ def test_two_processes_offline_equal_hflm_from_the_download(
     theirs = reference(eval_model, include)
     assert_same_answers(samples, theirs["samples"])
     assert_same_metrics(metrics(ours), metrics(theirs))
+
+    # At the end of a training run, on the model in memory, sharded: the same scores as HFLM
+    # gives the final model the run saved.
+    from tests.train_helpers import run_finetune, tiny_args
+
+    args = tiny_args(tiny_assets, tmp_path / "run", tmp_path / "data-cache", max_training_steps=2)
+    args += ["--eval_tasks", "arc_easy", "--eval_limit", str(LIMIT), "--cache_dir", str(cache)]
+    trained = run_finetune(2, args, env=hub_mirror.env(home, HF_HUB_OFFLINE="1"))
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    (end_file,) = (tmp_path / "run" / "lm_eval").glob("results_*.json")
+    end = json.loads(end_file.read_text())["results"]["arc_easy"]
+    assert f"arc_easy: acc {end['acc,none']:.4f}" in trained.stdout  # the end-of-run summary
+    final = reference(tmp_path / "run" / "final", include, tasks=["arc_easy"])
+    assert end["acc,none"] == final["results"]["arc_easy"]["acc,none"]
+    assert end["acc_norm,none"] == final["results"]["arc_easy"]["acc_norm,none"]
 
 
 def test_a_task_not_in_the_cache_names_the_download_command(

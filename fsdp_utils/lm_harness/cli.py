@@ -110,7 +110,13 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     )
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.lm_harness.task_cache import use_cached_nltk
-    from fsdp_utils.lm_harness.tasks import LeafTask, offline_tasks, quiet_task_logs, task_manager
+    from fsdp_utils.lm_harness.tasks import (
+        LeafTask,
+        offline_tasks,
+        provenance,
+        quiet_task_logs,
+        task_manager,
+    )
     from fsdp_utils.parallel import distributed as dist_utils
 
     quiet_task_logs()
@@ -185,11 +191,7 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     if not env.is_main or results is None:
         return None
     results["config"]["model"] = source.requested
-    datasets = {
-        leaf.task: {"dataset": leaf.dataset, "config": leaf.config, "commit": leaf.commit}
-        for leaf in leaves
-    }
-    results["fsdp_utils"] = {"model": identity, "datasets": datasets}
+    results["fsdp_utils"] = {"model": identity, "datasets": provenance(leaves)}
     write_results(results, out, log_samples=args.log_samples, log=log)
     if args.compare:
         log(comparison_table(load_results(args.compare), results, base_name=args.compare))

@@ -212,3 +212,11 @@ def offline_tasks(names: list[str], cache: Path, folder: Path) -> list[LeafTask]
         {leaf.task: leaf.yaml for leaf in leaves},
     )
     return leaves
+
+
+def provenance(leaves: list[LeafTask]) -> dict[str, dict[str, Any]]:
+    """Per leaf task, the dataset it read: for the results file."""
+    return {
+        leaf.task: {"dataset": leaf.dataset, "config": leaf.config, "commit": leaf.commit}
+        for leaf in leaves
+    }
