@@ -348,3 +348,14 @@ def test_compare_prints_base_against_this_with_standard_errors(tmp_path: Path) -
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no results_"):
         load_results(tmp_path / "empty")
+
+
+def test_download_reads_eval_tasks_from_a_training_config(tmp_path: Path) -> None:
+    from fsdp_utils.hub.specs import load_assets_file
+
+    config = tmp_path / "train.yaml"
+    config.write_text("model: org/model\ndataset: org/data\neval_tasks: arc_easy, mmlu\n")
+    assert load_assets_file(config).eval_tasks == ("arc_easy", "mmlu")
+    assets = tmp_path / "assets.yaml"
+    assets.write_text("assets: []\neval_tasks: [gsm8k]\n")
+    assert load_assets_file(assets).eval_tasks == ("gsm8k",)

@@ -144,7 +144,8 @@ def load_assets_file(path: str | Path) -> AssetsFile:
     data = load_config_file(path)
     if "assets" not in data:
         config = config_from_dict(data, source=str(path))
-        return AssetsFile(specs_from_train_config(config), config.cache_dir, config)
+        tasks = split_tasks(config.eval_tasks)
+        return AssetsFile(specs_from_train_config(config), config.cache_dir, config, tasks)
     unknown = sorted(set(data) - {"assets", "cache_dir", "eval_tasks"})
     if unknown:
         raise ValueError(
