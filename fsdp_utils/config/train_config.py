@@ -243,6 +243,15 @@ class TrainConfig:
             "With --gradient_checkpointing: checkpoint every Nth layer.", section="parallelism"
         ),
     )
+    loss_chunk_size: int = field(
+        default=512,
+        metadata=_opt(
+            "Tokens per chunk of the loss: the output layer and cross-entropy run over chunks "
+            "of this many target tokens, each chunk's logits recomputed in backward, so the "
+            "full [tokens, vocabulary] logits never exist (0: the whole batch at once).",
+            section="parallelism",
+        ),
+    )
     defer_grad_sync: bool = field(
         default=False,
         metadata=_opt(
@@ -674,6 +683,10 @@ def validate_config(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
+    if config.loss_chunk_size < 0:
+        raise ValueError(
+            f"--loss_chunk_size must be >= 0 (0: unchunked), got {config.loss_chunk_size}."
+        )
     if config.collective_timeout_minutes <= 0:
         raise ValueError(
             "--collective_timeout_minutes must be positive, got "

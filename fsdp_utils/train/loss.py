@@ -1,11 +1,35 @@
-"""The causal-LM loss, summed over target tokens (normalised by the caller)."""
+"""The causal-LM loss, summed over target tokens (normalised by the caller).
+
+Two ways to the same numbers. Unchunked (`token_loss_sum`): the model's forward computes the
+logits of every position, [tokens, vocabulary], and the cross-entropy reads them. Chunked
+(`chunked_target_nll`, `--loss_chunk_size`, the default): the model's forward stops before its
+output layer, and the output layer, the family's logit transform and the cross-entropy run over
+chunks of the target tokens only, each chunk under `torch.utils.checkpoint` so that its logits are
+freed after the forward and recomputed in backward. The largest logits tensor is then
+[chunk, vocabulary]: at 8,192 tokens and Llama 3's 128,256 words the fp32 logits alone take
+4.2 GB unchunked and 0.26 GB per 512-token chunk. The price is one more output-layer matmul per
+chunk in backward (the recompute).
+
+The chunks call the output layer as a module (`output_layer`), never its weight: under FSDP2 the
+weight belongs to the root's shard group, which FSDP gathers for the forward and the backward
+(train/step.py runs the chunks inside the root's forward for that reason), and a LoRA adapter on
+it runs as in the model's own forward.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils.data.blocks import IGNORE_INDEX
+
+LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -22,3 +46,163 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def count_targets(labels: torch.Tensor) -> int:
     """Target tokens in a batch of labels, as `token_loss_sum` counts them."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+# --- what each family's forward does to the output layer's result -------------------------
+
+# Model types whose causal-LM forward returns the output layer's result as the logits.
+_PLAIN_LOGITS = frozenset(
+    {
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "gpt2", "gpt_neox",
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "phi", "starcoder2", "olmo",
+    }
+)  # fmt: skip
+
+
+def _softcap(cap: float) -> LogitTransform:
+    def transform(logits: torch.Tensor) -> torch.Tensor:  # Gemma 2 and 3's forward, op for op
+        return torch.tanh(logits / cap) * cap
+
+    return transform
+
+
+def _divide(by: float) -> LogitTransform:
+    return lambda logits: logits / by
+
+
+def _multiply(by: float) -> LogitTransform:
+    return lambda logits: logits * by
+
+
+def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
+    """(transform, None): what the family's forward applies to the output layer's result
+    (None: nothing), for the chunks to apply the same; (None, reason): a family whose forward
+    this module does not know, which keeps the unchunked loss."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _PLAIN_LOGITS:
+        return None, None
+    if model_type in ("gemma2", "gemma3", "gemma3_text"):
+        cap = getattr(hf_config, "final_logit_softcapping", None)
+        return (_softcap(float(cap)) if cap is not None else None), None
+    if model_type in ("granite", "granitemoe", "granitemoeshared"):
+        return _divide(float(hf_config.logits_scaling)), None
+    if model_type in ("cohere", "cohere2"):
+        return _multiply(float(hf_config.logit_scale)), None
+    return None, (
+        f"{model_type}'s forward is not known to leave the output layer's logits as they are"
+    )
+
+
+@dataclass(frozen=True)
+class LossChunking:
+    """How a run computes its loss: `chunk_size` target tokens per chunk (0: unchunked) and the
+    family's logit transform."""
+
+    chunk_size: int
+    transform: LogitTransform | None = None
+    note: str = ""
+
+    @classmethod
+    def build(cls, chunk_size: int, hf_config: Any) -> LossChunking:
+        if chunk_size == 0:
+            return cls(0, note="loss: unchunked (--loss_chunk_size 0)")
+        transform, reason = logit_transform(hf_config)
+        if reason is not None:
+            return cls(0, note=f"loss: unchunked ({reason}; the full logits are computed)")
+        return cls(
+            chunk_size,
+            transform,
+            note=f"loss: in chunks of {chunk_size:,} target tokens (--loss_chunk_size)",
+        )
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The module that turns the last hidden states into logits (`lm_head`, GPT-NeoX's
+    `embed_out`), through the DDP and PEFT wrappers."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    head = inner.get_output_embeddings()
+    assert isinstance(head, nn.Module), f"{type(inner).__name__} has no output layer"
+    return head
+
+
+# --- the chunks ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The positions with a next-token target, found on the host (no device sync): `rows` index
+    the [batch x seq] hidden states, `shifted` the [batch x (seq - 1)] predicting positions."""
+
+    rows: torch.Tensor
+    shifted: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, labels: torch.Tensor) -> Targets:
+        following = labels[:, 1:]
+        batch, seq = labels.shape
+        b, t = (following != IGNORE_INDEX).nonzero(as_tuple=True)
+        return cls(rows=b * seq + t, shifted=b * (seq - 1) + t, tokens=following[b, t])
+
+    def to(self, device: torch.device) -> Targets:
+        moved = (x.to(device, non_blocking=True) for x in (self.rows, self.shifted, self.tokens))
+        return Targets(*moved)
+
+
+def _chunk_nll(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    # fp32 as in token_loss_sum: bf16 logits do not cost accuracy in the loss
+    return F.cross_entropy(logits.float(), tokens, reduction="none")
+
+
+def chunked_target_nll(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: Targets,
+    *,
+    chunk_size: int,
+    transform: LogitTransform | None = None,
+) -> torch.Tensor:
+    """-log p(target) of each target token ([targets], fp32), from the last hidden states
+    [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
+    `chunk_size` target tokens at a time, each chunk's logits recomputed in backward.
+
+    Only positions with a target go through the output layer (answers-only masks and padding
+    cost nothing). A batch without targets still runs one position with weight 0, so that the
+    output layer takes part in every backward, as with the unchunked loss (DDP expects it)."""
+    flat = hidden.flatten(0, 1)
+    rows, tokens = targets.rows, targets.tokens
+    if rows.numel() == 0:
+        return _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
+    picked = flat.index_select(0, rows)
+    pieces = [
+        checkpoint(
+            _chunk_nll,
+            head,
+            transform,
+            picked[start : start + chunk_size],
+            tokens[start : start + chunk_size],
+            use_reentrant=False,
+        )
+        for start in range(0, rows.numel(), chunk_size)
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def scatter_logprobs(nll: torch.Tensor, targets: Targets, labels_shape: torch.Size) -> torch.Tensor:
+    """[batch, seq - 1] log-probabilities of each next token, 0 where the label is ignored."""
+    batch, seq = labels_shape
+    out = nll.new_zeros(batch * (seq - 1))
+    return out.index_put((targets.shifted,), -nll).view(batch, seq - 1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unchunked counterpart of `scatter_logprobs(chunked_target_nll(...))`."""
+    following = labels[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, following.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(following == IGNORE_INDEX, 0.0)

@@ -153,6 +153,7 @@ class Trainer:
             self.model, config, world_size=env.world_size, device=env.device,
             hf_config=self.hf_config, autocast=self.autocast,
         )  # fmt: skip
+        self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
         if resume_from is not None:
             self._resume(resume_from)
@@ -400,6 +401,7 @@ class Trainer:
             batch_size=self.plan.batch_size_per_device,
             max_batches=self.config.eval_batches,
             autocast=self.autocast,
+            chunking=self.train_step.chunking,
         )
         record = None if metrics is None else {"step": self.state.step, **metrics}
         if record is not None:
