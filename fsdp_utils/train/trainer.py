@@ -42,6 +42,7 @@ from fsdp_utils.metrics.records import run_config_record, write_run_config, writ
 from fsdp_utils.metrics.throughput import (
     detect_peak_tflops,
     memory_snapshot,
+    reset_memory_peaks,
     throughput,
     training_flops_per_token,
 )
@@ -304,6 +305,7 @@ class Trainer:
         batches = self.step_batches(self.state.step)
         global_counts: list[float] | None = None  # the first step reduces its own
         self.probes = self._step_probes()  # --profile_steps, --flop_counter
+        reset_memory_peaks(self.env.device)  # the first logged peaks are the steps', not setup's
         while self.state.step < config.max_training_steps:
             self._seed_step()
             step = self.state.step + 1
