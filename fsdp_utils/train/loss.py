@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils.data.blocks import IGNORE_INDEX
@@ -141,7 +142,11 @@ class Targets:
     def of(cls, labels: torch.Tensor) -> Targets:
         following = labels[:, 1:]
         batch, seq = labels.shape
-        b, t = (following != IGNORE_INDEX).nonzero(as_tuple=True)
+        if is_fake(labels):  # the memory planner's trace: no values, so every position (the most)
+            b = torch.arange(batch).repeat_interleave(seq - 1)
+            t = torch.arange(seq - 1).repeat(batch)
+        else:
+            b, t = (following != IGNORE_INDEX).nonzero(as_tuple=True)
         return cls(rows=b * seq + t, shifted=b * (seq - 1) + t, tokens=following[b, t])
 
     def to(self, device: torch.device) -> Targets:
