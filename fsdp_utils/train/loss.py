@@ -174,7 +174,8 @@ def chunked_target_nll(
 ) -> torch.Tensor:
     """-log p(target) of each target token ([targets], fp32), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
-    `chunk_size` target tokens at a time, each chunk's logits recomputed in backward.
+    `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
+    backward.
 
     Only positions with a target go through the output layer (answers-only masks and padding
     cost nothing). A batch without targets still runs one position with weight 0, so that the
@@ -184,18 +185,22 @@ def chunked_target_nll(
     if rows.numel() == 0:
         return _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
     picked = flat.index_select(0, rows)
+    starts = range(0, rows.numel(), chunk_size)
     pieces = [
-        checkpoint(
-            _chunk_nll,
-            head,
-            transform,
-            picked[start : start + chunk_size],
-            tokens[start : start + chunk_size],
-            use_reentrant=False,
+        # The last chunk keeps its logits for backward, which begins right after it: the peak
+        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
+        (_chunk_nll if start == starts[-1] else _checkpointed)(
+            head, transform, picked[start : start + chunk_size], tokens[start : start + chunk_size]
         )
-        for start in range(0, rows.numel(), chunk_size)
+        for start in starts
     ]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _checkpointed(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    return checkpoint(_chunk_nll, head, transform, hidden, tokens, use_reentrant=False)
 
 
 def scatter_logprobs(nll: torch.Tensor, targets: Targets, labels_shape: torch.Size) -> torch.Tensor:
