@@ -1,15 +1,17 @@
 """Peak memory and seconds per step against sequence length, the loss in chunks and not.
 
-    python bench/long_context.py                     # 2,048 and 8,192 tokens (the short set)
-    python bench/long_context.py --lengths 2048 8192 32768 --unchunked_up_to 8192 --pairs 3
+    python bench/long_context.py            # make bench: 2,048 tokens, 2 chunked/unchunked pairs
+    python bench/long_context.py --full     # make bench-full: + 8,192 and 32,768 tokens, chunked
+    python bench/long_context.py --lengths 2048 8192 --unchunked_up_to 8192 --pairs 3
 
 The model of issue 31: a 2-layer Llama (hidden 64) with Llama 3's vocabulary of 128,256 words,
 fp32, batch 1, one process, 3 optimizer steps of the trainer's own step (train/step.TrainStep)
 on random tokens. Each run is its own process, so that its peak resident memory (from
 `os.wait4`, as `/usr/bin/time` reads it) is its own; chunked and unchunked runs take turns
 (pairs), so that a loaded machine slows both alike. s/step: the mean of steps 2 and 3 (step 1
-allocates the optimizer state). Unchunked runs above --unchunked_up_to are left out: at 32,768
-tokens the fp32 logits alone take 16.8 GB, their softmax and gradients several times that.
+allocates the optimizer state). Above --unchunked_up_to only the chunked loss runs, once: the
+unchunked one took 17.4 GB at 8,192 tokens (issue 31), and at 32,768 its fp32 logits alone take
+16.8 GB, their softmax and gradients several times that.
 Results: bench/results/long_context.json and .md.
 """
 
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -73,40 +76,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--full", action="store_true", help="make bench-full: 2k, 8k and 32k")
+    parser.add_argument("--lengths", type=int, nargs="+", help="tokens per sequence")
     parser.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size of the runs")
     parser.add_argument("--pairs", type=int, default=2, help="chunked/unchunked pairs per length")
-    parser.add_argument("--unchunked_up_to", type=int, default=2048)
+    parser.add_argument(
+        "--unchunked_up_to", type=int, default=2048, help="longer: one chunked run, no pairs"
+    )
     parser.add_argument("--child", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
-    rows = []
-    for seq in args.lengths:
-        runs: dict[str, list[dict[str, float]]] = {"chunked": [], "unchunked": []}
-        for _ in range(args.pairs):
-            runs["chunked"].append(run(seq, args.chunk))
-            if seq <= args.unchunked_up_to:
-                runs["unchunked"].append(run(seq, 0))
-        row: dict[str, object] = {"tokens": seq}
-        for kind, results in runs.items():
+    lengths = args.lengths or ([2048, 8192, 32768] if args.full else [2048])
+    rows: list[dict[str, Any]] = []
+    for seq in lengths:
+        paired = seq <= args.unchunked_up_to
+        chunked, unchunked = [], []
+        for _ in range(args.pairs if paired else 1):
+            chunked.append(run(seq, args.chunk))
+            if paired:
+                unchunked.append(run(seq, 0))
+        row: dict[str, Any] = {"tokens": seq}
+        for kind, results in (("chunked", chunked), ("unchunked", unchunked)):
             if results:
                 row[f"{kind}_peak_rss_gb"] = max(r["peak_rss_gb"] for r in results)
                 row[f"{kind}_s_per_step"] = statistics.median(r["s_per_step"] for r in results)
-        if runs["unchunked"]:  # pair by pair: unchunked s / chunked s (> 1: chunked faster)
-            ratios = [u["s_per_step"] / c["s_per_step"] for c, u in zip(*runs.values())]
+        if paired:  # pair by pair: unchunked s / chunked s (> 1: chunked faster)
+            ratios = [
+                u["s_per_step"] / c["s_per_step"] for c, u in zip(chunked, unchunked, strict=True)
+            ]
             row["speed_ratio_median"] = statistics.median(ratios)
             row["speed_ratio_range"] = [min(ratios), max(ratios)]
-            loss_gap = abs(runs["chunked"][0]["loss"] - runs["unchunked"][0]["loss"])
-            row["loss_relative_gap"] = loss_gap / runs["unchunked"][0]["loss"]
+            row["loss_relative_gap"] = abs(chunked[0]["loss"] / unchunked[0]["loss"] - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "long_context.json").write_text(json.dumps(rows, indent=2))
     lines = [
         f"2-layer Llama, hidden {HIDDEN}, vocabulary {VOCAB:,}, fp32, batch 1, 1 process; "
-        f"--loss_chunk_size {args.chunk}; {args.pairs} pair(s) per length",
+        f"--loss_chunk_size {args.chunk}; {args.pairs} pair(s) up to {args.unchunked_up_to:,} "
+        "tokens; peak RSS: the largest of the runs, s/step: the median",
         "",
         "| tokens | peak RSS chunked | peak RSS unchunked | s/step chunked | s/step unchunked "
         "| speed chunked/unchunked (range) |",
@@ -114,12 +124,12 @@ def main() -> None:
     ]
     for row in rows:
 
-        def cell(key: str, fmt: str, row: dict[str, object] = row) -> str:
+        def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
             return format(row[key], fmt) if key in row else "-"
 
         ratio = "-"
         if "speed_ratio_median" in row:
-            low, high = row["speed_ratio_range"]  # type: ignore[misc]
+            low, high = row["speed_ratio_range"]
             ratio = f"{row['speed_ratio_median']:.2f} ({low:.2f}-{high:.2f})"
         lines.append(
             f"| {row['tokens']:,} | {cell('chunked_peak_rss_gb', '.2f')} GB "

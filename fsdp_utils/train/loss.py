@@ -120,7 +120,7 @@ class LossChunking:
 def output_layer(model: nn.Module) -> nn.Module:
     """The module that turns the last hidden states into logits (`lm_head`, GPT-NeoX's
     `embed_out`), through the DDP and PEFT wrappers."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner: Any = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     head = inner.get_output_embeddings()
     assert isinstance(head, nn.Module), f"{type(inner).__name__} has no output layer"
     return head
