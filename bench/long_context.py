@@ -49,7 +49,8 @@ def child(seq: int, chunk: int) -> None:
     )  # fmt: skip
     hf_config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    config = TrainConfig(loss_chunk_size=chunk, precision="fp32", warmup_steps=0)
+    chunk_size = None if chunk < 0 else chunk  # the default: 64 Mi logits per chunk
+    config = TrainConfig(loss_chunk_size=chunk_size, precision="fp32", warmup_steps=0)
     step = build_train_step(
         model, config, world_size=1, device=torch.device("cpu"), hf_config=hf_config
     )
@@ -78,7 +79,9 @@ def main() -> None:
     )
     parser.add_argument("--full", action="store_true", help="make bench-full: 2k, 8k and 32k")
     parser.add_argument("--lengths", type=int, nargs="+", help="tokens per sequence")
-    parser.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size of the runs")
+    parser.add_argument(
+        "--chunk", type=int, default=-1, help="--loss_chunk_size of the runs (-1: the default)"
+    )
     parser.add_argument("--pairs", type=int, default=2, help="chunked/unchunked pairs per length")
     parser.add_argument(
         "--unchunked_up_to", type=int, default=2048, help="longer: one chunked run, no pairs"
@@ -115,7 +118,7 @@ def main() -> None:
     (RESULTS / "long_context.json").write_text(json.dumps(rows, indent=2))
     lines = [
         f"2-layer Llama, hidden {HIDDEN}, vocabulary {VOCAB:,}, fp32, batch 1, 1 process; "
-        f"--loss_chunk_size {args.chunk}; {args.pairs} pair(s) up to {args.unchunked_up_to:,} "
+        f"--loss_chunk_size {'default' if args.chunk < 0 else args.chunk}; {args.pairs} pair(s) up to {args.unchunked_up_to:,} "
         "tokens; peak RSS: the largest of the runs, s/step: the median",
         "",
         "| tokens | peak RSS chunked | peak RSS unchunked | s/step chunked | s/step unchunked "

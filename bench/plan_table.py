@@ -36,6 +36,7 @@ from typing import Any
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, MemoryPlan, plan_memory
+from fsdp_utils.train.loss import LOGITS_PER_CHUNK
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
@@ -100,7 +101,7 @@ GEMMA_2_9B = {
     "pad_token_id": 0,
     "torch_dtype": "bfloat16",
 }
-LONG_CONTEXT_MODELS = {"Llama-3-8B-shaped": LLAMA_3_8B, "Gemma-2-9B-shaped": GEMMA_2_9B}
+LONG_CONTEXT_MODELS: dict[str, dict[str, Any]] = {"Llama-3-8B-shaped": LLAMA_3_8B, "Gemma-2-9B-shaped": GEMMA_2_9B}
 
 # The command of issue 23 ("the planner's speed"): what every preflight of such a job runs.
 COMMAND_FLAGS = [
@@ -247,8 +248,7 @@ def command_timings(repeats: int, baseline: Path | None) -> str:
 def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
     """Llama-3-8B- and Gemma-2-9B-shaped models at 8k and 32k tokens on 8 x 80 GB (1 per GPU,
     activation checkpointing, bf16-mixed), the full logits (--loss_chunk_size 0) against the
-    loss in chunks (the default)."""
-    default_chunk = TrainConfig().loss_chunk_size
+    loss in chunks (the default: 64 Mi logits per chunk)."""
     rows = [
         "| model | tokens | loss | params | grads | optimizer | activations | temporaries "
         "| peak | peak in | + margin | fits 80 GB? | plan (wall / CPU) |",
@@ -259,13 +259,14 @@ def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
         model.mkdir(parents=True, exist_ok=True)
         (model / "config.json").write_text(json.dumps(shape, indent=2))
         for seq in lengths:
-            for chunk in (0, default_chunk):
+            for chunk in (0, None):
                 config = TrainConfig(
                     model=str(model), max_seq_length=seq, total_batch_size=8,
                     batch_size_per_device=1, gradient_checkpointing=True, loss_chunk_size=chunk,
                 )  # fmt: skip
                 plan, wall, cpu = timed_plan(config, gpus=8)
-                loss = f"chunks of {chunk}" if chunk else "full logits"
+                tokens = max(1, LOGITS_PER_CHUNK // shape["vocab_size"])
+                loss = "full logits" if chunk == 0 else f"chunks of {tokens}"
                 phase = "optimizer" if plan.peak_in_optimizer_step else "fwd/bwd"
                 rows.append(
                     f"| {name} | {seq:,} | {loss} | {' | '.join(plan.parts_gib())} | {phase} "

@@ -110,6 +110,9 @@ def test_an_unknown_family_keeps_the_full_logits_and_says_why():
     assert chunking.chunk_size == 0
     assert "newfamily" in chunking.note and "unchunked" in chunking.note
     assert LossChunking.build(0, config).note == "loss: unchunked (--loss_chunk_size 0)"
+    # the default: 64 Mi logits per chunk
+    assert LossChunking.build(None, tiny_model_config("llama", 128_256)).chunk_size == 523
+    assert LossChunking.build(None, tiny_model_config("gemma2", 256_000)).chunk_size == 262
     with pytest.raises(ValueError, match="--loss_chunk_size must be >= 0"):
         from fsdp_utils.config.train_config import validate_config
 

@@ -7,8 +7,8 @@ output layer, and the output layer, the family's logit transform and the cross-e
 chunks of the target tokens only, each chunk under `torch.utils.checkpoint` so that its logits are
 freed after the forward and recomputed in backward. The largest logits tensor is then
 [chunk, vocabulary]: at 8,192 tokens and Llama 3's 128,256 words the fp32 logits alone take
-4.2 GB unchunked and 0.26 GB per 512-token chunk. The price is one more output-layer matmul per
-chunk in backward (the recompute).
+4.2 GB unchunked and 0.27 GB per chunk of the default 523 tokens (`LOGITS_PER_CHUNK`). The
+price is one more output-layer matmul per chunk but the last in backward (the recompute).
 
 The chunks call the output layer as a module (`output_layer`), never its weight: under FSDP2 the
 weight belongs to the root's shard group, which FSDP gathers for the forward and the backward
@@ -94,6 +94,12 @@ def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
     )
 
 
+# The default chunk: as many target tokens as make 64 Mi logits (256 MiB in fp32): 523 tokens
+# of Llama 3's 128,256 words, 262 of Gemma's 256,000; a small vocabulary's micro-batch is one
+# chunk, which recomputes nothing (`chunked_target_nll`).
+LOGITS_PER_CHUNK = 64 * 2**20
+
+
 @dataclass(frozen=True)
 class LossChunking:
     """How a run computes its loss: `chunk_size` target tokens per chunk (0: unchunked) and the
@@ -104,16 +110,20 @@ class LossChunking:
     note: str = ""
 
     @classmethod
-    def build(cls, chunk_size: int, hf_config: Any) -> LossChunking:
+    def build(cls, chunk_size: int | None, hf_config: Any) -> LossChunking:
+        """`chunk_size`: --loss_chunk_size (None: `LOGITS_PER_CHUNK` logits per chunk)."""
         if chunk_size == 0:
             return cls(0, note="loss: unchunked (--loss_chunk_size 0)")
         transform, reason = logit_transform(hf_config)
         if reason is not None:
             return cls(0, note=f"loss: unchunked ({reason}; the full logits are computed)")
+        how = "--loss_chunk_size"
+        if chunk_size is None:
+            vocab = int(getattr(hf_config, "vocab_size", 0) or 1)
+            chunk_size = max(1, LOGITS_PER_CHUNK // vocab)
+            how = f"64 Mi logits of {vocab:,} words; --loss_chunk_size sets it"
         return cls(
-            chunk_size,
-            transform,
-            note=f"loss: in chunks of {chunk_size:,} target tokens (--loss_chunk_size)",
+            chunk_size, transform, note=f"loss: in chunks of {chunk_size:,} target tokens ({how})"
         )
 
 
