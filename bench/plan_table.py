@@ -101,7 +101,10 @@ GEMMA_2_9B = {
     "pad_token_id": 0,
     "torch_dtype": "bfloat16",
 }
-LONG_CONTEXT_MODELS: dict[str, dict[str, Any]] = {"Llama-3-8B-shaped": LLAMA_3_8B, "Gemma-2-9B-shaped": GEMMA_2_9B}
+LONG_CONTEXT_MODELS: dict[str, dict[str, Any]] = {
+    "Llama-3-8B-shaped": LLAMA_3_8B,
+    "Gemma-2-9B-shaped": GEMMA_2_9B,
+}
 
 # The command of issue 23 ("the planner's speed"): what every preflight of such a job runs.
 COMMAND_FLAGS = [
