@@ -188,8 +188,9 @@ def chunked_target_nll(
     backward.
 
     Only positions with a target go through the output layer (answers-only masks and padding
-    cost nothing). A batch without targets still runs one position with weight 0, so that the
-    output layer takes part in every backward, as with the unchunked loss (DDP expects it)."""
+    cost nothing). A batch without targets still runs one position through the output layer
+    (its loss dropped), so that the layer takes part in every backward, as with the unchunked
+    loss (DDP expects it)."""
     flat = hidden.flatten(0, 1)
     rows, tokens = targets.rows, targets.tokens
     if rows.numel() == 0:
