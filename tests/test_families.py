@@ -80,6 +80,11 @@ def test_two_processes_train_it_and_the_loss_falls(family_runs, arch):
 def test_the_chunked_loss_trains_as_the_full_logits(family_runs):
     """2 processes, FSDP2, fp32: the same losses and gradient norms, chunked or not (the first
     step's within 1e-6 relative; AdamW carries the rounding into the later steps)."""
+    for kind, chunk in (("full", CHUNK), ("unchunked", 0)):
+        resolved = json.loads(
+            (_ran(family_runs, f"{UNCHUNKED_TWIN} {kind}") / "config.json").read_text()
+        )
+        assert resolved["resolved"]["loss_chunk_size"] == chunk
     chunked = read_metrics(_ran(family_runs, f"{UNCHUNKED_TWIN} full"))
     full = read_metrics(_ran(family_runs, f"{UNCHUNKED_TWIN} unchunked"))
     assert len(chunked) == len(full) == STEPS

@@ -272,6 +272,7 @@ class Trainer:
             fsdp_groups=self.fsdp_groups,
             flops_per_token=self.flops_per_token,
             data=self.data,
+            loss_chunk_size=self.train_step.chunking.chunk_size,
         )
         write_run_config(self.layout, record)
         self.log.config(record)
