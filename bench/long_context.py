@@ -127,16 +127,16 @@ def main() -> None:
     ]
     for row in rows:
 
-        def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
-            return format(row[key], fmt) if key in row else "-"
+        def cell(key: str, fmt: str, unit: str = "", row: dict[str, Any] = row) -> str:
+            return format(row[key], fmt) + unit if key in row else "-"
 
         ratio = "-"
         if "speed_ratio_median" in row:
             low, high = row["speed_ratio_range"]
             ratio = f"{row['speed_ratio_median']:.2f} ({low:.2f}-{high:.2f})"
         lines.append(
-            f"| {row['tokens']:,} | {cell('chunked_peak_rss_gb', '.2f')} GB "
-            f"| {cell('unchunked_peak_rss_gb', '.2f')} GB | {cell('chunked_s_per_step', '.2f')} "
+            f"| {row['tokens']:,} | {cell('chunked_peak_rss_gb', '.2f', ' GB')} "
+            f"| {cell('unchunked_peak_rss_gb', '.2f', ' GB')} | {cell('chunked_s_per_step', '.2f')} "
             f"| {cell('unchunked_s_per_step', '.2f')} | {ratio} |"
         )
     (RESULTS / "long_context.md").write_text("\n".join(lines) + "\n")
