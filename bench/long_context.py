@@ -55,12 +55,21 @@ def child(seq: int, chunk: int) -> None:
         model, config, world_size=1, device=torch.device("cpu"), hf_config=hf_config
     )
     ids = torch.randint(0, VOCAB, (1, seq))
-    times = []
+    times, cpu = [], []
     for index in range(STEPS):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         metrics = step([{"input_ids": ids, "labels": ids}], step=index + 1)
         times.append(time.perf_counter() - started)
-    print(json.dumps({"s_per_step": statistics.mean(times[1:]), "loss": metrics["loss"]}))
+        cpu.append(time.process_time() - cpu_started)
+    print(
+        json.dumps(
+            {
+                "s_per_step": statistics.mean(times[1:]),
+                "cpu_s_per_step": statistics.mean(cpu[1:]),
+                "loss": metrics["loss"],
+            }
+        )
+    )
 
 
 def run(seq: int, chunk: int) -> dict[str, float]:
@@ -111,6 +120,12 @@ def main() -> None:
             ]
             row["speed_ratio_median"] = statistics.median(ratios)
             row["speed_ratio_range"] = [min(ratios), max(ratios)]
+            cpu = [
+                u["cpu_s_per_step"] / c["cpu_s_per_step"]
+                for c, u in zip(chunked, unchunked, strict=True)
+            ]
+            row["cpu_ratio_median"] = statistics.median(cpu)
+            row["cpu_ratio_range"] = [min(cpu), max(cpu)]
             row["loss_relative_gap"] = abs(chunked[0]["loss"] / unchunked[0]["loss"] - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)

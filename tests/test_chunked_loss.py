@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, tiny_model_config
-from fsdp_utils.train.loss import LossChunking, count_targets, logit_transform
+from fsdp_utils.train.loss import LossChunking, count_targets, fused_applies, logit_transform
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.step import TrainStep, forward_loss_sum, token_logprobs
@@ -181,3 +181,19 @@ def test_the_train_step_with_accumulation_and_the_router_loss():
     for name, weight in plain_weights.items():
         torch.testing.assert_close(chunked_weights[name], weight, rtol=0, atol=1e-4, msg=name)
     assert sum(count_targets(b["labels"]) for b in [_batch(3), _batch(4)]) > 0
+
+
+def test_which_heads_compute_their_gradients_in_the_forward():
+    """A plain Linear head in fp32 or under FSDP's bf16 parameters: gradients in the chunks'
+    forward (nothing recomputed); a transform, LoRA, autocast or no gradient: checkpointed chunks.
+    Both are compared with the unchunked loss above (Llama: the first; Gemma 2, LoRA, bf16
+    autocast: the second)."""
+    model = _model("llama")
+    hidden = torch.zeros(2, 3, 32, requires_grad=True)
+    head = model.get_output_embeddings()
+    assert fused_applies(head, None, hidden)
+    assert not fused_applies(head, lambda x: x, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_applies(head, None, hidden)
+    with torch.no_grad():
+        assert not fused_applies(head, None, hidden)

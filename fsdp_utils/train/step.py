@@ -29,6 +29,7 @@ from fsdp_utils.train.loss import (
     LossChunking,
     Targets,
     chunked_target_nll,
+    chunked_target_nll_sum,
     count_targets,
     logprobs_from_logits,
     output_layer,
@@ -79,6 +80,8 @@ def forward_target_nll(
     device: torch.device,
     autocast: Callable[[], Any],
     chunking: LossChunking,
+    *,
+    summed: bool = False,
     **extra: Any,
 ) -> tuple[Any, torch.Tensor, Targets]:
     """`model_forward` with the loss in chunks (train/loss.py): the model's outputs (logits of no
@@ -102,7 +105,7 @@ def forward_target_nll(
         assert len(hidden) == 1, "the output layer ran more than once in a forward"
         stop.remove()  # the chunks call the output layer themselves
         # In the outputs' `loss` field (None without labels): FSDP hooks only dataclass fields
-        outputs["loss"] = chunked_target_nll(
+        outputs["loss"] = (chunked_target_nll_sum if summed else chunked_target_nll)(
             head,
             hidden[0],
             targets,
@@ -131,8 +134,10 @@ def forward_loss_sum(
 ) -> tuple[Any, torch.Tensor]:
     """The model's outputs and the summed token loss of a batch, in chunks or not (`chunking`)."""
     if chunking.chunk_size:
-        outputs, nll, _ = forward_target_nll(model, batch, device, autocast, chunking, **extra)
-        return outputs, nll.sum()
+        outputs, total, _ = forward_target_nll(
+            model, batch, device, autocast, chunking, summed=True, **extra
+        )
+        return outputs, total
     outputs = model_forward(model, batch, device, autocast, **extra)
     labels = batch["labels"].to(device, non_blocking=True)
     return outputs, token_loss_sum(outputs.logits, labels)
