@@ -188,8 +188,10 @@ def chunked_target_nll(
     *,
     chunk_size: int,
     transform: LogitTransform | None = None,
+    summed: bool = False,
 ) -> torch.Tensor:
-    """-log p(target) of each target token ([targets], fp32), from the last hidden states
+    """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
+    recomputing any chunk where `fused_applies`), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
     `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
     backward.
@@ -201,8 +203,11 @@ def chunked_target_nll(
     flat = hidden.flatten(0, 1)
     rows, tokens = targets.rows, targets.tokens
     if rows.numel() == 0:
-        return _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
+        nll = _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
+        return nll.sum() if summed else nll
     picked = flat.index_select(0, rows)
+    if summed and fused_applies(head, transform, hidden):
+        return _LinearNLLSum.apply(picked, head.weight, tokens, chunk_size)
     starts = range(0, rows.numel(), chunk_size)
     pieces = [
         # The last chunk keeps its logits for backward, which begins right after it: the peak
@@ -212,7 +217,8 @@ def chunked_target_nll(
         )
         for start in starts
     ]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    nll = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return nll.sum() if summed else nll
 
 
 def _checkpointed(
@@ -270,23 +276,6 @@ def fused_applies(head: nn.Module, transform: LogitTransform | None, hidden: tor
         and (hidden.requires_grad or head.weight.requires_grad)
         and not torch.is_autocast_enabled(hidden.device.type)
     )
-
-
-def chunked_target_nll_sum(
-    head: nn.Module,
-    hidden: torch.Tensor,
-    targets: Targets,
-    *,
-    chunk_size: int,
-    transform: LogitTransform | None = None,
-) -> torch.Tensor:
-    """sum(`chunked_target_nll`), without recomputing any chunk where `fused_applies`."""
-    if targets.rows.numel() == 0 or not fused_applies(head, transform, hidden):
-        return chunked_target_nll(
-            head, hidden, targets, chunk_size=chunk_size, transform=transform
-        ).sum()
-    picked = hidden.flatten(0, 1).index_select(0, targets.rows)
-    return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)
 
 
 def scatter_logprobs(nll: torch.Tensor, targets: Targets, labels_shape: torch.Size) -> torch.Tensor:

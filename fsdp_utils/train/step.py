@@ -29,7 +29,6 @@ from fsdp_utils.train.loss import (
     LossChunking,
     Targets,
     chunked_target_nll,
-    chunked_target_nll_sum,
     count_targets,
     logprobs_from_logits,
     output_layer,
@@ -105,12 +104,13 @@ def forward_target_nll(
         assert len(hidden) == 1, "the output layer ran more than once in a forward"
         stop.remove()  # the chunks call the output layer themselves
         # In the outputs' `loss` field (None without labels): FSDP hooks only dataclass fields
-        outputs["loss"] = (chunked_target_nll_sum if summed else chunked_target_nll)(
+        outputs["loss"] = chunked_target_nll(
             head,
             hidden[0],
             targets,
             chunk_size=chunking.chunk_size,
             transform=chunking.transform,
+            summed=summed,
         )
         return outputs
 
