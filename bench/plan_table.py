@@ -10,6 +10,8 @@ takes, and how the fast planner agrees with the full trace.
     python bench/plan_table.py --timings         # only the planning times and the command
     python bench/plan_table.py --baseline ../old # another checkout's command joins every round
     python bench/plan_table.py --agreement       # only fast vs full trace, tiny 20-layer models
+    python bench/plan_table.py --long_context    # only Llama-3-8B/Gemma-2-9B shapes at 8k and
+                                                 #   32k on 8 GPUs, chunked loss or not (--full too)
 
 Each row is one `plan_memory` (fake-tensor traces of the trainer's step, extrapolated from
 shallow copies of the model); with --full it is checked against the full trace of every layer
@@ -34,6 +36,7 @@ from typing import Any
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan import GPU_PRESETS, MemoryPlan, plan_memory
+from fsdp_utils.train.loss import LOGITS_PER_CHUNK
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
@@ -60,6 +63,49 @@ LLAMA_2_7B = {
     "eos_token_id": 2,
     "torch_dtype": "float16",
 }
+# Long sequences on large vocabularies (issue 31): the shapes of meta-llama/Meta-Llama-3-8B and
+# google/gemma-2-9b (their config.json's values; Gemma 2's positions raised to 32,768 so that the
+# 32k rows can be asked at all: its released models were trained to 8,192).
+LLAMA_3_8B = {
+    **LLAMA_2_7B,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+GEMMA_2_9B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "vocab_size": 256000,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_theta": 10000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+LONG_CONTEXT_MODELS: dict[str, dict[str, Any]] = {
+    "Llama-3-8B-shaped": LLAMA_3_8B,
+    "Gemma-2-9B-shaped": GEMMA_2_9B,
+}
+
 # The command of issue 23 ("the planner's speed"): what every preflight of such a job runs.
 COMMAND_FLAGS = [
     "--nodes", "1", "--gpus_per_node", "4", "--gpu_memory", "80GiB",
@@ -202,6 +248,39 @@ def command_timings(repeats: int, baseline: Path | None) -> str:
     return "\n".join(lines)
 
 
+def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
+    """Llama-3-8B- and Gemma-2-9B-shaped models at 8k and 32k tokens on 8 x 80 GB (1 per GPU,
+    activation checkpointing, bf16-mixed), the full logits (--loss_chunk_size 0) against the
+    loss in chunks (the default: 64 Mi logits per chunk)."""
+    rows = [
+        "| model | tokens | loss | params | grads | optimizer | activations | temporaries "
+        "| peak | peak in | + margin | fits 80 GB? | plan (wall / CPU) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
+    ]
+    for name, shape in LONG_CONTEXT_MODELS.items():
+        model = RESULTS / "configs" / name.lower()
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        for seq in lengths:
+            for chunk in (0, None):
+                config = TrainConfig(
+                    model=str(model), max_seq_length=seq, total_batch_size=8,
+                    batch_size_per_device=1, gradient_checkpointing=True, loss_chunk_size=chunk,
+                )  # fmt: skip
+                plan, wall, cpu = timed_plan(config, gpus=8)
+                tokens = max(1, LOGITS_PER_CHUNK // shape["vocab_size"])
+                loss = "full logits" if chunk == 0 else f"chunks of {tokens}"
+                phase = "optimizer" if plan.peak_in_optimizer_step else "fwd/bwd"
+                rows.append(
+                    f"| {name} | {seq:,} | {loss} | {' | '.join(plan.parts_gib())} | {phase} "
+                    f"| {plan.required_bytes / GIB:.1f} | {'yes' if plan.fits else '**no**'} "
+                    f"| {wall:.0f} s / {cpu:.0f} s |"
+                )
+                print(rows[-1], flush=True)
+    rows += ["", "GiB per GPU at the peak (its parts sum to it); total batch 8."]
+    return "\n".join(rows)
+
+
 AGREEMENT_SETTINGS: list[dict[str, Any]] = [
     {},
     {"gradient_checkpointing": True},
@@ -258,6 +337,9 @@ def main() -> None:
     )
     parser.add_argument("--timings", action="store_true", help="only the planning times")
     parser.add_argument("--agreement", action="store_true", help="only fast vs full, tiny")
+    parser.add_argument(
+        "--long_context", action="store_true", help="only the 8k/32k rows, chunked loss or not"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole command")
     parser.add_argument(
         "--baseline", type=Path, help="another checkout, whose command alternates with this one's"
@@ -270,11 +352,15 @@ def main() -> None:
     if args.agreement:
         print(f"\n{agreement()}")
         return
+    if args.long_context:
+        print(f"\n{long_context()}")
+        return
     if not args.timings:
         print(f"\n{table(args.model, full_trace=args.full)}")
     print(timings(full_trace))
     print(command_timings(args.repeats, args.baseline))
     if args.full:
+        print(f"\n{long_context()}")
         print(f"\n{agreement()}")
 
 

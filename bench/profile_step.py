@@ -34,9 +34,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # (category, predicate on a pstats key (file, function)): cumulative CPU time.
 CATEGORIES = {
     "forward": lambda f, fn: f.endswith("modeling_llama.py") and fn == "forward",
-    # ours: fsdp_utils.train.loss; the bare loop: transformers' loss, inside the model's forward
+    # ours: fsdp_utils.train.loss (unchunked, or the chunks' forward); the bare loop: transformers' loss, inside the model's forward
     "loss": lambda f, fn: (
-        (f.endswith("fsdp_utils/train/loss.py") and fn == "token_loss_sum")
+        (f.endswith("fsdp_utils/train/loss.py") and fn in ("token_loss_sum", "chunked_target_nll"))
         or (f.endswith("loss_utils.py") and fn == "ForCausalLMLoss")
     ),
     "backward": lambda f, fn: fn == "<method 'run_backward' of 'torch._C._EngineBase' objects>",

@@ -30,6 +30,7 @@ BENCHMARKS = [
     ("memory planner", "plan_table.py", True),
     ("LoRA", "lora.py", True),
     ("LoRA memory plans", "lora_plan_table.py", False),
+    ("long sequences", "long_context.py", True),
 ]
 
 

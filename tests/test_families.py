@@ -30,6 +30,10 @@ STEPS, LORA_STEPS = 16, 2
 # Enough for 16 steps to take every family's tiny random model well below its first losses,
 # Granite's too (its logits are divided by 8: it starts slower).
 LEARNING_RATE = 2e-2
+# The full runs compute the loss in chunks; Llama (its gradients computed in the chunks' forward)
+# and Gemma 2 (tied, soft-capped logits: chunks recomputed in backward) also train with the full
+# logits, for test_the_chunked_loss_trains_as_the_full_logits.
+CHUNK, UNCHUNKED_TWINS = 16, ("llama", "gemma2")
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +48,14 @@ def family_runs(tiny_assets, tmp_path_factory) -> dict[str, Any]:
     for arch in TINY_ARCHITECTURES:
         models[arch] = save_tiny_model(root / arch / "model", tokenizer, arch=arch)
         assets = {"model": models[arch], "data": tiny_assets["data"]}
-        for name, extra in {
-            "full": {"max_training_steps": STEPS},
-            "lora": {"max_training_steps": LORA_STEPS, "lora": True},
-        }.items():
+        kinds: dict[str, dict[str, Any]] = {
+            # the loss in chunks of 16 target tokens: several per micro-batch
+            "full": {"max_training_steps": STEPS, "loss_chunk_size": CHUNK},
+            "lora": {"max_training_steps": LORA_STEPS, "lora": True, "loss_chunk_size": CHUNK},
+        }
+        if arch in UNCHUNKED_TWINS:
+            kinds["unchunked"] = {"max_training_steps": STEPS, "loss_chunk_size": 0}
+        for name, extra in kinds.items():
             argv = tiny_args(
                 assets, root / arch / name, data_cache, learning_rate=LEARNING_RATE, **extra
             )
@@ -68,6 +76,23 @@ def test_two_processes_train_it_and_the_loss_falls(family_runs, arch):
     assert len(losses) == STEPS
     # From ln(vocabulary) ~ 6.2 for random weights; a falling trend, not one lucky batch.
     assert statistics.mean(losses[-4:]) < statistics.mean(losses[:2]) - 0.2, losses
+
+
+@pytest.mark.parametrize("arch", UNCHUNKED_TWINS)
+def test_the_chunked_loss_trains_as_the_full_logits(family_runs, arch):
+    """2 processes, FSDP2, fp32: the same losses and gradient norms, chunked or not (the first
+    step's within 1e-6 relative)."""
+    for kind, chunk in (("full", CHUNK), ("unchunked", 0)):
+        resolved = json.loads((_ran(family_runs, f"{arch} {kind}") / "config.json").read_text())
+        assert resolved["resolved"]["loss_chunk_size"] == chunk
+    chunked = read_metrics(_ran(family_runs, f"{arch} full"))
+    full = read_metrics(_ran(family_runs, f"{arch} unchunked"))
+    assert len(chunked) == len(full) == STEPS
+    # Later steps: AdamW at lr 2e-2 amplifies the first steps' rounding (Llama's gradient norms
+    # drift up to 5e-4 apart by step 16); a wrong gradient differs by far more from step 1 on.
+    for key, later in (("loss", 1e-4), ("grad_norm", 2e-3)):
+        assert chunked[0][key] == pytest.approx(full[0][key], rel=1e-6)
+        assert [r[key] for r in chunked] == pytest.approx([r[key] for r in full], rel=later)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)

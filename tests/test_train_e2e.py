@@ -47,15 +47,22 @@ def _all_ok(results: dict[str, dict[str, float]]) -> None:
 
 def test_same_total_batch_same_losses_on_1_and_2_processes(tmp_path, data_cache, tiny_assets):
     """Total batch 8 as 1x4x2, 2x2x2, 2x1x4 (FSDP), 2x2x2 (DDP) and with activation
-    checkpointing + deferred sync: fp32 losses agree step by step."""
+    checkpointing + deferred sync: fp32 losses agree step by step, the loss in one chunk per
+    micro-batch or (DDP, AC) in chunks of 16 tokens."""
     runs = {
         "1 proc, 4 per device": (1, {"batch_size_per_device": 4}),
         "2 procs, 2 per device": (2, {"batch_size_per_device": 2}),
         "2 procs, 1 per device": (2, {"batch_size_per_device": 1}),
-        "2 procs, DDP": (2, {"batch_size_per_device": 2, "no_fsdp": True}),
+        # these two with the loss in chunks of 16 tokens (the others' micro-batch is one chunk)
+        "2 procs, DDP": (2, {"batch_size_per_device": 2, "no_fsdp": True, "loss_chunk_size": 16}),
         "2 procs, AC + defer sync": (
             2,
-            {"batch_size_per_device": 2, "gradient_checkpointing": True, "defer_grad_sync": True},
+            {
+                "batch_size_per_device": 2,
+                "gradient_checkpointing": True,
+                "defer_grad_sync": True,
+                "loss_chunk_size": 16,
+            },
         ),
     }
     folders = {name: tmp_path / name.replace(" ", "_").replace(",", "") for name in runs}

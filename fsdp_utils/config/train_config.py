@@ -243,6 +243,16 @@ class TrainConfig:
             "With --gradient_checkpointing: checkpoint every Nth layer.", section="parallelism"
         ),
     )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Target tokens per chunk of the loss: the output layer and cross-entropy run over "
+            "chunks of this many tokens, each chunk's logits recomputed in backward, so the "
+            "full [tokens, vocabulary] logits never exist (default: as many tokens as hold "
+            "64 Mi logits, 523 for a 128,256-word vocabulary; 0: the whole batch at once).",
+            section="parallelism",
+        ),
+    )
     defer_grad_sync: bool = field(
         default=False,
         metadata=_opt(
@@ -689,6 +699,10 @@ def validate_config(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")
+    if config.loss_chunk_size is not None and config.loss_chunk_size < 0:
+        raise ValueError(
+            f"--loss_chunk_size must be >= 0 (0: unchunked), got {config.loss_chunk_size}."
+        )
     if config.collective_timeout_minutes <= 0:
         raise ValueError(
             "--collective_timeout_minutes must be positive, got "

@@ -31,8 +31,10 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
 
 
 def format_step(m: dict[str, Any], max_steps: int) -> str:
+    """The step's line. Memory: the peaks since the previous log step (GPUs: allocated/reserved;
+    the host: resident)."""
     mem = (
-        f"cuda {_fmt(m.get('cuda_peak_allocated_gib'), '.2f')}/"
+        f"peak cuda {_fmt(m.get('cuda_peak_allocated_gib'), '.2f')}/"
         f"{_fmt(m.get('cuda_peak_reserved_gib'), '.2f')} GiB | "
         if "cuda_peak_allocated_gib" in m
         else ""
@@ -44,7 +46,7 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
         f"grad norm {_fmt(m.get('grad_norm'), '.3f')} | "
         f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/device) | "
         f"MFU {_fmt(m.get('mfu_pct'), '.1f', '%')} | {mem}"
-        f"rss {_fmt(m.get('host_rss_gib'), '.2f')} GiB | {m['step_time_s']:.3f} s/step"
+        f"peak rss {_fmt(m.get('host_peak_rss_gib'), '.2f')} GiB | {m['step_time_s']:.3f} s/step"
     )
 
 
@@ -163,7 +165,7 @@ class RunLogger:
         }
         if "cuda_peak_allocated_gib" in m:
             columns["CUDA peak GiB"] = _fmt(m.get("cuda_peak_allocated_gib"), ".2f")
-        columns["RSS GiB"] = _fmt(m.get("host_rss_gib"), ".2f")
+        columns["peak RSS GiB"] = _fmt(m.get("host_peak_rss_gib"), ".2f")
         columns["s/step"] = f"{m['step_time_s']:.3f}"
         for name in columns:
             table.add_column(name, justify="right")

@@ -31,12 +31,13 @@ EXIT_USAGE = 2
 DEFAULT_SMOOTHING = 0.9
 
 # (record field, series name in the CSV and legends): GPU memory when the run had CUDA, else the
-# host's resident memory (a CPU run, or one that moves everything to the host).
+# host's resident memory (a CPU run, or one that moves everything to the host). Peaks over the
+# steps since the previous log step (fsdp_utils.metrics.throughput.memory_snapshot).
 CUDA_MEMORY = (
     ("cuda_peak_allocated_gib", "CUDA peak allocated"),
     ("cuda_peak_reserved_gib", "CUDA peak reserved"),
 )
-HOST_MEMORY = (("host_rss_gib", "host RSS"),)
+HOST_MEMORY = (("host_peak_rss_gib", "host peak RSS"), ("host_rss_gib", "host RSS after the step"))
 CHESS_KIND = "chess_eval"
 
 

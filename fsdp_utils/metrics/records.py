@@ -42,6 +42,7 @@ def run_config_record(
     fsdp_groups: list[str],
     flops_per_token: float,
     data: PreparedData,
+    loss_chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """What config.json holds: the config as given, what it resolved to on this world, and
     the library versions."""
@@ -62,6 +63,8 @@ def run_config_record(
         "non_embedding_parameters": info.non_embedding_parameters,
         "active_non_embedding_parameters": info.active_parameters,
         "flops_per_token": flops_per_token,
+        # target tokens per chunk of the loss (0: unchunked), --loss_chunk_size resolved
+        "loss_chunk_size": loss_chunk_size,
         "prepared_data": str(data.folder),
         "data_stats": data.meta.get("stats"),
     }

@@ -145,8 +145,27 @@ def _read_status_kib(field: str) -> int | None:
     return None
 
 
+def reset_memory_peaks(device: torch.device) -> bool:
+    """Start a new interval for `memory_snapshot`'s peaks: CUDA's peak statistics, and the
+    host's peak RSS (VmHWM) through /proc/self/clear_refs ("5": Linux 4.0 and later, the
+    process's own). False where the host's peak cannot be reset (it then runs from the
+    process's start)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def memory_snapshot(device: torch.device) -> dict[str, float | None]:
-    """GiB: CUDA peak allocated/reserved since the last reset; host RSS now and at peak."""
+    """GiB: the PEAKS since the previous snapshot (or `reset_memory_peaks`), and a new interval:
+    CUDA's peak allocated and reserved, the host's peak resident memory (rank 0's process:
+    VmHWM, else ru_maxrss, the peak since the process started); and the host's RSS now."""
     gib = 1024**3
     out: dict[str, float | None] = {}
     if device.type == "cuda":
@@ -154,11 +173,13 @@ def memory_snapshot(device: torch.device) -> dict[str, float | None]:
 
         out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
-        torch.cuda.reset_peak_memory_stats(device)
     rss = _read_status_kib("VmRSS")
     out["host_rss_gib"] = rss * 1024 / gib if rss is not None else None
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak_kib = _read_status_kib("VmHWM")
+    if peak_kib is None:
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     out["host_peak_rss_gib"] = peak_kib * 1024 / gib
+    reset_memory_peaks(device)
     return out
 
 

@@ -1,5 +1,5 @@
 """The held-out loss: every rank runs its share of the eval split through the same forward as
-training (`step.model_forward`), and the token-summed loss is reduced over all ranks."""
+training (`step.forward_loss_sum`, in chunks as training's), and the token-summed loss is reduced over all ranks."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 from fsdp_utils.data.blocks import TokenBlocks, eval_batches
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.train.loss import count_targets, token_loss_sum
-from fsdp_utils.train.step import model_forward
+from fsdp_utils.train.loss import LossChunking, count_targets
+from fsdp_utils.train.step import forward_loss_sum
 
 
 @torch.no_grad()
@@ -26,6 +26,7 @@ def evaluate(
     batch_size: int,
     max_batches: int,
     autocast: Callable[[], Any],
+    chunking: LossChunking,
 ) -> dict[str, Any] | None:
     """Collective. The eval loss, perplexity and target tokens; None without eval data.
 
@@ -37,10 +38,8 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
         batch = blocks.batch(indices)
-        logits = model_forward(model, batch, env.device, autocast).logits
-        labels = batch["labels"].to(env.device)
-        totals[0] += token_loss_sum(logits, labels)
-        totals[1] += count_targets(labels)
+        totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking)[1]
+        totals[1] += count_targets(batch["labels"])
     model.train()
     loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
     if tokens == 0:

@@ -1,11 +1,43 @@
-"""The causal-LM loss, summed over target tokens (normalised by the caller)."""
+"""The causal-LM loss, summed over target tokens (normalised by the caller).
+
+Two ways to the same numbers. Unchunked (`token_loss_sum`): the model's forward computes the
+logits of every position, [tokens, vocabulary], and the cross-entropy reads them. Chunked
+(`chunked_target_nll`, `--loss_chunk_size`, the default): the model's forward stops before its
+output layer, and the output layer, the family's logit transform and the cross-entropy run over
+chunks of the target tokens only, each chunk under `torch.utils.checkpoint` so that its logits are
+freed after the forward and recomputed in backward. The largest logits tensor is then
+[chunk, vocabulary]: at 8,192 tokens and Llama 3's 128,256 words the fp32 logits alone take
+4.2 GB unchunked and 0.27 GB per chunk of the default 523 tokens (`LOGITS_PER_CHUNK`). The
+price is one more output-layer matmul per chunk but the last in backward (the recompute).
+
+A summed loss through a plain bias-free linear output layer without a logit transform (Llama,
+Qwen, Mistral, ... in fp32 or under FSDP's bf16 parameters; `fused_applies`) goes further:
+each chunk's gradients are computed in its forward, as Liger's fused linear cross-entropy does,
+and the backward only scales them, so nothing is recomputed (`_LinearNLLSum`; 0.7x the
+unchunked loss's CPU time at 2,048 tokens and 128,256 words). The weight is then read inside
+the root's forward, where FSDP holds it gathered, never outside it.
+
+The checkpointed chunks call the output layer as a module (`output_layer`), never its weight: under FSDP2 the
+weight belongs to the root's shard group, which FSDP gathers for the forward and the backward
+(train/step.py runs the chunks inside the root's forward for that reason), and a LoRA adapter on
+it runs as in the model's own forward.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils.data.blocks import IGNORE_INDEX
+
+LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -22,3 +54,240 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def count_targets(labels: torch.Tensor) -> int:
     """Target tokens in a batch of labels, as `token_loss_sum` counts them."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+# --- what each family's forward does to the output layer's result -------------------------
+
+# Model types whose causal-LM forward returns the output layer's result as the logits.
+_PLAIN_LOGITS = frozenset(
+    {
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "gpt2", "gpt_neox",
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "phi", "starcoder2", "olmo",
+    }
+)  # fmt: skip
+
+
+def _softcap(cap: float) -> LogitTransform:
+    def transform(logits: torch.Tensor) -> torch.Tensor:  # Gemma 2 and 3's forward, op for op
+        return torch.tanh(logits / cap) * cap
+
+    return transform
+
+
+def _divide(by: float) -> LogitTransform:
+    return lambda logits: logits / by
+
+
+def _multiply(by: float) -> LogitTransform:
+    return lambda logits: logits * by
+
+
+def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
+    """(transform, None): what the family's forward applies to the output layer's result
+    (None: nothing), for the chunks to apply the same; (None, reason): a family whose forward
+    this module does not know, which keeps the unchunked loss."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _PLAIN_LOGITS:
+        return None, None
+    if model_type in ("gemma2", "gemma3", "gemma3_text"):
+        cap = getattr(hf_config, "final_logit_softcapping", None)
+        return (_softcap(float(cap)) if cap is not None else None), None
+    if model_type in ("granite", "granitemoe", "granitemoeshared"):
+        return _divide(float(hf_config.logits_scaling)), None
+    if model_type in ("cohere", "cohere2"):
+        return _multiply(float(hf_config.logit_scale)), None
+    return None, (
+        f"{model_type}'s forward is not known to leave the output layer's logits as they are"
+    )
+
+
+# The default chunk: as many target tokens as make 64 Mi logits (256 MiB in fp32): 523 tokens
+# of Llama 3's 128,256 words, 262 of Gemma's 256,000; a small vocabulary's micro-batch is one
+# chunk, which recomputes nothing (`chunked_target_nll`).
+LOGITS_PER_CHUNK = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LossChunking:
+    """How a run computes its loss: `chunk_size` target tokens per chunk (0: unchunked) and the
+    family's logit transform."""
+
+    chunk_size: int
+    transform: LogitTransform | None = None
+    note: str = ""
+
+    @classmethod
+    def build(cls, chunk_size: int | None, hf_config: Any) -> LossChunking:
+        """`chunk_size`: --loss_chunk_size (None: `LOGITS_PER_CHUNK` logits per chunk)."""
+        if chunk_size == 0:
+            return cls(0, note="loss: unchunked (--loss_chunk_size 0)")
+        transform, reason = logit_transform(hf_config)
+        if reason is not None:
+            return cls(0, note=f"loss: unchunked ({reason}; the full logits are computed)")
+        how = "--loss_chunk_size"
+        if chunk_size is None:
+            vocab = int(getattr(hf_config, "vocab_size", 0) or 1)
+            chunk_size = max(1, LOGITS_PER_CHUNK // vocab)
+            how = f"64 Mi logits of {vocab:,} words; --loss_chunk_size sets it"
+        return cls(
+            chunk_size, transform, note=f"loss: in chunks of {chunk_size:,} target tokens ({how})"
+        )
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The module that turns the last hidden states into logits (`lm_head`, GPT-NeoX's
+    `embed_out`), through the DDP and PEFT wrappers."""
+    inner: Any = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    head = inner.get_output_embeddings()
+    assert isinstance(head, nn.Module), f"{type(inner).__name__} has no output layer"
+    return head
+
+
+# --- the chunks ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The positions with a next-token target, found on the host (no device sync): `rows` index
+    the [batch x seq] hidden states, `shifted` the [batch x (seq - 1)] predicting positions."""
+
+    rows: torch.Tensor
+    shifted: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, labels: torch.Tensor) -> Targets:
+        following = labels[:, 1:]
+        batch, seq = labels.shape
+        if is_fake(labels):  # the memory planner's trace: no values, so every position (the most)
+            b = torch.arange(batch).repeat_interleave(seq - 1)
+            t = torch.arange(seq - 1).repeat(batch)
+        else:
+            b, t = (following != IGNORE_INDEX).nonzero(as_tuple=True)
+        return cls(rows=b * seq + t, shifted=b * (seq - 1) + t, tokens=following[b, t])
+
+    def to(self, device: torch.device) -> Targets:
+        moved = (x.to(device, non_blocking=True) for x in (self.rows, self.shifted, self.tokens))
+        return Targets(*moved)
+
+
+def _chunk_nll(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    # fp32 as in token_loss_sum: bf16 logits do not cost accuracy in the loss
+    return F.cross_entropy(logits.float(), tokens, reduction="none")
+
+
+def chunked_target_nll(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: Targets,
+    *,
+    chunk_size: int,
+    transform: LogitTransform | None = None,
+    summed: bool = False,
+) -> torch.Tensor:
+    """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
+    recomputing any chunk where `fused_applies`), from the last hidden states
+    [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
+    `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
+    backward.
+
+    Only positions with a target go through the output layer (answers-only masks and padding
+    cost nothing). A batch without targets still runs one position through the output layer
+    (its loss dropped), so that the layer takes part in every backward, as with the unchunked
+    loss (DDP expects it)."""
+    flat = hidden.flatten(0, 1)
+    rows, tokens = targets.rows, targets.tokens
+    if rows.numel() == 0:
+        nll = _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
+        return nll.sum() if summed else nll
+    picked = flat.index_select(0, rows)
+    if summed and fused_applies(head, transform, hidden):
+        return _LinearNLLSum.apply(picked, head.weight, tokens, chunk_size)
+    starts = range(0, rows.numel(), chunk_size)
+    pieces = [
+        # The last chunk keeps its logits for backward, which begins right after it: the peak
+        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
+        (_chunk_nll if start == starts[-1] else _checkpointed)(
+            head, transform, picked[start : start + chunk_size], tokens[start : start + chunk_size]
+        )
+        for start in starts
+    ]
+    nll = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return nll.sum() if summed else nll
+
+
+def _checkpointed(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    return checkpoint(_chunk_nll, head, transform, hidden, tokens, use_reentrant=False)
+
+
+class _LinearNLLSum(torch.autograd.Function):
+    """sum(-log p(target)) over the chunks of a plain linear output layer (no bias, no
+    transform), with the gradients computed chunk by chunk in the forward (Liger's fused linear
+    cross-entropy): the backward only scales them by the loss's gradient, so no chunk is
+    recomputed. Exact for a summed loss, whose gradient is one number for every token."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start : start + chunk], tokens[start : start + chunk]
+            logits = F.linear(h, weight).float()  # fp32 as in token_loss_sum
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of the logits
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
+            grad = probs.to(weight.dtype)
+            grad_hidden[start : start + chunk] = grad @ weight
+            grad_weight += (grad.t() @ h.to(weight.dtype)).float()
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad.to(grad_hidden.dtype),
+            grad_weight * grad.to(grad_weight.dtype),
+            None,
+            None,
+        )
+
+
+def fused_applies(head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor) -> bool:
+    """The gradients-in-forward sum fits: a plain bias-free Linear (not a LoRA layer), no logit
+    transform, no autocast (the forward's matmuls would then not be autocast's), grads wanted."""
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and transform is None
+        and torch.is_grad_enabled()
+        and (hidden.requires_grad or head.weight.requires_grad)
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+
+
+def scatter_logprobs(nll: torch.Tensor, targets: Targets, labels_shape: torch.Size) -> torch.Tensor:
+    """[batch, seq - 1] log-probabilities of each next token, 0 where the label is ignored."""
+    batch, seq = labels_shape
+    out = nll.new_zeros(batch * (seq - 1))
+    return out.index_put((targets.shifted,), -nll).view(batch, seq - 1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unchunked counterpart of `scatter_logprobs(chunked_target_nll(...))`."""
+    following = labels[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, following.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(following == IGNORE_INDEX, 0.0)

@@ -25,7 +25,16 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.parallelize import gradient_sync_context
-from fsdp_utils.train.loss import count_targets, token_loss_sum
+from fsdp_utils.train.loss import (
+    LossChunking,
+    Targets,
+    chunked_target_nll,
+    count_targets,
+    logprobs_from_logits,
+    output_layer,
+    scatter_logprobs,
+    token_loss_sum,
+)
 from fsdp_utils.train.optim import (
     apply_settings,
     build_optimizer,
@@ -62,6 +71,94 @@ def model_forward(
             use_cache=False,
             **extra,
         )
+
+
+def forward_target_nll(
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    chunking: LossChunking,
+    *,
+    summed: bool = False,
+    **extra: Any,
+) -> tuple[Any, torch.Tensor, Targets]:
+    """`model_forward` with the loss in chunks (train/loss.py): the model's outputs (logits of no
+    position), -log p of each target token, and where the targets are.
+
+    Two hooks for the length of the forward: the output layer gets no positions (the hidden
+    states it would have got are kept), and the chunks run at the end of the outermost module's
+    forward, before FSDP's post-forward hook: FSDP still holds the root's parameters (the output
+    layer's among them) gathered, and the result joins the outputs (as `loss`: -log p of each
+    target), on which FSDP hangs its pre-backward hook that gathers them again for the chunks'
+    recompute."""
+    targets = Targets.of(batch["labels"]).to(device)
+    head = output_layer(model)
+    hidden: list[torch.Tensor] = []
+
+    def stop_before_head(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden.append(args[0])
+        return (args[0][:, :0], *args[1:])
+
+    def chunks_in_forward(module: nn.Module, args: Any, outputs: Any) -> Any:
+        assert len(hidden) == 1, "the output layer ran more than once in a forward"
+        stop.remove()  # the chunks call the output layer themselves
+        # In the outputs' `loss` field (None without labels): FSDP hooks only dataclass fields
+        outputs["loss"] = chunked_target_nll(
+            head,
+            hidden[0],
+            targets,
+            chunk_size=chunking.chunk_size,
+            transform=chunking.transform,
+            summed=summed,
+        )
+        return outputs
+
+    stop = head.register_forward_pre_hook(stop_before_head)
+    run = model.register_forward_hook(chunks_in_forward, prepend=True)
+    try:
+        outputs = model_forward(model, batch, device, autocast, **extra)
+    finally:
+        stop.remove()
+        run.remove()
+    return outputs, outputs.loss, targets
+
+
+def forward_loss_sum(
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    chunking: LossChunking,
+    **extra: Any,
+) -> tuple[Any, torch.Tensor]:
+    """The model's outputs and the summed token loss of a batch, in chunks or not (`chunking`)."""
+    if chunking.chunk_size:
+        outputs, total, _ = forward_target_nll(
+            model, batch, device, autocast, chunking, summed=True, **extra
+        )
+        return outputs, total
+    outputs = model_forward(model, batch, device, autocast, **extra)
+    labels = batch["labels"].to(device, non_blocking=True)
+    return outputs, token_loss_sum(outputs.logits, labels)
+
+
+def token_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    chunking: LossChunking,
+    device: torch.device,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> torch.Tensor:
+    """[batch, seq - 1] fp32: log p(labels[:, t + 1]) given the tokens up to t, 0 where the label
+    is ignored (-100), through the same forward and chunks as the training loss; differentiable
+    (preference tuning) unless called under torch.no_grad (evaluation)."""
+    if chunking.chunk_size:
+        _, nll, targets = forward_target_nll(model, batch, device, autocast, chunking)
+        return scatter_logprobs(nll, targets, batch["labels"].shape)
+    logits = model_forward(model, batch, device, autocast).logits
+    return logprobs_from_logits(logits, batch["labels"].to(device))
 
 
 def local_counts(batches: list[Batch]) -> list[float]:
@@ -106,6 +203,7 @@ def build_train_step(
         scaler=make_grad_scaler(config, device) if grad_scaler else None,
         autocast=autocast,
         router_loss=RouterLoss.build(config, hf_config),
+        chunking=LossChunking.build(config.loss_chunk_size, hf_config),
     )
 
 
@@ -129,6 +227,7 @@ class TrainStep:
         scaler: Any = None,
         autocast: Callable[[], Any] = contextlib.nullcontext,
         router_loss: RouterLoss | None = None,
+        chunking: LossChunking | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -139,6 +238,8 @@ class TrainStep:
         self.scaler = scaler
         self.autocast = autocast
         self.router_loss = router_loss  # mixture of experts: load balancing (train/router_loss.py)
+        # The loss in chunks of target tokens (train/loss.py); unchunked unless given.
+        self.chunking = chunking or LossChunking(0)
         # Step (1-based) of the first non-finite gradient norm among the steps not checked on
         # the host, as a 0-d float64 tensor on the device (inf: none); None before any such step.
         self._nonfinite_step: torch.Tensor | None = None
@@ -197,9 +298,8 @@ class TrainStep:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
         router = self.router_loss
         extra = router.forward_kwargs if router is not None else {}
-        outputs = model_forward(self.model, batch, self.device, self.autocast, **extra)
-        loss_sum = token_loss_sum(
-            outputs.logits, batch["labels"].to(self.device, non_blocking=True)
+        outputs, loss_sum = forward_loss_sum(
+            self.model, batch, self.device, self.autocast, self.chunking, **extra
         )
         objective = loss_sum
         if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)

@@ -42,6 +42,7 @@ from fsdp_utils.metrics.records import run_config_record, write_run_config, writ
 from fsdp_utils.metrics.throughput import (
     detect_peak_tflops,
     memory_snapshot,
+    reset_memory_peaks,
     throughput,
     training_flops_per_token,
 )
@@ -153,6 +154,7 @@ class Trainer:
             self.model, config, world_size=env.world_size, device=env.device,
             hf_config=self.hf_config, autocast=self.autocast,
         )  # fmt: skip
+        self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
         if resume_from is not None:
             self._resume(resume_from)
@@ -270,6 +272,7 @@ class Trainer:
             fsdp_groups=self.fsdp_groups,
             flops_per_token=self.flops_per_token,
             data=self.data,
+            loss_chunk_size=self.train_step.chunking.chunk_size,
         )
         write_run_config(self.layout, record)
         self.log.config(record)
@@ -303,6 +306,7 @@ class Trainer:
         batches = self.step_batches(self.state.step)
         global_counts: list[float] | None = None  # the first step reduces its own
         self.probes = self._step_probes()  # --profile_steps, --flop_counter
+        reset_memory_peaks(self.env.device)  # the first logged peaks are the steps', not setup's
         while self.state.step < config.max_training_steps:
             self._seed_step()
             step = self.state.step + 1
@@ -400,6 +404,7 @@ class Trainer:
             batch_size=self.plan.batch_size_per_device,
             max_batches=self.config.eval_batches,
             autocast=self.autocast,
+            chunking=self.train_step.chunking,
         )
         record = None if metrics is None else {"step": self.state.step, **metrics}
         if record is not None:
