@@ -262,6 +262,25 @@ def prepare_dataset(
     return folder
 
 
+# Preparing inside a training job longer than this: the log says how to do it once, before.
+SLOW_IN_JOB_S = 180.0
+
+
+def slow_preparation_advice(seconds: float, world_size: int) -> str | None:
+    """The log's advice after a training job prepared its data for `seconds` while its other
+    `world_size - 1` processes waited; None when it was quick."""
+    if seconds < SLOW_IN_JOB_S:
+        return None
+    waited = f" while {world_size - 1} other process(es) waited" if world_size > 1 else ""
+    return (
+        f"data: preparing took {seconds / 60:.1f} min inside the job{waited}. It is cached now "
+        "(the next run with these data options starts at once); for the next dataset, prepare "
+        "it before the GPU job, on the login node: python download_models.py --config "
+        "<your run's config> --prepare, or on a CPU node with as many processes as it has "
+        "cores: sbatch slurm/prepare.sh <the same training options>"
+    )
+
+
 def _load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -1,0 +1,3 @@
+from fsdp_utils.data.cli import main
+
+raise SystemExit(main())
