@@ -5,13 +5,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fsdp_utils.cli import main as finetune_main
 from fsdp_utils.config.parse import parse_config
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data import prepare, token_files
+from fsdp_utils.data.chat import chat_template
 from fsdp_utils.data.cli import main as data_main
-from fsdp_utils.data.prepare import SLOW_IN_JOB_S, prepare_dataset, slow_preparation_advice
+from fsdp_utils.data.packing import pack_rows, pack_stream, pad_documents
+from fsdp_utils.data.prepare import (
+    SLOW_IN_JOB_S,
+    prepare_dataset,
+    slow_preparation_advice,
+    split_rows,
+)
+from fsdp_utils.data.rows import ROW_INDEX, RowEncoder
+from fsdp_utils.synthetic import random_conversations, save_chat_model, train_chat_tokenizer
+from tests.chat_helpers import write_jsonl
 from tests.train_helpers import check_ok, run_finetune, tiny_args
 
 
@@ -32,7 +44,7 @@ def test_a_malformed_json_line_names_the_file_and_line(tiny_assets, tmp_path, ca
     with pytest.raises(ValueError, match=rf"{data}:123: not a valid JSON line"):
         prepare_dataset(config, log=lambda _: None)
     # The training command: one paragraph, exit 2, no traceback.
-    args = tiny_args(tiny_assets, tmp_path / "run", tmp_path / "c", dataset=data)
+    args = tiny_args(tiny_assets, tmp_path / "run", tmp_path / "c", dataset=data, eval_examples=10)
     assert finetune_main([str(a) for a in args]) == 2
     err = capsys.readouterr().err
     assert f"error: {data}:123: not a valid JSON line" in err
@@ -83,3 +95,96 @@ def test_the_data_command_prepares_what_the_training_run_finds(tiny_assets, tmp_
     assert any(line.startswith("data: using prepared data") for line in lines), lines
     assert data_main([*options, "--max_seq_length", "0"]) == 2
     assert "error: " in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return save_chat_model(
+        tmp_path_factory.mktemp("chat_model"), "chatml", base=train_chat_tokenizer()
+    )
+
+
+def _arrays(folder: Path) -> dict[str, np.ndarray]:
+    return {p.stem: np.load(p) for p in sorted(folder.glob("*.npy"))}
+
+
+def test_streamed_batches_and_processes_give_the_blocks_the_in_memory_packers_give(
+    tmp_path, chat_model, monkeypatch
+):
+    """Preparation read in small batches, by one process or two, spilled and written a few
+    blocks at a time, gives the arrays `pack_rows` gives over the whole split at once (rows in
+    split order, best-fit decreasing), and leaves nothing but them: no spill files, no copy of
+    the raw rows."""
+    monkeypatch.setattr(prepare, "ROWS_PER_BATCH", 37)
+    monkeypatch.setattr(token_files, "BLOCKS_PER_WRITE", 5)
+    chats = [{"messages": c} for c in random_conversations(300, seed=1, turns=(1, 3))]
+    chats[7] = {"messages": [{"role": "user", "content": "no answer"}]}  # dropped, counted
+    data = write_jsonl(tmp_path / "chat.jsonl", chats)
+    config = TrainConfig(
+        model=str(chat_model), dataset=str(data), max_seq_length=256, eval_examples=20,
+    )  # fmt: skip
+    one = prepare_dataset(config.replace(data_cache_dir=str(tmp_path / "a"), num_proc=1), log=print)
+    two = prepare_dataset(config.replace(data_cache_dir=str(tmp_path / "b"), num_proc=2), log=print)
+    arrays = _arrays(one)
+    assert arrays.keys() == _arrays(two).keys()
+    for name, values in _arrays(two).items():
+        np.testing.assert_array_equal(values, arrays[name], err_msg=name)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [one.name]  # no raw copy
+    assert not list(one.glob("spill*"))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    encoder = RowEncoder(
+        "chat",
+        tokenizer,
+        256,
+        "drop",
+        template=chat_template(tokenizer, template_file=None, model=str(chat_model)),
+    )
+    split = split_rows(config, len(chats))["train"]
+    batch = {"messages": [chats[i]["messages"] for i in split], ROW_INDEX: [int(i) for i in split]}
+    encoded = encoder(batch)
+    kept = [i for i, d in enumerate(encoded["dropped"]) if not d]
+    assert len(kept) == len(split) - (7 in split)
+    ids = [encoded["input_ids"][i] for i in kept]
+    masks = [encoded["loss_mask"][i] for i in kept]
+    offsets = np.cumsum([0, *map(len, ids)])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    expected = pack_rows(
+        np.concatenate(ids), np.concatenate(masks), offsets, 256, pad, packing=True
+    )
+    np.testing.assert_array_equal(arrays["train_input_ids"], expected.input_ids)
+    np.testing.assert_array_equal(arrays["train_loss_mask"], expected.loss_mask)
+    np.testing.assert_array_equal(arrays["train_row_starts"], expected.row_starts)
+    np.testing.assert_array_equal(arrays["train_lengths"], expected.lengths)
+
+
+def test_streamed_text_is_the_split_order_stream_cut_into_blocks(
+    tmp_path, tiny_assets, monkeypatch
+):
+    monkeypatch.setattr(prepare, "ROWS_PER_BATCH", 29)
+    monkeypatch.setattr(token_files, "BLOCKS_PER_WRITE", 3)
+    data = _write_rows(tmp_path / "rows.jsonl", 250)
+    config = TrainConfig(
+        model=str(tiny_assets["model"]), dataset=str(data), data_cache_dir=str(tmp_path / "c"),
+        max_seq_length=64, eval_examples=10, num_proc=2,
+    )  # fmt: skip
+    arrays = _arrays(prepare_dataset(config, log=lambda _: None))
+    padded = _arrays(prepare_dataset(config.replace(no_packing=True), log=lambda _: None))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    for name, order in split_rows(config, len(texts)).items():
+        docs = [tokenizer(texts[i])["input_ids"] for i in order]
+        docs = [d if d and d[-1] == eos else [*d, eos] for d in docs]
+        ids, lengths = pack_stream(np.concatenate(docs).astype(np.int32), 64, pad)
+        np.testing.assert_array_equal(arrays[f"{name}_input_ids"], ids)
+        np.testing.assert_array_equal(arrays[f"{name}_lengths"], lengths)
+        offsets = np.cumsum([0, *map(len, docs)])
+        ids, lengths = pad_documents(np.concatenate(docs).astype(np.int32), offsets, 64, pad)
+        np.testing.assert_array_equal(padded[f"{name}_input_ids"], ids)
+        np.testing.assert_array_equal(padded[f"{name}_lengths"], lengths)

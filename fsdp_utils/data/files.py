@@ -1,9 +1,10 @@
-"""Reading dataset files with `datasets`' own loaders, and their columns without reading them.
+"""Dataset file types, and their columns without reading them.
 
-One builder per file type: `.parquet` (parquet), `.json` (a list of objects, or JSON lines),
-`.jsonl` (json), `.csv` (csv), `.arrow` (arrow, e.g. the files of `Dataset.save_to_disk`).
-A dataset is files of one type. `peek_columns` reads only a schema or the first row, so the
-format can be chosen (and the prepared cache found) without loading the data.
+One builder per file type (the names are `datasets`' loaders'): `.parquet` (parquet), `.json` (a
+list of objects, or JSON lines), `.jsonl` (json), `.csv` (csv), `.arrow` (arrow, e.g. the files
+of `Dataset.save_to_disk`). A dataset is files of one type; `fsdp_utils.data.streaming` reads
+their rows in batches. `peek_columns` reads only a schema or the first row, so the format can
+be chosen (and the prepared cache found) without loading the data.
 """
 
 from __future__ import annotations
@@ -39,64 +40,6 @@ def builder_of(files: list[Path]) -> str:
             "with --dataset_include (e.g. '*.parquet')."
         )
     return builders[0]
-
-
-def load_files(files: list[Path], cache_dir: Path) -> Any:
-    """The files as one `datasets.Dataset`, columns as stored."""
-    import datasets
-    from datasets.exceptions import DatasetGenerationError
-
-    builder = builder_of(files)
-    try:
-        return datasets.load_dataset(
-            builder, data_files=[str(f) for f in files], split="train", cache_dir=str(cache_dir)
-        )
-    except DatasetGenerationError as err:
-        # datasets names neither the file nor the line; find them for JSON, where one bad
-        # line (a truncated write, a stray log line) is the usual cause.
-        where = first_json_error(files) if builder == "json" else None
-        if where is None:
-            raise
-        raise ValueError(
-            f"{where}. Fix or remove that line (python -m json.tool checks a file), then run "
-            "the same command again."
-        ) from err
-
-
-def first_json_error(files: list[Path]) -> str | None:
-    """`file:line: what is wrong` for the first row of the JSON files that is not a JSON
-    object (JSON lines, or a file holding one JSON list); None if every row parses."""
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            head = f.read(1 << 12).lstrip()
-        if head.startswith("["):  # one JSON document: its parser knows the line
-            try:
-                json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                return f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})"
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    return (
-                        f"{path}:{number}: not a valid JSON line ({err.msg}, column "
-                        f"{err.colno}): {_excerpt(line)}"
-                    )
-                if not isinstance(row, dict):
-                    return (
-                        f"{path}:{number}: a row must be a JSON object, got "
-                        f"{type(row).__name__}: {_excerpt(line)}"
-                    )
-    return None
-
-
-def _excerpt(line: str, limit: int = 80) -> str:
-    line = line.strip()
-    return repr(line if len(line) <= limit else line[:limit] + "...")
 
 
 def peek_columns(files: list[Path]) -> list[str]:
