@@ -32,7 +32,7 @@ from a log-normal (median 40 words). Writes bench/results/data_prep.json.
 
 scale (--scale N1,N2,N3): the whole preparation (`python -m fsdp_utils.data`, the command of
 slurm/prepare.sh, and the trainer's preparation) of N chat rows of one user and one assistant
-message of 40-60 random words each (~112 tokens a row), or with --shape text N `text` rows of
+message of 40-60 random words each (~112 tokens a row; drawn from 50,000 such messages), or with --shape text N `text` rows of
 the same words, each size in a fresh process: rows, tokens, wall seconds and the process's
 peak RSS (wait4's ru_maxrss), and the growth of the peak from the smallest size to the
 largest. Peak memory does not depend on the machine's load; seconds do. Writes
@@ -130,12 +130,13 @@ def waste(lengths: np.ndarray, block: int) -> dict[str, float]:
 
 def write_rows(path: Path, n: int, shape: str, seed: int = 0) -> None:
     """N rows of the scale table's shape, written as they are made (the bench's own memory
-    stays flat too)."""
+    stays flat too). Messages are drawn from a pool of 50,000, so that millions of rows take
+    seconds to write, not minutes."""
     rng = random.Random(seed)
+    pool = [random_words(rng, rng.randint(40, 60)) for _ in range(50_000)]
     with open(path, "w") as f:
         for _ in range(n):
-            question = random_words(rng, rng.randint(40, 60))
-            answer = random_words(rng, rng.randint(40, 60))
+            question, answer = rng.choice(pool), rng.choice(pool)
             if shape == "text":
                 row: dict[str, Any] = {"text": f"{question}\n{answer}"}
             else:

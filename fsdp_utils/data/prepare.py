@@ -393,6 +393,8 @@ def split_rows(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
     blocks are unchanged. It depends only on the number of rows and the seed, so the chess
     evaluation finds the raw rows of the held-out games (`held_out_games`)."""
     order = np.random.default_rng(config.seed).permutation(num_rows)
+    if num_rows < 2**31:  # half the bytes per row: the one array that grows with the data
+        order = order.astype(np.int32)
     if config.max_examples is not None:
         order = order[: min(config.max_examples, num_rows)]
     n_eval = min(config.eval_examples, max(len(order) - 1, 0))
@@ -552,7 +554,7 @@ class _EncodeDocuments:
             texts = batch[self.text_field]
         ids = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
         ids = [x if x and x[-1] == self.eos else [*x, self.eos] for x in ids]
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
         flat = np.fromiter(
             itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())
         )
@@ -630,7 +632,7 @@ class _EncodeRows:
         kept = [not d for d in out["dropped"]]
         ids = [x if k else [] for x, k in zip(out["input_ids"], kept, strict=True)]
         masks = [m if k else [] for m, k in zip(out["loss_mask"], kept, strict=True)]
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
         total = int(lengths.sum())
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
         mask = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total)

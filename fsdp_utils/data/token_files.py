@@ -42,13 +42,14 @@ class TokenSpill:
         if self._mask is not None:
             assert mask is not None
             self._mask.write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
-        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))  # a row's: < 2**31 tokens
 
     def close(self) -> SpilledRows:
         self._ids.close()
         if self._mask is not None:
             self._mask.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        self._lengths = []
         return SpilledRows(self.ids_path, self.mask_path, lengths)
 
 
@@ -58,7 +59,7 @@ class SpilledRows:
     def __init__(self, ids_path: Path, mask_path: Path | None, lengths: np.ndarray) -> None:
         self.lengths = lengths
         self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
+        np.cumsum(lengths, dtype=np.int64, out=self.offsets[1:])
         self._ids = os.open(ids_path, os.O_RDONLY)
         self._mask = os.open(mask_path, os.O_RDONLY) if mask_path else None
         self._paths = [p for p in (ids_path, mask_path) if p is not None]
@@ -112,7 +113,7 @@ class Written:
 def write_stream(rows: SpilledRows, order: np.ndarray, block: int, pad: int, out: Path) -> Written:
     """`pack_stream` on disk: the rows in `order`, one token stream, cut into full blocks; only
     the last may be partial. Writes `out`_input_ids.npy and `out`_lengths.npy."""
-    total = int(rows.lengths[order].sum())
+    total = int(rows.lengths[order].sum(dtype=np.int64))
     n_blocks = -(-total // block)
     lengths = np.full(n_blocks, block, dtype=np.int32)
     if n_blocks:
@@ -141,6 +142,7 @@ def write_padded(rows: SpilledRows, order: np.ndarray, block: int, pad: int, out
     """`pad_documents` on disk: one row per block, truncated to `block` and right-padded."""
     lengths = np.minimum(rows.lengths[order], block).astype(np.int32)
     ids_out = NpyWriter(Path(f"{out}_input_ids.npy"), (len(order), block), np.int32)
+    tokens = int(lengths.sum(dtype=np.int64))
     for start in range(0, len(order), BLOCKS_PER_WRITE):
         part = order[start : start + BLOCKS_PER_WRITE]
         blocks = np.full((len(part), block), pad, dtype=np.int32)
@@ -150,7 +152,7 @@ def write_padded(rows: SpilledRows, order: np.ndarray, block: int, pad: int, out
         ids_out.write(blocks)
     ids_out.close()
     np.save(Path(f"{out}_lengths.npy"), lengths)
-    return Written(int(lengths.sum()), len(order), len(order) * block)
+    return Written(tokens, len(order), len(order) * block)
 
 
 def write_packed(
@@ -195,4 +197,4 @@ def write_packed(
     for writer in writers.values():
         writer.close()
     np.save(Path(f"{out}_lengths.npy"), used)
-    return Written(int(lengths.sum()), n_blocks, n_blocks * block, trained)
+    return Written(int(lengths.sum(dtype=np.int64)), n_blocks, n_blocks * block, trained)
