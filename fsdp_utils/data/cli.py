@@ -6,7 +6,6 @@ wait. The same preparation, cache folder and key as the training run with the sa
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -18,24 +17,14 @@ Takes chess_finetune.py's options (only the model's tokenizer and the data optio
 a training run with the same options then finds the data prepared."""
 
 
-def available_cpus() -> int:
-    """The CPUs this process may use (a Slurm allocation's, not the node's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_utils.hub.offline import enable_offline_mode
-
-    enable_offline_mode()  # compute nodes have no internet: nothing is downloaded here
     parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.data")
     try:
         config, _ = parse_config(sys.argv[1:] if argv is None else argv, parser)
+        from fsdp_utils.data.prepare import available_cpus, prepare_dataset
+
         if config.num_proc is None:
             config = config.replace(num_proc=available_cpus())
-        from fsdp_utils.data.prepare import prepare_dataset
 
         started = time.monotonic()
         folder = prepare_dataset(config)

@@ -461,7 +461,15 @@ def _num_proc(config: TrainConfig, num_docs: int) -> int:
     if config.num_proc is not None:
         return max(1, config.num_proc)
     # Worker start-up costs seconds: not worth it for small datasets.
-    return 1 if num_docs < 20_000 else min(8, os.cpu_count() or 1)
+    return 1 if num_docs < 20_000 else min(8, available_cpus())
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: a Slurm allocation's, not the node's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # The work of the pool's processes, set before they are forked (they inherit it: the tokenizer
