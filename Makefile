@@ -8,13 +8,17 @@ TORCH_PIN ?= torch==2.13.0
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system demo test test-quick lint format bench bench-full gpu-check clean help
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+
+.PHONY: setup setup-system demo test test-quick test-floor lint format bench bench-full gpu-check clean help
 
 help:
 	@echo "make setup       create $(VENV) (torch CPU pinned first) and install the package with test/lint extras"
 	@echo "make demo        tiny chess model + random games, 2-process FSDP run on CPU (< 5 min)"
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
+	@echo "make test-floor  the quick suite in $(FLOOR_VENV), every dependency at its declared floor"
 	@echo "make lint        ruff check + ruff format --check + mypy + import layers and circles"
 	@echo "make bench       throughput, LoRA and memory-planner benchmarks, results in bench/results/ (~7 min)"
 	@echo "make bench-full  the long set: more rounds, every row, fast vs full traces (not timed here; well over the short set)"
@@ -46,6 +50,22 @@ test: setup setup-system
 
 test-quick: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# A second environment, rebuilt each time, at the oldest versions pyproject.toml declares: each
+# dependency (and each of the test extra) pinned to its lower bound, torch first (the floor is the
+# CPU build's version), the project without dependencies; `pip check` proves the floors agree
+# with each other, then the quick suite runs. See docs/development.md#tested-versions.
+test-floor: setup
+	rm -rf $(FLOOR_VENV)
+	python3 -m venv $(FLOOR_VENV)
+	$(PY) -m fsdp_utils.versions --floors test > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(FLOOR_PY) -m pip install -q "$$(grep '^torch==' $(FLOOR_VENV)/floors.txt)"
+	$(FLOOR_PY) -m pip install -q -r $(FLOOR_VENV)/floors.txt
+	$(FLOOR_PY) -m pip install -q --no-deps -e .
+	$(FLOOR_PY) -m pip check
+	$(FLOOR_PY) -m fsdp_utils.versions
+	$(FLOOR_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

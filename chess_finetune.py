@@ -6,6 +6,7 @@
 """
 
 from fsdp_utils.hub.offline import enable_offline_mode
+from fsdp_utils.versions import exit_if_untested
 
 # Compute nodes have no internet: the Hugging Face libraries read these at import time.
 enable_offline_mode()
@@ -13,6 +14,7 @@ enable_offline_mode()
 if __name__ == "__main__":
     import sys
 
+    exit_if_untested()  # before anything imports torch or transformers
     from fsdp_utils.cli import main
 
     sys.exit(main())

@@ -8,7 +8,10 @@ Everything lives in `fsdp_utils.hub`; see docs/download.md.
 
 import sys
 
-from fsdp_utils.download import main
+from fsdp_utils.versions import exit_if_untested
 
 if __name__ == "__main__":
+    exit_if_untested()  # before anything imports huggingface_hub or transformers
+    from fsdp_utils.download import main
+
     sys.exit(main())

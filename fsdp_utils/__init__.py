@@ -18,7 +18,22 @@ checks it: see `.importlinter`):
 
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
 `export` and `plot` (`python -m fsdp_utils.export|plot`); `synthetic` builds the tiny models,
-tokenizers and datasets of the demo and the tests.
+tokenizers and datasets of the demo and the tests. Under every stage: `versions` (each command
+starts by checking the installed dependencies against pyproject.toml's ranges), `error_report`
+(a user mistake's one paragraph) and `atomic` (files written whole or not at all).
 """
 
+import sys
+
 __version__ = "0.1.0"
+
+# `python -m fsdp_utils.plan` (and .chess_eval, .export, .plot, .demo) imports this package, then
+# the command's package (which imports torch), then runs it. While Python looks the command up,
+# sys.argv[0] is "-m" (documented for -m), so this is the one place that checks the versions of
+# every `python -m fsdp_utils.*` command before anything imports torch or transformers. A program
+# that imports fsdp_utils as a library is not checked. The scripts (chess_finetune.py, ...) check
+# first thing.
+if sys.argv[:1] == ["-m"]:
+    from fsdp_utils.versions import exit_if_untested
+
+    exit_if_untested()

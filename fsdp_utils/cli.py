@@ -14,17 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 if TYPE_CHECKING:
     from fsdp_utils.train.trainer import Trainer
 
     AfterSetup = Callable[[Trainer], None]
 
-EXIT_USAGE = 2
-# Rank 0 reports before the others learn of its failure; this is only so that its exit, not
-# torchrun's SIGTERM after another rank's, ends it. The message does not depend on it: every
-# rank that fails for a user mistake carries it in its torchrun error file.
-PEER_EXIT_DELAY_S = 2.0
 
 DESCRIPTION = """Fine-tune a causal LM on chess games (or any text) with FSDP2.
 Run with torchrun (one process per GPU; gloo on CPU) or as a plain process."""
@@ -73,10 +69,7 @@ def _fail(message: str) -> int:
     """A user mistake that every rank found (the arguments, the batch arithmetic): rank 0
     prints it; every rank puts it in its torchrun error file, since torchrun's closing report
     names the first rank to exit, whichever that is."""
-    if _rank() == 0 or "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from fsdp_utils.parallel.distributed import report_error  # torch: not for --help
-
-        report_error(message, show=_rank() == 0)
+    report_error(message, show=_rank() == 0)
     if _rank() != 0:  # not needed for the message (see above): rank 0's print reaches the log
         time.sleep(PEER_EXIT_DELAY_S)  # before torchrun stops it, on a quiet machine at least
     return EXIT_USAGE

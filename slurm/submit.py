@@ -15,7 +15,10 @@ from pathlib import Path
 # Importable from a plain checkout too (python puts slurm/, not the root, on sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_utils.slurm.submitit_launcher import main
+from fsdp_utils.versions import exit_if_untested
 
 if __name__ == "__main__":
+    exit_if_untested()  # here, not after the job waited in the queue
+    from fsdp_utils.slurm.submitit_launcher import main
+
     sys.exit(main())

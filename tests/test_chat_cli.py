@@ -24,8 +24,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "<think>hmm</think>kalo"},
         {"role": "user", "content": "and"},
-        {"role": "assistant", "content": "mine"},
-    ]
+    ]  # the last answer's reasoning dropped by the template: refused
     chats = [{"messages": c} for c in random_conversations(20, seed=0)]
     long_answer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ka " * 200}]
     return {
@@ -53,9 +52,9 @@ CASES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     "model without a chat template": (
         "plain", "chat", {}, ["has no chat template", "--chat_template FILE"],
     ),
-    "template breaking the prefix check": (
+    "template dropping the last answer's reasoning": (
         "thinking_model", "thinking", {},
-        ["the chat template of", "renders the start of a conversation differently", "in row 0"],
+        ["the chat template of", "drops its <think>...</think> part", "message 1 of row 0"],
     ),
     "overlong row with --long_examples error": (
         "chatml", "long", {"long_examples": "error", "max_seq_length": 128, "eval_examples": 2},

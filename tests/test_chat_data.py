@@ -76,7 +76,8 @@ def test_chatml_without_markers_trains_the_answer_and_its_end_of_turn(tmp_path, 
     runs, prepared = _chat(tmp_path, models, "chatml", ONE_TURN)
     assert runs == [
         ("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", False),
-        ("kalo mine<|im_end|>\n", True),
+        ("kalo mine<|im_end|>", True),
+        ("\n", False),  # what the template writes after the end-of-turn token: not trained
     ]
     assert prepared.meta["stats"]["end_of_turn"] == "<|im_end|>"
 
@@ -89,9 +90,10 @@ def test_multi_turn_with_a_system_message_trains_every_answer_and_nothing_else(t
             "<|im_start|>assistant\n",
             False,
         ),
-        ("kalo mine<|im_end|>\n", True),
-        ("<|im_start|>user\nand then<|im_end|>\n<|im_start|>assistant\n", False),
-        ("sa ti<|im_end|>\n", True),
+        ("kalo mine<|im_end|>", True),
+        ("\n<|im_start|>user\nand then<|im_end|>\n<|im_start|>assistant\n", False),
+        ("sa ti<|im_end|>", True),
+        ("\n", False),
     ]
 
 
@@ -134,6 +136,7 @@ def test_generation_markers_give_the_mask(tmp_path, models):
         ("\n", False),
     ]
     assert prepared.meta["stats"]["generation_markers"] is True
+    assert prepared.meta["stats"]["answers_found_by"] == "the template's {% generation %} markers"
 
 
 def test_sharegpt_conversations_are_chat(tmp_path, models):
@@ -341,22 +344,22 @@ def test_truncation_that_leaves_nothing_to_train_drops_the_row(tmp_path, models)
     assert prepared.meta["stats"]["train"]["dropped"] == {"nothing to train on after truncation": 1}
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, models):
-    """Qwen3-like: an earlier answer loses its <think> part once the conversation goes on,
-    so prefixes do not render as the start of the whole; the error names template and row."""
+def test_a_template_that_drops_reasoning_trains_the_answers_it_shows_whole(tmp_path, models):
+    """Qwen3-like: an earlier answer loses its <think> part once the conversation goes on (as
+    the model sees it at inference): it is context, not trained; the last answer, shown whole,
+    is. A last answer whose reasoning the template drops is refused, naming row and cause."""
     thinking = [dict(m) for m in MULTI_TURN]
     thinking[2]["content"] = "<think>hmm</think>kalo mine"
-    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}, {"messages": thinking}])
+    runs, _ = _chat(tmp_path, models, "think_dropping", thinking)
+    assert [text for text, trained in runs if trained] == ["sa ti<|im_end|>"]
+    ends_asking = [*thinking[:3], {"role": "user", "content": "and then"}]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}, {"messages": ends_asking}])
     with pytest.raises(
-        ValueError, match=r"the chat template of .*think_dropping renders the start.*in row 1"
+        ValueError,
+        match=r"think_dropping cannot be masked for the assistant answer in message 2 of row 1: "
+        r"the template drops its <think>\.\.\.</think> part although it is the last answer",
     ):
         prepare(models["think_dropping"], data, tmp_path / "c")
-    # Without <think> parts the same template renders prefixes unchanged: accepted.
-    prepare(
-        models["think_dropping"],
-        write_jsonl(tmp_path / "ok.jsonl", [{"messages": MULTI_TURN}]),
-        tmp_path / "c2",
-    )
 
 
 def _conversation(messages):
@@ -401,28 +404,36 @@ def test_the_end_of_turn_token_must_be_trained(base):
 
 
 @pytest.mark.parametrize("style", ["chatml", "llama3"])
-def test_encoded_tokens_are_apply_chat_templates_and_tails_match_whole_openings(base, style):
-    """The encoder's tokens are exactly transformers' own; openings tokenised from their last
-    added token on give the same turn starts as whole openings (the fallback when a
-    tokenizer breaks that: `tails_verified` False)."""
+def test_encoded_tokens_are_apply_chat_templates(base, style):
+    """The encoder's tokens are exactly transformers' own."""
     from fsdp_utils.synthetic import CHAT_STYLES, random_conversations
 
     tokenizer = chat_tokenizer(style, base=base)
     template = ChatTemplate(CHAT_STYLES[style][0] or "", style)
     conversations = random_conversations(40, seed=5, turns=(1, 3), system="be brief")
+    for k in range(0, 40, 3):  # characters of several bytes, inside answers and prompts
+        conversations[k][-1]["content"] += " café ☕ naïve"
+        conversations[k][1]["content"] = "日本 " + conversations[k][1]["content"]
     rows = [Conversation(m, row) for row, m in enumerate(conversations)]
-    fast = ChatEncoder(tokenizer, template, train_on_prompt=False)
-    whole = ChatEncoder(tokenizer, template, train_on_prompt=False)
-    whole.tails_verified = False
-    assert fast(rows) == whole(rows) and fast.tails_verified is True
+    encoder = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    encoded = encoder(rows)
     expected = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=False)
-    assert [ids for ids, _ in fast(rows)] == expected
+    assert [ids for ids, _ in encoded] == expected
+    # Token positions from the ids alone (a byte-level BPE) agree with the tokenizer's offsets
+    # on the first batch; later batches take them from the ids, with the same masks.
+    assert encoder.ids_give_offsets is True
+    offsets = ChatEncoder(tokenizer, template, train_on_prompt=False)
+    offsets.ids_give_offsets = False
+    assert encoder(rows) == offsets(rows) == encoded
+    trained = [
+        tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) for ids, mask in encoded
+    ]
+    assert trained[0].endswith(" café ☕ naïve" + CHAT_STYLES[style][1]["eos_token"])
 
 
-def test_a_tokenizer_whose_added_tokens_eat_whitespace_gets_whole_prefixes(base):
-    """An added token with rstrip=True swallows the newline after it, so a prefix's tail
-    tokenised alone differs from the whole's tokens: the first batch notices, and the encoder
-    tokenises prefixes whole from then on, with the same masks as the rule gives."""
+def test_a_tokenizer_whose_added_tokens_eat_whitespace(base):
+    """An added token with rstrip=True swallows the newline after it: the newline is inside
+    the end-of-turn token, trained with it (it cannot be split off)."""
     import copy
 
     from tokenizers import AddedToken
@@ -434,12 +445,10 @@ def test_a_tokenizer_whose_added_tokens_eat_whitespace_gets_whole_prefixes(base)
     template = ChatTemplate(CHATML_TEMPLATE.replace("<|im_end|>", "<|end|>"), "rstrip")
     rows = [Conversation(MULTI_TURN, 0), Conversation(ONE_TURN, 1)]
     encoder = ChatEncoder(tokenizer, template, train_on_prompt=False)
-    encoded = encoder(rows)
-    assert encoder.tails_verified is False
-    ids, mask = encoded[0]
+    ids, mask = encoder(rows)[0]
     trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == "kalo mine<|end|>sa ti<|end|>"  # the newline went into <|end|>
-    assert encoder(rows) == encoded
+    assert encoder.ids_give_offsets is False  # <|end|> stands for more than its own text
 
 
 # --- packing with masks --------------------------------------------------------------------
@@ -597,7 +606,7 @@ def test_packed_blocks_carry_each_rows_mask(tmp_path, models):
         for text, flag in segments(tokenizer, row[:n], labels[:n])
         if flag
     ]
-    assert sorted(trained) == sorted(["kalo mine<|im_end|>\n"] * 6 + ["sa ti<|im_end|>\n"] * 3)
+    assert sorted(trained) == sorted(["kalo mine<|im_end|>"] * 6 + ["sa ti<|im_end|>"] * 3)
     starts = (
         blocks.row_starts
         if blocks.row_starts is not None

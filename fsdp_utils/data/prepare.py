@@ -70,7 +70,7 @@ from fsdp_utils.hub.selection import SAFETENSORS_INDEX, SUPPORT_SUFFIXES
 FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic changes
 # The same for the masked formats (chat, prompt/completion, alpaca, templates): only their
 # keys carry it, so chess and text keep the keys (and caches) they had.
-MASKED_VERSION = 1
+MASKED_VERSION = 2  # 2: chat masks by character offsets, nothing after the end-of-turn token
 TOKENIZER_SUBDIR = "tokenizer"  # with --chat_template: the tokenizer the final model carries
 
 
@@ -691,6 +691,7 @@ def _build_rows(
         stats["chat_template"] = template.source
         stats["generation_markers"] = template.has_generation_markers
         chat = ChatEncoder(tokenizer, template, train_on_prompt=config.train_on_prompt)
+        stats["answers_found_by"] = chat.rule
         end_of_turn = check_end_of_turn(chat, conversations)
         if end_of_turn is not None:
             stats["end_of_turn"] = end_of_turn.token
@@ -800,11 +801,7 @@ def _summary(stats: dict[str, Any]) -> list[str]:
         " - the answers and the token ending each, unless --train_on_prompt",
     ]
     if "chat_template" in stats:
-        how = (
-            "{% generation %} markers"
-            if stats["generation_markers"]
-            else "rendering each conversation's prefixes"
-        )
+        how = stats["answers_found_by"]
         eot = stats.get("end_of_turn")
         lines.append(
             f"data: chat: {stats['chat_template']}; answers found by {how}; "

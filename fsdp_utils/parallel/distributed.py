@@ -7,17 +7,14 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -25,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_utils.config.train_config import Sharding
+from fsdp_utils.error_report import report_error
 
 T = TypeVar("T")
 
@@ -187,26 +185,6 @@ class PeerFailure(Exception):
 class ReportedError(ValueError):
     """A user mistake that rank 0 has already reported (`report_error`): the command exits 2
     without printing it again."""
-
-
-def report_error(message: str, *, show: bool = True) -> None:
-    """A user mistake's one paragraph on stderr (`show`: rank 0 only). Under torchrun it also goes
-    into the error file the agent reads (TORCHELASTIC_ERROR_FILE), on every rank that knows it:
-    the agent's closing "Root Cause" report shows it where it would say "To enable traceback see
-    ...", whichever rank the agent names (the first to fail by the clock, which under load need
-    not be rank 0), so the message stays the last thing in the job's log."""
-    if show:
-        print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        # torch.distributed.elastic's format: {"message": {"message": ..., "extraInfo":
-        # {"py_callstack": shown as the failure's traceback, "timestamp": ...}}}
-        text = f"error: {message}"
-        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(
-                json.dumps({"message": {"message": text, "extraInfo": info}})
-            )
 
 
 # on_main_rank's calls, counted alike on every rank (it is collective): each outcome's key.

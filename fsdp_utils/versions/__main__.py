@@ -1,0 +1,3 @@
+from fsdp_utils.versions import main
+
+raise SystemExit(main())
