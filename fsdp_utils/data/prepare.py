@@ -734,10 +734,11 @@ def _build_rows(
                 continue
             codes = drop_code[order]
             kept = order[codes == 0]
+            counts = np.bincount(codes, minlength=len(causes))
+            del codes  # the peak is the per-row arrays alive while the split is packed
             written = write_packed(
                 rows, kept, config.max_seq_length, pad, out / name, packing=not config.no_packing
             )
-            counts = np.bincount(codes, minlength=len(causes))
             stats[name] = {
                 "rows_read": len(order),
                 "documents": len(kept),

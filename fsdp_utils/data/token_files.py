@@ -166,10 +166,12 @@ def write_packed(
         bin_of, at = best_fit_decreasing(lengths, block)
         n_blocks = int(bin_of.max()) + 1 if len(bin_of) else 0
     else:
-        bin_of, at = np.arange(len(order)), np.zeros(len(order), np.int64)
+        bin_of, at = np.arange(len(order), dtype=np.int32), np.zeros(len(order), np.int32)
         n_blocks = len(order)
     used = np.bincount(bin_of, weights=lengths, minlength=n_blocks).astype(np.int32)
-    by_block = np.argsort(bin_of, kind="stable")  # rows grouped by block, blocks in order
+    # Rows grouped by block, blocks in order; int32 (4 bytes a row): it lives as long as the
+    # writing, beside the split's other per-row arrays.
+    by_block = np.argsort(bin_of, kind="stable").astype(np.int32)
     first = np.searchsorted(bin_of[by_block], np.arange(n_blocks + 1))
     shape = (n_blocks, block)
     writers = {
