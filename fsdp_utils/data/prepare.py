@@ -729,27 +729,36 @@ def _build_rows(
     merged_all = np.concatenate(merged_parts)
     names = {code: cause for cause, code in causes.items()}
     try:
-        for name, order in splits.items():
+        # The peak is the per-row arrays alive while a split is packed: each split's counts are
+        # taken first, and before the last (train, nearly every row) is packed, what only the
+        # counts needed is freed.
+        for name in list(splits):
+            order = splits.pop(name)
             if len(order) == 0:
                 continue
             codes = drop_code[order]
             kept = order[codes == 0]
             counts = np.bincount(codes, minlength=len(causes))
-            del codes  # the peak is the per-row arrays alive while the split is packed
-            written = write_packed(
-                rows, kept, config.max_seq_length, pad, out / name, packing=not config.no_packing
-            )
             stats[name] = {
                 "rows_read": len(order),
                 "documents": len(kept),
                 "dropped": {names[c]: int(n) for c, n in enumerate(counts) if c and n},
                 "truncated": int(truncated_all[kept].sum()),
                 "prompt_merged": int(merged_all[order].sum()),
-                "tokens": written.tokens,
-                "trained_tokens": written.trained,
-                "blocks": written.blocks,
-                "padding_fraction": 1 - written.tokens / written.slots if written.slots else 0.0,
             }
+            del codes, order
+            if not splits:
+                del drop_code, truncated_all, merged_all
+            written = write_packed(
+                rows, kept, config.max_seq_length, pad, out / name, packing=not config.no_packing
+            )
+            del kept
+            stats[name].update(
+                tokens=written.tokens,
+                trained_tokens=written.trained,
+                blocks=written.blocks,
+                padding_fraction=1 - written.tokens / written.slots if written.slots else 0.0,
+            )
             log(f"data: {name}: {_describe({name: stats[name]})}")
     finally:
         rows.close()
