@@ -11,13 +11,14 @@ checks it: see `.importlinter`):
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
     chess_eval/  did the model learn chess? (python-chess as the referee)
+    lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
     train/       the trainer: train -> train_step (TrainStep) -> forward_backward
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
     run/         before a run: preflight, run-folder start, shared paths; opening the Trainer
     slurm/       sbatch/submitit launchers, a local Slurm for tests
 
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
-`export` and `plot` (`python -m fsdp_utils.export|plot`); `synthetic` builds the tiny models,
+`export`, `plot` and `evaluate` (`python -m fsdp_utils.export|plot|evaluate`); `synthetic` builds the tiny models,
 tokenizers and datasets of the demo and the tests. Under every stage: `versions` (each command
 starts by checking the installed dependencies against pyproject.toml's ranges), `error_report`
 (a user mistake's one paragraph) and `atomic` (files written whole or not at all).
@@ -27,7 +28,7 @@ import sys
 
 __version__ = "0.1.0"
 
-# `python -m fsdp_utils.plan` (and .chess_eval, .export, .plot, .demo) imports this package, then
+# `python -m fsdp_utils.plan` (and .chess_eval, .evaluate, .export, .plot, .demo) imports this package, then
 # the command's package (which imports torch), then runs it. While Python looks the command up,
 # sys.argv[0] is "-m" (documented for -m), so this is the one place that checks the versions of
 # every `python -m fsdp_utils.*` command before anything imports torch or transformers. A program

@@ -101,6 +101,12 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         summary = trainer.train()
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
+        if final is not None and config.eval_tasks:
+            from fsdp_utils.lm_harness.training import score_final_model
+
+            summary["benchmarks"] = score_final_model(
+                trainer.model, config, env, tokenizer_dir=trainer.model_dir, log=trainer.log.info
+            )
         summary["lora"] = config.lora
         summary["output_dir"] = str(trainer.layout.root)
         trainer.write_status(summary["status"], summary["reason"])
@@ -144,6 +150,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
     if ev:
         lines.append(f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}")
+    for task, scores in (summary.get("benchmarks") or {}).items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in list(scores.items())[:3])
+        lines.append(f"  {task}: {shown}")
     lines.append(f"  run folder: {summary['output_dir']}")
     if summary.get("final_model") and summary.get("lora"):
         lines.append(f"  LoRA adapters (PeftModel.from_pretrained): {summary['final_model']}")

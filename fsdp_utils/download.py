@@ -29,6 +29,7 @@ from fsdp_utils.hub.specs import (
     default_specs,
     load_assets_file,
     looks_local,
+    split_tasks,
 )
 
 EPILOG = """\
@@ -37,6 +38,7 @@ examples:
   python download_models.py --model codellama/CodeLlama-7b-hf \\
       --dataset laion/strategic_game_chess --dataset-include 'chess_game_000[1-2].parquet'
   python download_models.py --config assets.yaml --cache-dir /projects/me/hf-cache/hub
+  python download_models.py --eval_tasks arc_easy,gsm8k,mmlu   # lm-eval benchmarks' data
   python download_models.py --verify             # offline: re-hash the cache
   python download_models.py --check-offline      # offline: load everything, no network
 
@@ -64,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_DATASET_INCLUDE!r} for {DEFAULT_DATASET}, all data files otherwise).",
     )
     what.add_argument("--dataset-revision", metavar="REV", help="Dataset branch, tag or commit.")
+    what.add_argument(
+        "--eval_tasks",
+        "--eval-tasks",
+        metavar="TASKS",
+        help="Comma-separated lm-eval tasks or groups (arc_easy,hellaswag,gsm8k,mmlu,ifeval): "
+        "cache the datasets (and NLTK data) they read, for python -m fsdp_utils.evaluate.",
+    )
     what.add_argument(
         "--config",
         metavar="FILE",
@@ -105,16 +114,19 @@ class Request:
     specs: list[AssetSpec] | None
     cache_dir: str | None  # as given (--cache-dir, else the assets file), None: environment
     train_config: TrainConfig | None  # when --config is a training config
+    eval_tasks: tuple[str, ...] = ()  # lm-eval tasks (--eval_tasks, the file's eval_tasks:)
 
 
 def parse_request(args: argparse.Namespace) -> Request:
     specs: list[AssetSpec] = []
     train_config, cache_dir = None, args.cache_dir
+    tasks = split_tasks(args.eval_tasks)
     if args.config:
         loaded = load_assets_file(args.config)
         specs += loaded.specs
         train_config = loaded.train_config
         cache_dir = cache_dir or loaded.cache_dir
+        tasks = tuple(dict.fromkeys(loaded.eval_tasks + tasks))
     if args.model:
         specs.append(AssetSpec(args.model, "model", args.revision))
     elif args.revision:
@@ -131,8 +143,8 @@ def parse_request(args: argparse.Namespace) -> Request:
                 f"{spec.repo_id} is a local path: there is nothing to download, the trainer "
                 "reads it directly."
             )
-    named = bool(args.config or args.model or args.dataset)
-    return Request(specs if named else None, cache_dir, train_config)
+    named = bool(args.config or args.model or args.dataset or tasks)
+    return Request(specs if named else None, cache_dir, train_config, tasks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         return _offline_modes(args, request.specs, cache_dir)
 
     specs = request.specs if request.specs is not None else default_specs()
-    if not specs and not (args.prepare and request.train_config is not None):
+    if not specs and not request.eval_tasks and not (args.prepare and request.train_config):
         raise ValueError(f"{args.config} names no hub assets (only local paths): nothing to do.")
     # Checked before downloading, so that a bad --prepare does not cost a download first.
     prepare_config = _prepare_config(specs, request) if args.prepare else None
@@ -202,6 +214,8 @@ def _run(args: argparse.Namespace) -> int:
         _download(args, specs, cache_dir)
     if args.dry_run:
         return 0
+    if request.eval_tasks:
+        _download_eval_tasks(args, list(request.eval_tasks), cache_dir)
     if prepare_config is not None:
         from fsdp_utils.data.prepare import prepare_dataset
 
@@ -237,6 +251,21 @@ def _download(args: argparse.Namespace, specs: list[AssetSpec], cache_dir: Path)
     )
 
 
+def _download_eval_tasks(args: argparse.Namespace, names: list[str], cache_dir: Path) -> None:
+    from huggingface_hub import constants
+
+    from fsdp_utils.lm_harness.task_cache import download_task_data
+
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(
+            "HF_HUB_OFFLINE is set in this shell, so no task data can be downloaded. On the "
+            f"login node run:\n  HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 {args.command_line}"
+        )
+    started = time.monotonic()
+    download_task_data(names, cache_dir, workers=args.workers, log=print)
+    print(f"lm-eval task data cached in {time.monotonic() - started:.1f} s")
+
+
 def _offline_modes(args: argparse.Namespace, specs: list[AssetSpec] | None, cache_dir: Path) -> int:
     status = 0
     if args.verify:
@@ -250,8 +279,10 @@ def _offline_modes(args: argparse.Namespace, specs: list[AssetSpec] | None, cach
         status = 1 if bad else 0
     if args.check_offline:
         from fsdp_utils.hub.offline_check import run_offline_check
+        from fsdp_utils.lm_harness.task_cache import run_offline_task_check
 
         status = max(status, run_offline_check(cache_dir, specs))
+        status = max(status, run_offline_task_check(cache_dir))
     return status
 
 

@@ -14,6 +14,7 @@ arguments runs unchanged against it:
     models/mistralai/Mistral-7B-v0.3      the tiny model in shards with their index, and a
                                           consolidated.safetensors copy beside them (as
                                           Mistral ships it: never to be fetched)
+    datasets/allenai/ai2_arc, ...         small benchmark datasets (tests/lm_eval_data.py)
 
 `HubProxy` is a small HTTP proxy in front of olah that can require a token for gated repos
 (answering like the Hub: 401 with `X-Error-Code: GatedRepo`) and throttle bandwidth, so that a
@@ -194,6 +195,15 @@ def build_repos(root: Path, tiny_assets: dict[str, Path]) -> dict[str, MirrorRep
     }
     sharded.commits["main"] = commit_files(sharded.path, sharded.files, "sharded")
     repos[SHARDED_ID] = sharded
+
+    # Benchmark datasets for lm-eval's tasks (tests/lm_eval_data.py), under their real ids.
+    from tests.lm_eval_data import build_task_repos
+
+    for repo_id, files in build_task_repos().items():
+        repo = MirrorRepo(repo_id, "dataset", root / "datasets" / repo_id)
+        repo.files = files | {".gitattributes": attributes}
+        repo.commits["main"] = commit_files(repo.path, repo.files, "benchmark data")
+        repos[repo_id] = repo
     return repos
 
 

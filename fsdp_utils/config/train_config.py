@@ -386,6 +386,19 @@ class TrainConfig:
         default=20,
         metadata=_opt("At most this many batches per device per evaluation.", section="evaluation"),
     )
+    eval_tasks: str | None = field(
+        default=None,
+        metadata=_opt(
+            "lm-eval benchmarks to score the final model on at the end of the run, e.g. "
+            "arc_easy,hellaswag (their data cached with download_models.py --eval_tasks); "
+            "results in <output_dir>/lm_eval/.",
+            section="evaluation",
+        ),
+    )
+    eval_limit: int | None = field(
+        default=None,
+        metadata=_opt("With --eval_tasks: at most N documents per task.", section="evaluation"),
+    )
     num_proc: int | None = field(
         default=None,
         metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).", section="data"),
@@ -670,7 +683,9 @@ def validate_config(config: TrainConfig) -> None:
     for name in positive:
         if getattr(config, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")
-    for name in ("total_batch_size", "gradient_accumulation_steps"):
+    if config.eval_limit is not None and not config.eval_tasks:
+        raise ValueError("--eval_limit limits --eval_tasks: give --eval_tasks too.")
+    for name in ("total_batch_size", "gradient_accumulation_steps", "eval_limit"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}.")

@@ -43,15 +43,21 @@ def run_offline_check(
     cache_dir: Path, specs: Sequence[AssetSpec] | None, log: Callable[[str], None] = print
 ) -> int:
     """Run the check in an isolated child process. Returns its exit code (0: all loaded)."""
+    args = ["--cache-dir", str(cache_dir)]
+    if specs is not None:
+        args += ["--assets", json.dumps([asdict(s) for s in specs])]
+    return run_isolated("fsdp_utils.hub.offline_check", args, what="offline check", log=log)
+
+
+def run_isolated(module: str, args: list[str], *, what: str, log: Callable[[str], None]) -> int:
+    """`python -m module args` in a child process with no network (`isolation_prefix`) and
+    the Hugging Face offline variables set; its exit code. `what` heads the log line."""
     prefix, how = isolation_prefix()
-    log(f"offline check: {how}")
+    log(f"{what}: {how}")
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ) | OFFLINE_VARIABLES
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    command = [*prefix, sys.executable, "-m", "fsdp_utils.hub.offline_check"]
-    command += ["--cache-dir", str(cache_dir)]
-    if specs is not None:
-        command += ["--assets", json.dumps([asdict(s) for s in specs])]
+    command = [*prefix, sys.executable, "-m", module, *args]
     return subprocess.run(command, env=env, check=False).returncode
 
 
@@ -92,7 +98,7 @@ def check_dataset(spec: AssetSpec, cache_dir: Path) -> str:
     for path in files:
         if path.suffix == ".parquet":
             rows += pq.ParquetFile(path).metadata.num_rows  # reads the footer: catches truncation
-        else:
+        elif path.suffix in (".jsonl", ".json"):
             with path.open() as f:
                 json.loads(f.readline())  # jsonl: the first record parses
                 rows += 1 + sum(1 for _ in f)

@@ -136,6 +136,7 @@ class AssetsFile:
     specs: list[AssetSpec]
     cache_dir: str | None
     train_config: TrainConfig | None = None
+    eval_tasks: tuple[str, ...] = ()  # lm-eval tasks whose data to cache (`eval_tasks:`)
 
 
 def load_assets_file(path: str | Path) -> AssetsFile:
@@ -143,19 +144,29 @@ def load_assets_file(path: str | Path) -> AssetsFile:
     data = load_config_file(path)
     if "assets" not in data:
         config = config_from_dict(data, source=str(path))
-        return AssetsFile(specs_from_train_config(config), config.cache_dir, config)
-    unknown = sorted(set(data) - {"assets", "cache_dir"})
+        tasks = split_tasks(config.eval_tasks)
+        return AssetsFile(specs_from_train_config(config), config.cache_dir, config, tasks)
+    unknown = sorted(set(data) - {"assets", "cache_dir", "eval_tasks"})
     if unknown:
         raise ValueError(
             f"{path}: unknown key(s) {unknown}; an assets file has `assets:` (a list) and "
-            "optionally `cache_dir:`."
+            "optionally `cache_dir:` and `eval_tasks:` (lm-eval tasks)."
         )
     items = data["assets"]
-    if not isinstance(items, list) or not items:
+    tasks = split_tasks(data.get("eval_tasks"))
+    if not isinstance(items, list) or not (items or tasks):
         raise ValueError(f"{path}: `assets:` must be a non-empty list of model/dataset entries.")
     specs = [_spec_from_item(item, f"{path}, asset {i + 1}") for i, item in enumerate(items)]
     cache_dir = data.get("cache_dir")
-    return AssetsFile(specs, str(cache_dir) if cache_dir else None)
+    return AssetsFile(specs, str(cache_dir) if cache_dir else None, eval_tasks=tasks)
+
+
+def split_tasks(value: Any) -> tuple[str, ...]:
+    """`arc_easy,mmlu` or a list of names -> ('arc_easy', 'mmlu')."""
+    if not value:
+        return ()
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    return tuple(dict.fromkeys(t.strip() for t in items if t.strip()))
 
 
 def _spec_from_item(item: Any, where: str) -> AssetSpec:

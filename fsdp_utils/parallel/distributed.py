@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -253,6 +253,16 @@ def broadcast_object(value: T, src: int = 0) -> T:
     box = [value]
     dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
     return box[0]
+
+
+def all_gather_objects(value: T) -> list[T]:
+    """Every rank's picklable `value`, in rank order, on every rank (over the CPU half of the
+    group, as `broadcast_object`)."""
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def barrier() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
+from fsdp_utils.lm_harness.training import check_eval_tasks
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.attention import check_attn_implementation
 from fsdp_utils.model.build import check_seq_length
@@ -72,6 +73,8 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
     if config.sample_prompts:  # a missing file or a bad line fails before the queue
         read_sample_prompts(config.sample_prompts)
+    if config.eval_tasks:  # the benchmarks' data, before hours of training
+        check_eval_tasks(config)
     return plan, assets
 
 

@@ -1,0 +1,252 @@
+"""`python -m fsdp_utils.evaluate --model MODEL --tasks arc_easy,hellaswag,...`: standard
+benchmarks with lm-evaluation-harness, the model sharded with FSDP2 as in training.
+
+Under torchrun (one process per GPU; gloo on CPU) or as one process. MODEL is a hub id in the
+offline cache, a model folder, a run folder (its final model) or a LoRA adapter folder (over its
+base). The tasks' datasets come from the offline cache (`download_models.py --eval_tasks`);
+nothing is fetched. lm-eval's results JSON (and with --log_samples its per-sample files) go to
+--output_dir (default: <run>/lm_eval for a run folder, else ./lm_eval_results), its table to the
+log; --compare BASE_RESULTS prints the base model's scores against these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+PEER_EXIT_DELAY_S = 2.0
+DEFAULT_OUTPUT = "lm_eval_results"
+RESULTS_FOLDER = "lm_eval"  # inside a run folder
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp_utils.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="hub id (offline cache), model folder, run folder or LoRA adapter folder",
+    )
+    p.add_argument(
+        "--tasks", required=True, help="comma-separated lm-eval tasks or groups (arc_easy,mmlu)"
+    )
+    p.add_argument("--limit", type=float, help="at most N documents per task (a fraction if < 1)")
+    p.add_argument("--num_fewshot", type=int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch_size", type=int, default=8, help="rows per forward pass per rank")
+    p.add_argument(
+        "--include_path",
+        metavar="DIR",
+        help="extra task YAMLs (lm-eval's --include_path); their datasets must be local folders",
+    )
+    p.add_argument("--output_dir", metavar="DIR", help="where the results JSON goes")
+    p.add_argument("--log_samples", action="store_true", help="also write per-sample files")
+    p.add_argument(
+        "--compare",
+        metavar="BASE_RESULTS",
+        help="a results JSON (or its folder) of the base model: print base against this",
+    )
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16-true", "bf16-mixed", "fp16-mixed", "fp32"],
+        help="auto: the checkpoint's dtype (bf16 weights stay bf16, as lm-eval loads them)",
+    )
+    p.add_argument("--max_length", type=int, help="context length (default: the model's)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--cache_dir", metavar="DIR", help="offline cache (default: the HF cache)")
+    p.add_argument(
+        "--bootstrap_iters",
+        type=int,
+        default=100_000,
+        help="bootstrap resamples for the standard errors of non-mean metrics (lm-eval's default)",
+    )
+    p.add_argument(
+        "--gen_kwargs",
+        metavar="K=V,...",
+        help="generation settings for every generation task (lm-eval's), e.g. max_gen_toks=64",
+    )
+    return p
+
+
+def task_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError("--tasks names no task. Pass e.g. --tasks arc_easy,hellaswag.")
+    return names
+
+
+def output_folder(args: argparse.Namespace, run_dir: Path | None) -> Path:
+    if args.output_dir:
+        return Path(args.output_dir).expanduser()
+    return run_dir / RESULTS_FOLDER if run_dir else Path(DEFAULT_OUTPUT)
+
+
+def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | None:
+    """Collective. Returns lm-eval's results dict on rank 0 (None elsewhere)."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from fsdp_utils.hub.cache import hub_cache_dir
+    from fsdp_utils.hub.resolve import load_model_config
+    from fsdp_utils.lm_harness.compare import comparison_table, load_results
+    from fsdp_utils.lm_harness.loading import (
+        default_precision,
+        eval_config,
+        load_sharded_model,
+        resolve_model_source,
+    )
+    from fsdp_utils.lm_harness.sharded_lm import ShardedLM
+    from fsdp_utils.lm_harness.task_cache import use_cached_nltk
+    from fsdp_utils.lm_harness.tasks import (
+        LeafTask,
+        offline_tasks,
+        provenance,
+        quiet_task_logs,
+        task_manager,
+    )
+    from fsdp_utils.parallel import distributed as dist_utils
+
+    quiet_task_logs()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    env = dist_utils.init_distributed(args.device)
+    names = task_names(args.tasks)
+    cache = hub_cache_dir(args.cache_dir)
+    use_cached_nltk(cache)
+    overrides = Path(tempfile.mkdtemp(prefix="fsdp-utils-lm-eval-tasks-"))
+
+    user_tasks: set[str] = set()
+    if args.include_path:  # the user's own tasks read local data: nothing to look up
+        user = TaskManager(include_path=args.include_path, include_defaults=False)
+        user_tasks = set(user.all_tasks)
+
+    def prepare() -> tuple[Any, list[LeafTask], Path]:
+        if args.compare:
+            load_results(args.compare)  # a wrong path fails now, not after the evaluation
+        source = resolve_model_source(args.model, args.cache_dir)
+        leaves = offline_tasks([n for n in names if n not in user_tasks], cache, overrides)
+        out = output_folder(args, source.run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        return source, leaves, out
+
+    # Rank 0 checks (one message for a mistake); every rank then writes its own task files
+    # (the temporary folder is per process).
+    checked = dist_utils.on_main_rank(prepare)
+    source, leaves, out = dist_utils.broadcast_object(checked)  # type: ignore[misc]
+    if not env.is_main:
+        prepare()
+    hf_config = load_model_config(source.weights_dir)
+    precision = default_precision(hf_config) if args.precision == "auto" else args.precision
+    config = eval_config(source, precision=precision, cache_dir=args.cache_dir)
+    started = time.monotonic()
+    model = load_sharded_model(source, config, env)
+    log(
+        f"model: {source.requested} ({hf_config.model_type}), {precision}, FSDP2 over "
+        f"{env.world_size} process(es) on {env.device.type}, loaded in "
+        f"{time.monotonic() - started:.1f}s"
+    )
+    identity = source.identity() | {"precision": precision, "world_size": env.world_size}
+    lm = ShardedLM(
+        model,
+        AutoTokenizer.from_pretrained(source.tokenizer_dir),
+        device=env.device,
+        rank=env.rank,
+        world_size=env.world_size,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        model_info=identity,
+        log=log if env.is_main else None,
+    )
+    manager = task_manager(
+        names, leaves, overrides, [args.include_path] if args.include_path else None
+    )
+    # lm-eval's default seeds, as its own command uses them: the same few-shot examples.
+    with torch.no_grad():
+        results = simple_evaluate(
+            lm,
+            tasks=names,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            log_samples=args.log_samples,
+            bootstrap_iters=args.bootstrap_iters,
+            task_manager=manager,
+            gen_kwargs=args.gen_kwargs,
+        )
+    del lm, model
+    gc.collect()
+    if not env.is_main or results is None:
+        return None
+    results["config"]["model"] = source.requested
+    results["fsdp_utils"] = {"model": identity, "datasets": provenance(leaves)}
+    write_results(results, out, log_samples=args.log_samples, log=log)
+    if args.compare:
+        log(comparison_table(load_results(args.compare), results, base_name=args.compare))
+    return results
+
+
+def write_results(
+    results: dict[str, Any], out: Path, *, log_samples: bool, log: Any = print
+) -> Path:
+    """lm-eval's files, named as its own command names them: results_<date>.json and
+    samples_<task>_<date>.jsonl."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    samples = results.pop("samples", None)
+    stamp = time.strftime("%Y-%m-%dT%H-%M-%S")
+    path = out / f"results_{stamp}.json"
+    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    path.write_text(text + "\n")
+    if log_samples and samples:
+        for task, rows in samples.items():
+            with (out / f"samples_{task}_{stamp}.jsonl").open("w") as f:
+                for row in rows:
+                    f.write(json.dumps(row, default=handle_non_serializable) + "\n")
+    table = make_table(results)
+    if results.get("groups"):
+        table += "\n" + make_table(results, "groups")
+    log(f"{table}\nresults: {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fsdp_utils.hub.offline import enable_offline_mode
+
+    enable_offline_mode()  # before any Hugging Face import: nothing is fetched from here on
+    from fsdp_utils.parallel import distributed as dist_utils
+
+    args = build_parser().parse_args(argv)
+    clean = False
+    try:
+        evaluate(args, log=lambda line: print(line, flush=True))
+        clean = True
+    except dist_utils.ReportedError:
+        return EXIT_USAGE
+    except dist_utils.PeerFailure as err:
+        time.sleep(PEER_EXIT_DELAY_S)
+        return EXIT_USAGE if err.user_error else 1
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            dist_utils.report_error(str(err))
+        return EXIT_USAGE
+    finally:
+        gc.collect()
+        dist_utils.destroy(synchronize=clean)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

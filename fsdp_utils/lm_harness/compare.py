@@ -1,0 +1,74 @@
+"""`--compare BASE_RESULTS`: the base model's lm-eval results against these, task by task and
+metric by metric, with lm-eval's standard errors.
+
+    task      metric               base              this              change
+    arc_easy  acc,none             0.7424 ± 0.0090   0.7551 ± 0.0088   +0.0127 (1.0 se)
+
+`se` is the change over the combined standard error sqrt(se_base^2 + se_this^2) (the two runs
+scored the same documents, so this overstates the noise of the difference: a paired test would be
+tighter). Rows that either side lacks are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results JSON, or the newest `results_*.json` in a folder (lm-eval's own layout, where
+    the files sit one folder deeper, too). ValueError when there is none."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        found = sorted(path.glob("results_*.json")) or sorted(path.glob("*/results_*.json"))
+        if not found:
+            raise ValueError(f"--compare {path}: no results_*.json in that folder.")
+        path = max(found, key=lambda p: p.name.split("results_", 1)[1])
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--compare {path}: not a readable lm-eval results file ({err}).") from err
+    if not isinstance(results, dict) or "results" not in results:
+        raise ValueError(f"--compare {path}: no `results` in it; is it lm-eval's results JSON?")
+    return results
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def comparison_rows(base: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(task, metric, base, this, change) per metric both results hold, as text."""
+    rows: list[tuple[str, ...]] = []
+    for task in sorted(set(base["results"]) & set(new["results"])):
+        mine, theirs = new["results"][task], base["results"][task]
+        for key in sorted(mine):
+            metric, _, where = key.partition(",")
+            if metric.endswith("_stderr") or key == "alias" or not where:
+                continue
+            value, before = _number(mine[key]), _number(theirs.get(key))
+            if value is None or before is None:
+                continue
+            stderr_key = f"{metric}_stderr,{where}"
+            se, se_before = _number(mine.get(stderr_key)), _number(theirs.get(stderr_key))
+            change = f"{value - before:+.4f}"
+            if se is not None and se_before is not None and (se or se_before):
+                change += f" ({(value - before) / math.hypot(se, se_before):+.1f} se)"
+            rows.append((task, key, _with_se(before, se_before), _with_se(value, se), change))
+    return rows
+
+
+def _with_se(value: float, se: float | None) -> str:
+    return f"{value:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+
+def comparison_table(base: dict[str, Any], new: dict[str, Any], *, base_name: str) -> str:
+    rows = comparison_rows(base, new)
+    if not rows:
+        return f"compare: no task and metric in common with {base_name}"
+    header = ("task", "metric", "base", "this", "change")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    return f"compared with {base_name}:\n" + "\n".join(line.rstrip() for line in lines)

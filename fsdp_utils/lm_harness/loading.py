@@ -1,0 +1,140 @@
+"""What `--model` names, and that model built, sharded and loaded as the trainer does it.
+
+`--model` is a hub id in the offline cache, a model folder, a run folder (its final model,
+`<run>/final`) or a PEFT LoRA adapter folder (over the base its `adapter_config.json` names).
+The model then takes the trainer's steps (`fsdp_utils.train.trainer`): built on the meta
+device, transformed (the LoRA adapters of an adapter folder, exactly as `--lora_from` continues
+one), sharded with FSDP2 per decoder layer, materialised rank by rank, its weights read slice by
+slice. No rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.train_config import Precision, TrainConfig
+from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
+from fsdp_utils.model.build import build_meta_model, config_dtype
+from fsdp_utils.model.transforms import transform_model
+from fsdp_utils.model.weights import checkpoint_key_map
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.materialize import build_model
+
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the evaluated model's pieces are on this machine."""
+
+    requested: str  # what --model said
+    weights_dir: Path  # the full model (an adapter's base)
+    adapter_dir: Path | None  # a LoRA adapter over weights_dir
+    tokenizer_dir: Path
+    run_dir: Path | None  # when --model named a run folder
+
+    def identity(self) -> dict[str, Any]:
+        """For the results file: what was evaluated, down to the cached commit."""
+        return {
+            "model": self.requested,
+            "model_dir": str(self.weights_dir),
+            "model_commit": _snapshot_commit(self.weights_dir),
+            "adapter_dir": str(self.adapter_dir) if self.adapter_dir else None,
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+        }
+
+
+def _snapshot_commit(folder: Path) -> str | None:
+    """A hub snapshot folder is `.../snapshots/<commit>`."""
+    return folder.name if folder.parent.name == "snapshots" else None
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def _is_run_folder(path: Path) -> bool:
+    layout = RunLayout.of(path)
+    return layout.final_model.is_dir() and not (path / "model.safetensors").is_file()
+
+
+def resolve_model_source(model: str, cache_dir: str | None = None) -> ModelSource:
+    """`--model` -> its folders. ValueError (MissingAssetError: with the download command)
+    when something is not here."""
+    path = Path(model).expanduser()
+    run_dir = None
+    if path.is_dir() and _is_run_folder(path):
+        run_dir, path = path, RunLayout.of(path).final_model
+    adapter_dir = None
+    if (path / ADAPTER_CONFIG).is_file():
+        adapter_dir = path
+        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG} names no base_model_name_or_path: which model the "
+                "adapter belongs to is unknown. Add it to the file (the hub id or folder of the "
+                "base model)."
+            )
+        weights_dir = resolve_model_dir(str(base), None, cache_dir)
+        tokenizer_dir = path if _has_tokenizer(path) else weights_dir
+    else:
+        weights_dir = resolve_model_dir(str(path) if run_dir else model, None, cache_dir)
+        tokenizer_dir = weights_dir
+    if not _has_tokenizer(tokenizer_dir):
+        raise ValueError(
+            f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): benchmarks "
+            "write their prompts with the model's own tokenizer. A run's final/ folder and an "
+            "exported checkpoint carry theirs; copy it beside the weights."
+        )
+    return ModelSource(model, weights_dir, adapter_dir, tokenizer_dir, run_dir)
+
+
+def default_precision(hf_config: Any) -> Precision:
+    """The checkpoint's own dtype, as lm-eval's HFLM loads it (dtype="auto"): bf16 weights
+    stay bf16 (bf16-true), fp16 computes in fp16 over fp32 weights, anything else fp32."""
+    dtype = str(config_dtype(hf_config) or "float32")
+    if dtype.endswith("bfloat16"):
+        return "bf16-true"
+    if dtype.endswith("float16"):
+        return "fp16-mixed"
+    return "fp32"
+
+
+def eval_config(
+    source: ModelSource,
+    *,
+    precision: Precision,
+    attn_implementation: str = "sdpa",
+    cache_dir: str | None = None,
+) -> TrainConfig:
+    """The trainer's settings that decide how the model is built and sharded: FSDP2 per
+    decoder layer, no activation checkpointing (no backward), the adapter as --lora_from."""
+    return TrainConfig(
+        model=str(source.weights_dir),
+        precision=precision,
+        attn_implementation=attn_implementation,  # type: ignore[arg-type]
+        cache_dir=cache_dir,
+        gradient_checkpointing=False,
+        lora=source.adapter_dir is not None,
+        lora_from=str(source.adapter_dir) if source.adapter_dir else None,
+    )
+
+
+def load_sharded_model(source: ModelSource, config: TrainConfig, env: DistEnv) -> nn.Module:
+    """Collective: meta build -> transforms -> FSDP2 -> to_empty -> weights, in eval mode."""
+    hf_config = load_model_config(source.weights_dir)
+    model = build_meta_model(
+        hf_config, config.precision, attn_implementation=config.attn_implementation
+    )
+    key_map = checkpoint_key_map(model, source.weights_dir)
+    meta = transform_model(model, config)
+    sharded = build_model(meta, config, env, source.weights_dir, key_map, load_weights=True)
+    sharded.requires_grad_(False)
+    return sharded.eval()

@@ -1,0 +1,413 @@
+"""`ShardedLM`: lm-evaluation-harness's model interface over the FSDP2 model, every rank at work.
+
+lm-eval sees one process: every rank builds every task's requests, in the same order, and
+hands all of them to this model. Here they are split: sorted longest first (as lm-eval's
+`HFLM` sorts them, so that a batch pads little), dealt round-robin to the ranks, each rank
+padding its share with copies of a request up to the same count, so that every rank runs the
+same number of forward passes of the same batch size (each forward is a collective under
+FSDP: every layer's parameters are all-gathered). The answers are gathered back into request
+order on every rank, and lm-eval computes the metrics as on one process.
+
+Tokenisation and scoring follow `HFLM` (lm_eval/models/huggingface.py) step by step, so each
+request's log-likelihood is HFLM's within floating-point rounding:
+
+- context/continuation: `TemplateLM.loglikelihood` and `_encode_pair` (inherited), `tok_encode`
+  as HFLM's (the tokenizer's special tokens unless the text already starts with BOS);
+- loglikelihood: the input is `(context + continuation)[-(max_length + 1):][:-1]`, right
+  padded, no attention mask (causal); the continuation's log-probabilities are summed and
+  `is_greedy` says whether every continuation token is the argmax. Requests whose inputs are
+  the same token sequence share one row (HFLM's "one-token continuation" cache, generalised:
+  a multiple-choice question with one-token answers is one forward, not one per choice);
+- loglikelihood_rolling: lm-eval's own rolling windows (`get_rolling_token_windows`,
+  `make_disjoint_window`, context length 1, prefix token = BOS or EOS), scored as above;
+- generate_until: prompts tokenised as HFLM's batch encoding does, left-truncated to
+  `max_length - max_gen_toks`, greedy decoding through `fsdp_utils.parallel.generate`
+  (KV cache; a batch decodes until every row on every rank is done), decoded without special
+  tokens and cut at the first stop sequence (lm-eval's `postprocess_generated_text`).
+
+One difference, on purpose: log-softmax runs in float32 on the continuation's positions only
+(HFLM: in the model's dtype over every position). On an fp32 model the two are the same; on a
+bf16 model this one is the more exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import (
+    configure_pad_token,
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
+from torch import nn
+
+from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.generate import continue_prompts
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_MAX_GEN_TOKS = 256  # HFLM's max_gen_toks
+# A rolling window or a (context, continuation) pair, as token ids.
+TokenPair = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of a list of work items: their indices (padded to the same count on
+    every rank with copies of one item, whose answers are dropped) and how many are real."""
+
+    indices: list[int]
+    real: int
+
+
+def deal(order: Sequence[int], rank: int, world_size: int) -> Share:
+    """Items in `order` (longest first), dealt round-robin: rank r takes order[r::world_size],
+    padded to ceil(n / world_size) items with copies of the first item of `order`."""
+    per_rank = -(-len(order) // world_size)
+    mine = list(order[rank::world_size])
+    real = len(mine)
+    if order:
+        mine += [order[0]] * (per_rank - real)
+    return Share(mine, real)
+
+
+def run_sharded(
+    items: Sequence[T],
+    *,
+    length: Callable[[T], int],
+    work: Callable[[list[T]], list[R]],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+) -> list[R]:
+    """`work` on batches of this rank's share of `items`; every result, in item order, on
+    every rank. Every rank calls `work` equally often with batches of equal sizes."""
+    order = sorted(range(len(items)), key=lambda i: (-length(items[i]), i))
+    share = deal(order, rank, world_size)
+    results: list[R] = []
+    for start in range(0, len(share.indices), batch_size):
+        batch = [items[i] for i in share.indices[start : start + batch_size]]
+        results += work(batch)
+    everyone = dist_utils.all_gather_objects(
+        list(zip(share.indices, results, strict=True))[: share.real]
+    )
+    by_index: dict[int, R] = {}
+    for pairs in everyone:
+        by_index.update(pairs)
+    assert len(by_index) == len(items), "a request was lost between the ranks"
+    return [by_index[i] for i in range(len(items))]
+
+
+@dataclass
+class Row:
+    """One forward row: an input sequence and the continuations scored on its last positions
+    (requests whose inputs are the same tokens share it)."""
+
+    tokens: list[int]
+    continuations: list[list[int]]
+
+    @property
+    def scored(self) -> int:
+        """How many of the last positions are scored: the longest continuation's length."""
+        return min(len(self.tokens), max(len(c) for c in self.continuations))
+
+
+class ShardedLM(TemplateLM):
+    """lm-eval's `LM` over a model sharded with FSDP2 (or a plain model on one process).
+
+    Collective: every rank must make the same calls with the same requests (lm-eval does,
+    since this model reports one process to it). `log` receives progress lines (rank 0's)."""
+
+    backend = "causal"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        add_bos_token: bool | None = None,
+        model_info: dict[str, Any] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__()  # rank 0 of 1, as lm-eval sees it
+        if batch_size < 1:
+            raise ValueError(f"--batch_size must be at least 1, not {batch_size}.")
+        self.model = model
+        self.config = getattr(model, "config", None)
+        self.tokenizer = configure_pad_token(tokenizer, model_config=self.config)
+        self._device = device
+        self.shard_rank = rank
+        self.shard_world_size = world_size
+        self.batch_size = batch_size
+        self._max_length = max_length
+        self._max_gen_toks = max_gen_toks
+        self.add_bos_token = add_bos_token
+        self.model_info = dict(model_info or {})
+        self.log = log if log is not None else (lambda _line: None)
+        self.forward_passes = 0  # this rank's, for the tests and the log
+
+    # --- what lm-eval asks about the model ---------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.tokenizer.bos_token_id is not None:
+            return int(self.tokenizer.bos_token_id)
+        return self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        if self._max_length:
+            return self._max_length
+        return resolve_max_length(self.config, self.tokenizer)
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        return dict(self.model_info)
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                chat_history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+        )
+
+    def tok_encode(
+        self,
+        string: str,
+        add_special_tokens: bool | None = None,
+        left_truncate_len: int | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """HFLM's: the tokenizer's own special tokens, unless told, or unless `string`
+        already starts with the BOS text."""
+        if add_special_tokens is not None:
+            special: dict[str, bool] = {"add_special_tokens": add_special_tokens}
+        elif self.add_bos_token is not None:
+            special = {"add_special_tokens": self.add_bos_token}
+        else:
+            special = {}
+        if add_special_tokens is None and has_bos_prefix(
+            string, self.tokenizer.decode(self.prefix_token_id)
+        ):
+            special["add_special_tokens"] = False
+        encoding = list(self.tokenizer.encode(string, **special))
+        if left_truncate_len:
+            encoding = encoding[-left_truncate_len:]
+        return encoding
+
+    def _batch_special_tokens(self, first: str) -> dict[str, bool]:
+        """HFLM's `tok_batch_encode` decides special tokens for a whole batch by its first
+        string; generation batches here are formed differently, so by each prompt."""
+        if has_bos_prefix(first, getattr(self.tokenizer, "bos_token", None)):
+            return {"add_special_tokens": False}
+        if self.add_bos_token is not None:
+            return {"add_special_tokens": self.add_bos_token}
+        return {}
+
+    # --- sharded forward passes --------------------------------------------------------------
+
+    def _sharded(
+        self, items: Sequence[T], length: Callable[[T], int], work: Callable[[list[T]], list[R]]
+    ) -> list[R]:
+        return run_sharded(
+            items,
+            length=length,
+            work=work,
+            batch_size=self.batch_size,
+            rank=self.shard_rank,
+            world_size=self.shard_world_size,
+        )
+
+    @torch.no_grad()
+    def _score_rows(self, rows: list[Row]) -> list[list[tuple[float, bool]]]:
+        """One forward over right-padded inputs; for each row, each of its continuations'
+        (summed log-probability, is greedy) from the float32 log-softmax of its positions."""
+        width = max(len(row.tokens) for row in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
+        # Only the scored positions' logits are needed: keep from the earliest of them on.
+        first = min(len(row.tokens) - row.scored for row in rows)
+        keep = width - first
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if _accepts(self.model, "logits_to_keep"):
+            kwargs["logits_to_keep"] = keep
+        logits = self.model(input_ids=ids.to(self.device), **kwargs).logits[:, -keep:]
+        self.forward_passes += 1
+        answers = []
+        for b, row in enumerate(rows):
+            end = len(row.tokens) - first  # past the row's last real position in the window
+            logprobs = F.log_softmax(logits[b, end - row.scored : end].float(), dim=-1).cpu()
+            greedy = logprobs.argmax(dim=-1)
+            per_row = []
+            for continuation in row.continuations:
+                target = torch.tensor(continuation, dtype=torch.long)
+                picked = logprobs[-len(continuation) :].gather(1, target.unsqueeze(1))
+                per_row.append(
+                    (float(picked.sum()), bool((greedy[-len(continuation) :] == target).all()))
+                )
+            answers.append(per_row)
+        return answers
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **_: Any
+    ) -> list[tuple[float, bool]]:
+        """Score (request, context tokens, continuation tokens) triples, in their order."""
+        rows: dict[tuple[int, ...], Row] = {}  # one row per distinct input sequence
+        plan: list[tuple[tuple[int, ...], int]] = []  # per request: its row, its continuation
+        for _, context, continuation in requests:
+            assert context and continuation, "lm-eval gives a non-empty context and continuation"
+            key = tuple((context + continuation)[-(self.max_length + 1) :][:-1])
+            row = rows.setdefault(key, Row(list(key), []))
+            if continuation not in row.continuations:
+                row.continuations.append(continuation)
+            plan.append((key, row.continuations.index(continuation)))
+
+        started = time.monotonic()
+        distinct = list(rows.values())
+        scored = self._sharded(distinct, lambda r: len(r.tokens), self._score_rows)
+        by_key = dict(zip(rows, scored, strict=True))
+        self.log(
+            f"loglikelihood: {len(requests)} requests as {len(distinct)} distinct inputs on "
+            f"{self.shard_world_size} rank(s), {time.monotonic() - started:.1f}s"
+        )
+        return [by_key[key][j] for key, j in plan]
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows: list[tuple[Any, list[int], list[int]]] = []
+        owner: list[int] = []
+        for index, (string,) in enumerate(req.args for req in requests):
+            pairs = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for context, continuation in map(lm_utils.make_disjoint_window, pairs):
+                windows.append((None, context, continuation))
+                owner.append(index)
+        scores = self._loglikelihood_tokens(windows)
+        totals = [0.0] * len(requests)
+        for index, (logprob, _) in zip(owner, scores, strict=True):
+            totals[index] += logprob
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, grouped by generation settings (one group's batches have the
+        same settings on every rank, so that their decoding loops meet)."""
+        groups: dict[str, list[int]] = {}
+        for index, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(index)
+        answers: list[str] = [""] * len(requests)
+        started = time.monotonic()
+        for indices in groups.values():
+            gen_kwargs = requests[indices[0]].args[1]
+            texts = self._generate_group([requests[i].args[0] for i in indices], gen_kwargs)
+            for i, text in zip(indices, texts, strict=True):
+                answers[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        self.log(
+            f"generate_until: {len(requests)} requests on {self.shard_world_size} rank(s), "
+            f"{time.monotonic() - started:.1f}s"
+        )
+        return answers
+
+    def _generate_group(self, contexts: list[str], gen_kwargs: dict[str, Any]) -> list[str]:
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        eos_text = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+        max_new = int(kwargs.pop("max_gen_toks"))
+        if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
+            raise ValueError(
+                "This evaluation decodes greedily (as every standard generation task asks); a "
+                f"task asked for sampling ({gen_kwargs}). Run it with lm-eval's own HFLM."
+            )
+        max_context = self.max_length - max_new
+        if max_context <= 0:
+            raise ValueError(
+                f"A task asks for {max_new} new tokens, not fewer than the model's context "
+                f"of {self.max_length}."
+            )
+        special = self._batch_special_tokens(contexts[0])
+        prompts = [
+            list(self.tokenizer(text, **special)["input_ids"])[-max_context:] for text in contexts
+        ]
+        stop_ids = set(_eos_ids(self.config)) | {self.eot_token_id}
+        window = max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in until) + 2
+
+        def work(batch: list[list[int]]) -> list[str]:
+            def stopped(row: int, tokens: list[int]) -> bool:
+                if tokens[-1] in stop_ids:
+                    return True
+                tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+                return any(s and s in tail for s in until)
+
+            generated = continue_prompts(
+                self.model,
+                batch,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.eot_token_id,
+                max_new_tokens=max_new,
+                is_done=stopped,
+                device=self.device,
+            )
+            self.forward_passes += 1
+            return [
+                postprocess_generated_text(
+                    self.tokenizer.decode(g.tokens, skip_special_tokens=True), until, None
+                )
+                for g in generated
+            ]
+
+        return self._sharded(prompts, len, work)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(type(model).forward).parameters
+
+
+def _eos_ids(hf_config: Any) -> list[int]:
+    """The ids generation stops at (a config may list several, as Llama 3's does)."""
+    value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
