@@ -2,6 +2,8 @@
 
     python bench/data_prep.py                    # 20,000 rows, 3 measured rounds
     python bench/data_prep.py --rows 5000 --repeats 1
+    python bench/data_prep.py --scale 200000,1000000,2000000            # peak memory by size
+    python bench/data_prep.py --scale 200000,1000000,2000000 --shape text
 
 rate: rows/s to render, mask and tokenise N chat rows (ChatML template without generation
     markers: every answer found by prefix renders, every opening checked), against a bare
@@ -27,6 +29,14 @@ children beside them). Medians over the rounds; ratios per round, then their med
 The tokenizer is a byte-level BPE (4,000 tokens) trained on the synthetic conversations, the
 rows a mix of 1-3 user/assistant turns, half with a system message, message lengths drawn
 from a log-normal (median 40 words). Writes bench/results/data_prep.json.
+
+scale (--scale N1,N2,N3): the whole preparation (`python -m fsdp_utils.data`, the command of
+slurm/prepare.sh, and the trainer's preparation) of N chat rows of one user and one assistant
+message of 40-60 random words each (~112 tokens a row; drawn from 50,000 such messages), or with --shape text N `text` rows of
+the same words, each size in a fresh process: rows, tokens, wall seconds and the process's
+peak RSS (wait4's ru_maxrss), and the growth of the peak from the smallest size to the
+largest. Peak memory does not depend on the machine's load; seconds do. Writes
+bench/results/data_prep_scale_<shape>_<num_proc>.json.
 """
 
 from __future__ import annotations
@@ -118,11 +128,103 @@ def waste(lengths: np.ndarray, block: int) -> dict[str, float]:
     }
 
 
+def write_rows(path: Path, n: int, shape: str, seed: int = 0) -> None:
+    """N rows of the scale table's shape, written as they are made (the bench's own memory
+    stays flat too). Messages are drawn from a pool of 50,000, so that millions of rows take
+    seconds to write, not minutes."""
+    rng = random.Random(seed)
+    pool = [random_words(rng, rng.randint(40, 60)) for _ in range(50_000)]
+    with open(path, "w") as f:
+        for _ in range(n):
+            question, answer = rng.choice(pool), rng.choice(pool)
+            if shape == "text":
+                row: dict[str, Any] = {"text": f"{question}\n{answer}"}
+            else:
+                row = {
+                    "messages": [
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
+            f.write(json.dumps(row) + "\n")
+
+
+def scale(sizes: list[int], shape: str, num_proc: int, repo: Path) -> None:
+    import subprocess
+    import sys
+
+    work = Path(tempfile.mkdtemp(prefix="bench-data-scale-"))
+    tokenizer = chat_tokenizer("chatml", base=train_chat_tokenizer(vocab_size=4000))
+    model = save_tiny_model(work / "model", tokenizer)
+    table = []
+    for n in sizes:
+        data = work / f"{shape}-{n}.jsonl"
+        write_rows(data, n, shape)
+        cache = work / f"prepared-{n}"
+        # prepare_dataset as the trainer and download_models.py --prepare call it; importable
+        # from an older checkout too (--repo), to compare.
+        code = (
+            "from fsdp_utils.config.train_config import TrainConfig\n"
+            "from fsdp_utils.data.prepare import prepare_dataset\n"
+            f"prepare_dataset(TrainConfig(model={str(model)!r}, dataset={str(data)!r}, "
+            f"data_cache_dir={str(cache)!r}, max_seq_length=2048, eval_examples=200, "
+            f"num_proc={num_proc}))"
+        )
+        command = [sys.executable, "-c", code]
+        started = time.perf_counter()
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo
+        )
+        output = child.stdout.read() if child.stdout else ""
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = status  # reaped here: Popen must not wait for it again
+        seconds = time.perf_counter() - started
+        if status != 0:
+            raise SystemExit(f"preparing {n:,} rows failed:\n{output}")
+        meta = json.loads(next(cache.glob("*/meta.json")).read_text())["stats"]
+        tokens = sum(meta[s]["tokens"] for s in ("train", "eval") if s in meta)
+        peak = usage.ru_maxrss / 2**20  # KiB -> GiB
+        table.append({"rows": n, "tokens": tokens, "seconds": seconds, "peak_rss_gib": peak})
+        print(
+            f"{n:,} rows: {tokens:,} tokens, {seconds:.0f} s, peak RSS {peak:.2f} GiB", flush=True
+        )
+        data.unlink()
+        shutil.rmtree(cache, ignore_errors=True)
+    print(f"\n{shape} rows, --num_proc {num_proc}:\n")
+    print("| rows | tokens | seconds | tokens/s | peak RSS |\n|---:|---:|---:|---:|---:|")
+    for row in table:
+        print(
+            f"| {row['rows']:,} | {row['tokens'] / 1e6:.1f} M | {row['seconds']:.0f} | "
+            f"{row['tokens'] / row['seconds']:,.0f} | {row['peak_rss_gib']:.2f} GiB |"
+        )
+    growth = table[-1]["peak_rss_gib"] / table[0]["peak_rss_gib"] - 1
+    print(
+        f"\npeak RSS growth from {table[0]['rows']:,} to {table[-1]['rows']:,} rows: "
+        f"{100 * growth:+.0f}%"
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"data_prep_scale_{shape}_{num_proc}.json"
+    summary = {"shape": shape, "num_proc": num_proc, "sizes": table, "growth": growth}
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds (+1 warm-up)")
+    parser.add_argument("--scale", default=None, help="row counts, comma-separated")
+    parser.add_argument("--shape", choices=("chat", "text"), default="chat", help="with --scale")
+    parser.add_argument("--num_proc", type=int, default=1, help="with --scale")
+    parser.add_argument(
+        "--repo", type=Path, default=Path(__file__).resolve().parent.parent,
+        help="with --scale: the checkout whose preparation runs (another one, to compare)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.scale:
+        scale([int(n) for n in args.scale.split(",")], args.shape, args.num_proc, args.repo)
+        return
     # One-process figures on one thread (the tokenizer reads this when it first encodes).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import datasets

@@ -66,8 +66,12 @@ def _rank() -> int:
 
 
 def _fail(message: str) -> int:
-    if _rank() == 0:
-        report_error(message)
+    """A user mistake that every rank found (the arguments, the batch arithmetic): rank 0
+    prints it; every rank puts it in its torchrun error file, since torchrun's closing report
+    names the first rank to exit, whichever that is."""
+    report_error(message, show=_rank() == 0)
+    if _rank() != 0:  # not needed for the message (see above): rank 0's print reaches the log
+        time.sleep(PEER_EXIT_DELAY_S)  # before torchrun stops it, on a quiet machine at least
     return EXIT_USAGE
 
 

@@ -12,16 +12,19 @@ from pathlib import Path
 
 EXIT_USAGE = 2
 # Rank 0 reports before the others learn of its failure; this is only so that its exit, not
-# torchrun's SIGTERM after another rank's, ends it.
+# torchrun's SIGTERM after another rank's, ends it. The message does not depend on it: every
+# rank that fails for a user mistake carries it in its torchrun error file.
 PEER_EXIT_DELAY_S = 2.0
 
 
-def report_error(message: str) -> None:
-    """A user mistake's one paragraph on stderr (rank 0 calls this). Under torchrun it also goes
-    into the error file the agent reads (TORCHELASTIC_ERROR_FILE): the agent's closing "Root
-    Cause" report then shows it where it would say "To enable traceback see ...", so the message
-    stays the last thing in the job's log."""
-    print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
+def report_error(message: str, *, show: bool = True) -> None:
+    """A user mistake's one paragraph on stderr (`show`: rank 0 only). Under torchrun it also goes
+    into the error file the agent reads (TORCHELASTIC_ERROR_FILE), on every rank that knows it:
+    the agent's closing "Root Cause" report shows it where it would say "To enable traceback see
+    ...", whichever rank the agent names (the first to fail by the clock, which under load need
+    not be rank 0), so the message stays the last thing in the job's log."""
+    if show:
+        print(f"\nerror: {message}\n", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         # torch.distributed.elastic's format: {"message": {"message": ..., "extraInfo":

@@ -170,6 +170,37 @@ def test_a_real_model_that_emits_garbage_scores_zero(tiny_assets, games, tokeniz
     assert "[Result" in m["examples"][0].continuation
 
 
+def test_decoding_passes_the_kv_cache_as_transformers_names_it(tiny_assets, tokenizer, caplog):
+    """The cached decoding gives the tokens a full forward per token gives, and passes the
+    cache by its current name: transformers 5.x warns (once, at the end of `make demo` and the
+    chess evaluation) of `past_key_values`' removal when it is passed or read."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from fsdp_utils.parallel.generate import continue_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets["model"]).eval()
+    prompts = [tokenizer("1.e4 e5 2.Nf3")["input_ids"], tokenizer("1.d4")["input_ids"]]
+    hf_logging.warning_once.cache_clear()  # another test may have had it printed already
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = continue_prompts(
+                model, prompts, pad_token_id=tokenizer.pad_token_id or 0, eos_token_id=-1,
+                max_new_tokens=6, is_done=lambda b, t: False, device=torch.device("cpu"),
+            )  # fmt: skip
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if "past_key_values" in r.getMessage()]
+    for prompt, got in zip(prompts, out, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):  # no cache: the whole sequence each time
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got.tokens == ids[len(prompt) :]
+
+
 def test_ranks_share_the_work_and_add_up(games, tokenizer, config):
     """Without a process group each rank keeps its own counts: rank 0 + rank 1 = one rank,
     and both ranks run the same number of forward passes."""

@@ -5,6 +5,7 @@ choice is tested in test_step.py; real multi-process collectives run in every tr
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 
@@ -99,3 +100,22 @@ def test_mesh_of_each_sharding_on_two_nodes_of_four(fake_world, sharding, shape,
 def test_hybrid_needs_the_same_processes_on_every_node(fake_world):
     with pytest.raises(ValueError, match="world size 8 is not a multiple of 3 processes per node"):
         build_mesh(_env(8, per_node=3), "hybrid")
+
+
+def test_every_rank_that_fails_for_a_user_mistake_carries_the_message(
+    tmp_path, monkeypatch, capsys
+):
+    """torchrun's closing report shows the error file of the first rank to exit, which on a
+    loaded machine need not be rank 0: rank 1 writes the message there too, and prints nothing
+    (rank 0 prints it)."""
+    from fsdp_utils import cli
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli, "PEER_EXIT_DELAY_S", 0.0)
+    assert cli.main(["--collective_timeout_minutes", "0"]) == 2  # found by every rank
+    report = json.loads(error_file.read_text())["message"]
+    assert report["message"].startswith("error: --collective_timeout_minutes must be positive")
+    assert report["extraInfo"]["py_callstack"] == report["message"]
+    assert capsys.readouterr().err == ""

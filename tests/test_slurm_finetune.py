@@ -93,6 +93,34 @@ def test_sbatch_finetune_completes(
     assert "CANCELLED" not in text  # the sampler step ended cleanly, not cancelled
 
 
+def test_sbatch_prepare_uses_the_allocations_cores_and_the_training_run_finds_its_data(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    """slurm/prepare.sh: the data prepared on a CPU allocation (no GPUs asked for), offline,
+    with one process per allocated core, into the cache a run with the same options reads."""
+    log, cache = tmp_path / "prepare.out", tmp_path / "prepared"
+    env = job_env(MODEL=str(tiny_assets["model"]), DATASET=str(tiny_assets["data"]))
+    options = ("--dataset_include", "", "--max_seq_length", "128", "--data_cache_dir", str(cache))
+    job = local_slurm.sbatch(
+        "--cpus-per-task=2", "--mem=2G", "--time=10", f"--output={log}", "slurm/prepare.sh",
+        *options, cwd=REPO, env=env,
+    )  # fmt: skip
+    info = local_slurm.wait(job, timeout=180)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "-m fsdp_utils.data" in text and "--num_proc 2" in text
+    assert "prepared in" in text
+    from fsdp_utils.config.parse import parse_config
+    from fsdp_utils.data.prepare import prepare_dataset
+
+    config, _ = parse_config(
+        ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]), *options]
+    )
+    lines: list[str] = []
+    prepare_dataset(config, log=lines.append)
+    assert any(line.startswith("data: using prepared data") for line in lines), lines
+
+
 def test_non_dividing_batch_fails_in_preflight(
     local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
 ) -> None:

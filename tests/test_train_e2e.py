@@ -148,12 +148,14 @@ def test_bad_input_gives_one_clear_message(
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-3000:]
     workers, torchrun = _split_torchrun_report(result.stderr)
-    assert workers.count(expected) == 1  # printed once, by rank 0
+    # Printed once, by rank 0 (with 2 ranks that each find the mistake, torchrun may stop rank 0
+    # before it prints, if rank 1 exits first on a loaded machine: then only the report has it).
+    assert workers.count(expected) == 1 if nproc == 1 else workers.count(expected) <= 1
     assert (
         "Traceback" not in workers
     )  # torchrun reports a failed worker with a traceback of its own
-    if nproc > 1:  # ... which ends with the message too
-        assert expected in _last_lines(torchrun)
+    if nproc > 1:  # ... which ends with the message too, whichever rank it names
+        assert expected in _last_lines(torchrun), torchrun[-3000:]
     if "total_batch_size" in overrides:
         assert "model:" not in result.stdout  # failed before any model was loaded
 
@@ -185,11 +187,11 @@ def test_a_data_error_on_rank_0_ends_every_rank_quietly_with_the_message_last(
     assert "foo" in message  # names what the data has
     for noise in ("Traceback", "Connection closed", "ProcessGroupGloo", "[rank1]"):
         assert noise not in workers, noise
-    # The report's root cause is rank 0, exit 2, with the message as its last lines. Rank 1
-    # exits 2 too, unless torchrun, which stops the remaining workers once one has failed,
-    # terminates it first (SIGTERM: -15).
+    # The report's root cause, exit 2, has the message as its last lines (rank 0, or rank 1,
+    # which carries the message too). Rank 1 exits 2 too, unless torchrun, which stops the
+    # remaining workers once one has failed, terminates it first (SIGTERM: -15).
     root = torchrun[torchrun.index("Root Cause") :]
-    assert re.search(r"rank\s*: 0 .*\n.*exitcode\s*: 2 ", root), root
+    assert re.search(r"rank\s*: [01] .*\n.*exitcode\s*: (2|-15) ", root), root
     others = torchrun[: torchrun.index("Root Cause")]
     assert set(re.findall(r"exitcode\s*: (-?\d+)", others)) <= {"2", "-15"}, others
     assert message in _last_lines(torchrun), torchrun[-3000:]

@@ -1,9 +1,10 @@
-"""Reading dataset files with `datasets`' own loaders, and their columns without reading them.
+"""Dataset file types, and their columns without reading them.
 
-One builder per file type: `.parquet` (parquet), `.json` (a list of objects, or JSON lines),
-`.jsonl` (json), `.csv` (csv), `.arrow` (arrow, e.g. the files of `Dataset.save_to_disk`).
-A dataset is files of one type. `peek_columns` reads only a schema or the first row, so the
-format can be chosen (and the prepared cache found) without loading the data.
+One builder per file type (the names are `datasets`' loaders'): `.parquet` (parquet), `.json` (a
+list of objects, or JSON lines), `.jsonl` (json), `.csv` (csv), `.arrow` (arrow, e.g. the files
+of `Dataset.save_to_disk`). A dataset is files of one type; `fsdp_utils.data.streaming` reads
+their rows in batches. `peek_columns` reads only a schema or the first row, so the format can
+be chosen (and the prepared cache found) without loading the data.
 """
 
 from __future__ import annotations
@@ -39,18 +40,6 @@ def builder_of(files: list[Path]) -> str:
             "with --dataset_include (e.g. '*.parquet')."
         )
     return builders[0]
-
-
-def load_files(files: list[Path], cache_dir: Path) -> Any:
-    """The files as one `datasets.Dataset`, columns as stored."""
-    import datasets
-
-    return datasets.load_dataset(
-        builder_of(files),
-        data_files=[str(f) for f in files],
-        split="train",
-        cache_dir=str(cache_dir),
-    )
 
 
 def peek_columns(files: list[Path]) -> list[str]:

@@ -4,17 +4,25 @@ Preparation (`prepare_dataset`) runs once per dataset/tokenizer/settings and is 
 key of everything that determines its result, so a rerun, another rank or a requeued job loads
 it in milliseconds. It can also run on the login node (`download_models.py --prepare`).
 
-1. source: the dataset's files (`fsdp_utils.data.files`) or a `--dataset_module`'s rows
+It streams: rows are read, tokenised and written a batch at a time, so its memory does not grow
+with the data (a few batches of rows, and a few bytes per row: lengths, drop reasons, the split's
+order), and nothing beside the prepared arrays is left on disk.
+
+1. source: the dataset's files, read in batches in file order (`fsdp_utils.data.streaming`;
+   their types: `fsdp_utils.data.files`), or a `--dataset_module`'s rows
    (`fsdp_utils.data.custom`); the format follows from the columns (`fsdp_utils.data.formats`)
    and the log says which and why;
-2. split: rows are shuffled by seed; the first `eval_examples` are held out;
-3. chess and text: rendered (`fsdp_utils.data.render`), tokenised with an EOS closing every
-   document (`datasets.map`, multi-process), the stream cut into full blocks; `--no_packing`
-   pads each document instead. Every token is trained.
-4. chat, prompt/completion, alpaca, templates: each row becomes its tokens and a loss mask
-   (`fsdp_utils.data.rows`: the answers only, unless --train_on_prompt), too-long rows and
-   rows with nothing to train are dropped and counted, and whole rows are packed into blocks
-   (`fsdp_utils.data.packing`).
+2. tokens: chess and text are rendered (`fsdp_utils.data.render`) and tokenised with an EOS
+   closing every document; chat, prompt/completion, alpaca and templates become tokens and a
+   loss mask (`fsdp_utils.data.rows`: the answers only, unless --train_on_prompt), too-long
+   rows and rows with nothing to train dropped and counted. With `--num_proc` N, N forked
+   processes take a batch each (two each in flight at most). Each batch's tokens are appended
+   to spill files as it comes (`fsdp_utils.data.token_files`), with progress in the log;
+3. split: rows are shuffled by seed; the first `eval_examples` are held out (`split_rows`);
+4. blocks, per split in split order, written a chunk of blocks at a time: chess and text as one
+   stream cut into full blocks (`--no_packing`: each document padded); the masked formats'
+   whole rows packed by best-fit decreasing over the split's lengths
+   (`fsdp_utils.data.packing`). The spill files are deleted.
 
 Prepared layout, memory-mapped at training time (`fsdp_utils.data.blocks`), per split:
 `input_ids` (blocks x max_seq_length int32) and `lengths` (valid tokens per block; the rest is
@@ -27,12 +35,13 @@ evaluation plays from (`held_out_games`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
-import sys
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +52,13 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, chat_template, check_end_of_turn
 from fsdp_utils.data.custom import ModuleRows, load_dataset_module
-from fsdp_utils.data.files import load_files, peek_columns
+from fsdp_utils.data.files import peek_columns
 from fsdp_utils.data.formats import FormatChoice, choose_format
 from fsdp_utils.data.instruct import check_templates
-from fsdp_utils.data.packing import pack_rows, pack_stream, pad_documents
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
+from fsdp_utils.data.streaming import Batch, count_rows, dataset_batches, row_batches
+from fsdp_utils.data.token_files import TokenSpill, write_packed, write_padded, write_stream
 from fsdp_utils.hub.resolve import (
     ResolvedAssets,
     describe_dataset_files,
@@ -191,11 +201,6 @@ class DataSource:
     module: ModuleRows | None
     columns: list[str]
 
-    def rows(self, config: TrainConfig) -> Any:
-        if self.module is not None:
-            return self.module.dataset
-        return _load_raw(config, self.files)
-
 
 def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSource:
     if config.dataset_module is not None:
@@ -241,12 +246,11 @@ def prepare_dataset(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        raw = source.rows(config)
         if choice.masked:
-            stats = _build_rows(config, raw, choice, tokenizer, template, tmp, log)
+            stats = _build_rows(config, source, choice, tokenizer, template, tmp, log)
             _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
         else:
-            stats = _build(config, raw, choice, model_dir, tmp, log)
+            stats = _build(config, source, choice, model_dir, tmp, log)
         meta = {"spec": spec, "stats": stats, "seconds": round(time.perf_counter() - started, 2)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
@@ -260,6 +264,25 @@ def prepare_dataset(
     for line in _summary(stats):
         log(line)
     return folder
+
+
+# Preparing inside a training job longer than this: the log says how to do it once, before.
+SLOW_IN_JOB_S = 180.0
+
+
+def slow_preparation_advice(seconds: float, world_size: int) -> str | None:
+    """The log's advice after a training job prepared its data for `seconds` while its other
+    `world_size - 1` processes waited; None when it was quick."""
+    if seconds < SLOW_IN_JOB_S:
+        return None
+    waited = f" while {world_size - 1} other process(es) waited" if world_size > 1 else ""
+    return (
+        f"data: preparing took {seconds / 60:.1f} min inside the job{waited}. It is cached now "
+        "(the next run with these data options starts at once); for the next dataset, prepare "
+        "it before the GPU job, on the login node: python download_models.py --config "
+        "<your run's config> --prepare, or on a CPU node with as many processes as it has "
+        "cores: sbatch slurm/prepare.sh <the same training options>"
+    )
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -346,49 +369,44 @@ def _describe(stats: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _load_raw(config: TrainConfig, files: list[Path]) -> Any:
-    """The dataset files as one `datasets.Dataset`, columns as stored."""
-    return load_files(files, default_data_cache_dir(config) / "raw")
+# Rows read, tokenised and handed to the workers at a time: memory holds a few such batches.
+ROWS_PER_BATCH = 1024
+PROGRESS_EVERY_S = 30.0
 
 
-def _load_documents(config: TrainConfig, raw: Any, *, chess: bool) -> Any:
-    """A `datasets.Dataset` with one `text` column (chess games rendered)."""
-    columns = raw.column_names
-    if chess:
-        template = config.template
-
-        def render(batch: dict[str, list[Any]]) -> dict[str, list[str]]:
-            return {
-                "text": [
-                    render_game(m, t, r, template)
-                    for m, t, r in zip(
-                        batch["Moves"], batch["Termination"], batch["Result"], strict=False
-                    )
-                ]
-            }
-
-        return raw.map(render, batched=True, remove_columns=columns, num_proc=1)
-    texts = raw.select_columns([config.text_field])
-    return texts if config.text_field == "text" else texts.rename_column(config.text_field, "text")
+def _row_batches(source: DataSource, columns: list[str] | None) -> Iterator[Batch]:
+    if source.module is not None:
+        return dataset_batches(source.module.dataset, ROWS_PER_BATCH)
+    return row_batches(source.files, columns, ROWS_PER_BATCH)
 
 
-def _split(config: TrainConfig, docs: Any) -> dict[str, Any]:
-    """Shuffle by seed, cap at max_examples, hold out the first eval_examples. The order
-    depends only on the number of documents and the seed, so raw rows and their rendered
-    texts split the same way (the chess evaluation reads the raw held-out games)."""
-    docs = docs.shuffle(seed=config.seed)
+def _count_rows(source: DataSource) -> int:
+    if source.module is not None:
+        return len(source.module.dataset)
+    return count_rows(source.files)
+
+
+def split_rows(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
+    """Each split's row indices, in split order: shuffled by seed, capped at max_examples, the
+    first eval_examples held out. The permutation is numpy's PCG64 one that `datasets`'
+    `shuffle(seed=...)` gave earlier versions, so the splits, their order and the prepared
+    blocks are unchanged. It depends only on the number of rows and the seed, so the chess
+    evaluation finds the raw rows of the held-out games (`held_out_games`)."""
+    order = np.random.default_rng(config.seed).permutation(num_rows)
+    if num_rows < 2**31:  # half the bytes per row: the one array that grows with the data
+        order = order.astype(np.int32)
     if config.max_examples is not None:
-        docs = docs.select(range(min(config.max_examples, len(docs))))
-    n_eval = min(config.eval_examples, max(len(docs) - 1, 0))
-    return {"eval": docs.select(range(n_eval)), "train": docs.select(range(n_eval, len(docs)))}
+        order = order[: min(config.max_examples, num_rows)]
+    n_eval = min(config.eval_examples, max(len(order) - 1, 0))
+    return {"eval": order[:n_eval], "train": order[n_eval:]}
 
 
-def _training_split(config: TrainConfig, docs: Any) -> dict[str, Any]:
-    """`_split` for a training run, which must keep at least as much to train on as it
+def _training_split(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
+    """`split_rows` for a training run, which must keep at least as much to train on as it
     evaluates. The default (200) suits the chess games and most published sets; on a small set
     it would leave a handful of rows to train on, and the run would fail later with a message
     about blocks. (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
-    splits = _split(config, docs)
+    splits = split_rows(config, num_rows)
     n_eval, n_train = len(splits["eval"]), len(splits["train"])
     if n_eval > n_train:
         raise ValueError(
@@ -413,84 +431,193 @@ def held_out_games(
             f"reads its rows from --dataset_module {config.dataset_module}. Leave "
             "--chess_eval_every at 0, or give the games as --dataset."
         )
-    raw = _load_raw(config, list(files) if files is not None else dataset_files(config))
-    if not is_chess_schema(raw.column_names):
+    paths = list(files) if files is not None else dataset_files(config)
+    columns = peek_columns(paths)
+    if not is_chess_schema(columns):
         raise ValueError(
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "
-            f"columns {raw.column_names}, not the laion/strategic_game_chess schema (Moves, "
+            f"columns {columns}, not the laion/strategic_game_chess schema (Moves, "
             "Termination, Result). Evaluate on a chess dataset (--dataset "
             "laion/strategic_game_chess, or a folder of parquet files in that schema), or "
             "leave --chess_eval_every at 0 for text data."
         )
-    eval_split = _split(config, raw.select_columns(list(CHESS_COLUMNS)))["eval"]
+    wanted = split_rows(config, count_rows(paths))["eval"]
     if limit is not None:
-        eval_split = eval_split.select(range(min(limit, len(eval_split))))
-    return list(eval_split)
+        wanted = wanted[:limit]
+    place = {int(row): k for k, row in enumerate(wanted)}
+    games: list[dict[str, Any]] = [{} for _ in wanted]
+    start = 0
+    for batch in row_batches(paths, list(CHESS_COLUMNS), ROWS_PER_BATCH):
+        size = len(batch[CHESS_COLUMNS[0]])
+        for j in range(size):
+            k = place.get(start + j)
+            if k is not None:
+                games[k] = {c: batch[c][j] for c in CHESS_COLUMNS}
+        start += size
+    return games
 
 
 def _num_proc(config: TrainConfig, num_docs: int) -> int:
     if config.num_proc is not None:
         return max(1, config.num_proc)
     # Worker start-up costs seconds: not worth it for small datasets.
-    return 1 if num_docs < 20_000 else min(8, os.cpu_count() or 1)
+    return 1 if num_docs < 20_000 else min(8, available_cpus())
 
 
-def _quiet_progress() -> None:
-    import datasets
+def available_cpus() -> int:
+    """The CPUs this process may use: a Slurm allocation's, not the node's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
-    if not sys.stderr.isatty():  # progress bars are noise in a Slurm log; we log a summary
-        datasets.disable_progress_bars()
+
+# The work of the pool's processes, set before they are forked (they inherit it: the tokenizer
+# and the chat encoder are not pickled for every batch).
+_WORK: Callable[[Batch], Any] | None = None
+
+
+def _do_work(batch: Batch) -> Any:
+    assert _WORK is not None
+    return _WORK(batch)
+
+
+def _tokenised(
+    work: Callable[[Batch], Any],
+    batches: Iterator[Batch],
+    *,
+    num_proc: int,
+    total: int,
+    log: Any,
+) -> Iterator[Any]:
+    """`work` of every batch, in order: in this process, or in `num_proc` forked ones with at
+    most two batches each in flight (the rows are read as they are needed, not ahead). Logs
+    progress every PROGRESS_EVERY_S seconds."""
+    global _WORK
+    started = last = time.monotonic()
+    done = 0
+
+    def progress(rows: int) -> None:
+        nonlocal done, last
+        done += rows
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            rate = done / max(now - started, 1e-9)
+            log(
+                f"data: tokenised {done:,} of {total:,} rows ({rate:,.0f} rows/s, "
+                f"{num_proc} process(es)); about {(total - done) / max(rate, 1e-9) / 60:.1f} "
+                "min left"
+            )
+
+    if num_proc <= 1:
+        for batch in batches:
+            result = work(batch)
+            progress(len(next(iter(batch.values()))))
+            yield result
+        return
+    import multiprocessing
+
+    # The parent's tokenizer ran threads already; in forked workers the Rust library would turn
+    # them off with a warning per worker. One thread per worker is what we want anyway.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORK = work
+    pending: deque[tuple[int, Any]] = deque()
+    try:
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            for batch in batches:
+                pending.append(
+                    (len(next(iter(batch.values()))), pool.apply_async(_do_work, (batch,)))
+                )
+                if len(pending) >= 2 * num_proc:
+                    rows, result = pending.popleft()
+                    yield result.get()
+                    progress(rows)
+            while pending:
+                rows, result = pending.popleft()
+                yield result.get()
+                progress(rows)
+    finally:
+        _WORK = None
+
+
+@dataclass
+class _EncodeDocuments:
+    """Chess and text rows -> their tokens, an EOS closing every document."""
+
+    tokenizer: Any
+    eos: int
+    chess_template: str | None  # chess: render the games with it; else the text column
+    text_field: str
+
+    def __call__(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        if self.chess_template is not None:
+            texts = [
+                render_game(m, t, r, self.chess_template)
+                for m, t, r in zip(
+                    batch["Moves"], batch["Termination"], batch["Result"], strict=True
+                )
+            ]
+        else:
+            texts = batch[self.text_field]
+        ids = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+        ids = [x if x and x[-1] == self.eos else [*x, self.eos] for x in ids]
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())
+        )
+        return flat, lengths
 
 
 def _build(
-    config: TrainConfig, raw: Any, choice: FormatChoice, model_dir: Path, out: Path, log: Any
+    config: TrainConfig,
+    source: DataSource,
+    choice: FormatChoice,
+    model_dir: Path,
+    out: Path,
+    log: Any,
 ) -> dict[str, Any]:
-    """Chess and text: documents -> one token stream -> full blocks."""
+    """Chess and text: documents -> their tokens, spilled to disk as they come -> one token
+    stream per split, in split order -> full blocks."""
     from transformers import AutoTokenizer
 
-    _quiet_progress()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"The tokenizer in {model_dir} has no EOS token to separate documents.")
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
-
-    docs = _load_documents(config, raw, chess=choice.name == "chess")
-    num_proc = _num_proc(config, len(docs))
-    splits = _training_split(config, docs)
-
-    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        ids = tokenizer(batch["text"], add_special_tokens=True)["input_ids"]
-        return {"input_ids": [x if x and x[-1] == eos else [*x, eos] for x in ids]}
-
+    num_rows = _count_rows(source)
+    splits = _training_split(config, num_rows)
+    chess = choice.name == "chess"
+    work = _EncodeDocuments(tokenizer, eos, config.template if chess else None, config.text_field)
+    columns = list(CHESS_COLUMNS) if chess else [config.text_field]
+    spill = TokenSpill(out, masked=False)
+    num_proc = _num_proc(config, num_rows)
+    for flat, lengths in _tokenised(
+        work, _row_batches(source, columns), num_proc=num_proc, total=num_rows, log=log
+    ):
+        spill.append(flat, lengths)
+    rows = spill.close()
     stats: dict[str, Any] = {"eos_token_id": eos, "pad_token_id": pad}
-    for name, split in splits.items():
-        if len(split) == 0:
-            continue
-        tokenized = split.map(
-            tokenize, batched=True, remove_columns=["text"], num_proc=num_proc,
-            desc=f"tokenising {name}",
-        )  # fmt: skip
-        column = tokenized.data.column("input_ids").combine_chunks()
-        flat = column.values.to_numpy().astype(np.int32)
-        offsets = column.offsets.to_numpy()
-        if config.no_packing:
-            input_ids, lengths = pad_documents(flat, offsets, config.max_seq_length, pad)
-        else:
-            input_ids, lengths = pack_stream(flat, config.max_seq_length, pad)
-        np.save(out / f"{name}_input_ids.npy", input_ids)
-        np.save(out / f"{name}_lengths.npy", lengths)
-        total_slots = input_ids.size
-        stats[name] = {
-            "documents": len(split),
-            "tokens": int(lengths.sum()),
-            "blocks": len(lengths),
-            "padding_fraction": float(1 - lengths.sum() / total_slots) if total_slots else 0.0,
-            "truncated_documents": int(np.sum(np.diff(offsets) > config.max_seq_length))
-            if config.no_packing
-            else 0,
-        }
-        log(f"data: {name}: {_describe({name: stats[name]})}")
+    try:
+        for name, order in splits.items():
+            if len(order) == 0:
+                continue
+            block = config.max_seq_length
+            write = write_padded if config.no_packing else write_stream
+            written = write(rows, order, block, pad, out / name)
+            stats[name] = {
+                "documents": len(order),
+                "tokens": written.tokens,
+                "blocks": written.blocks,
+                "padding_fraction": 1 - written.tokens / written.slots if written.slots else 0.0,
+                "truncated_documents": int((rows.lengths[order] > block).sum())
+                if config.no_packing
+                else 0,
+            }
+            log(f"data: {name}: {_describe({name: stats[name]})}")
+    finally:
+        rows.close()
     if "train" not in stats:
         raise ValueError("No training documents left after holding out the eval split.")
     return stats
@@ -499,28 +626,51 @@ def _build(
 # --- masked formats: rows with loss masks ---------------------------------------------------
 
 
+@dataclass
+class _EncodeRows:
+    """Masked rows -> (tokens, loss masks, lengths, drop reasons, truncated, merged); a
+    dropped row keeps no tokens (length 0)."""
+
+    encoder: RowEncoder
+
+    def __call__(
+        self, batch: Batch
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray, np.ndarray]:
+        out = self.encoder(batch)
+        kept = [not d for d in out["dropped"]]
+        ids = [x if k else [] for x, k in zip(out["input_ids"], kept, strict=True)]
+        masks = [m if k else [] for m, k in zip(out["loss_mask"], kept, strict=True)]
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+        total = int(lengths.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
+        mask = np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total)
+        truncated = np.asarray(out["truncated"], dtype=bool)
+        merged = np.asarray(out["merged"], dtype=bool)
+        return flat, mask, lengths, list(out["dropped"]), truncated, merged
+
+
 def _build_rows(
     config: TrainConfig,
-    raw: Any,
+    source: DataSource,
     choice: FormatChoice,
     tokenizer: Any,
     template: ChatTemplate | None,
     out: Path,
     log: Any,
 ) -> dict[str, Any]:
-    """Chat, prompt/completion, alpaca, templates: rows -> (tokens, loss mask) -> whole rows
-    packed into blocks. Writes input_ids, lengths, loss_mask, row_starts per split."""
-    import datasets
-    import pyarrow.compute as pc
-
-    _quiet_progress()
-    if len(raw) == 0:
+    """Chat, prompt/completion, alpaca, templates: rows -> (tokens, loss mask), spilled to disk
+    as they come -> whole rows packed into blocks, per split. Writes input_ids, lengths,
+    loss_mask, row_starts per split."""
+    num_rows = _count_rows(source)
+    if num_rows == 0:
         raise ValueError("The dataset has no rows.")
-    raw = raw.add_column(ROW_INDEX, np.arange(len(raw), dtype=np.int64))
     if choice.name == "templates":
         assert config.prompt_template is not None and config.response_template is not None
-        check_templates(config.prompt_template, config.response_template, raw.column_names)
-    first = raw[:64]
+        check_templates(config.prompt_template, config.response_template, source.columns)
+    columns = None if source.module is not None else source.columns
+    head = next(_row_batches(source, columns))
+    first = {k: v[:64] for k, v in head.items()}
+    first[ROW_INDEX] = list(range(len(next(iter(first.values())))))
     if choice.name == "prompt_completion" and uses_messages(first) and template is None:
         # Message lists, and the model has no chat template: the error names --chat_template.
         template = chat_template(tokenizer, template_file=None, model=config.model)
@@ -549,56 +699,69 @@ def _build_rows(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     stats.update({"eos_token_id": eos, "pad_token_id": pad})
-    features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("bool")),
-            "dropped": datasets.Value("string"),
-            "truncated": datasets.Value("bool"),
-            "merged": datasets.Value("bool"),
-        }
-    )
-    num_proc = _num_proc(config, len(raw))
-    for name, split in _training_split(config, raw).items():
-        if len(split) == 0:
-            continue
-        encoded = split.map(
-            encoder, batched=True, batch_size=256, remove_columns=split.column_names,
-            features=features, num_proc=num_proc, desc=f"encoding {name}",
-        )  # fmt: skip
-        table = encoded.data.table
-        dropped = table.column("dropped")
-        kept = table.filter(pc.equal(dropped, ""))
-        ids_column = kept.column("input_ids").combine_chunks()
-        mask_column = kept.column("loss_mask").combine_chunks()
-        offsets = ids_column.offsets.to_numpy().astype(np.int64)
-        offsets -= offsets[0]
-        packed = pack_rows(
-            ids_column.values.to_numpy(),
-            mask_column.values.to_numpy(zero_copy_only=False),
-            offsets,
-            config.max_seq_length,
-            pad,
-            packing=not config.no_packing,
+    splits = _training_split(config, num_rows)
+
+    def numbered(batches: Iterator[Batch]) -> Iterator[Batch]:
+        start = 0
+        for batch in batches:
+            size = len(next(iter(batch.values())))
+            yield {**batch, ROW_INDEX: list(range(start, start + size))}
+            start += size
+
+    spill = TokenSpill(out, masked=True)
+    causes: dict[str, int] = {"": 0}
+    dropped_parts, truncated_parts, merged_parts = [], [], []
+    for flat, mask, lengths, dropped, truncated, merged in _tokenised(
+        _EncodeRows(encoder), numbered(_row_batches(source, columns)),
+        num_proc=_num_proc(config, num_rows), total=num_rows, log=log,
+    ):  # fmt: skip
+        spill.append(flat, lengths, mask)
+        dropped_parts.append(
+            np.fromiter(
+                (causes.setdefault(d, len(causes)) for d in dropped), np.uint8, len(dropped)
+            )
         )
-        np.save(out / f"{name}_input_ids.npy", packed.input_ids)
-        np.save(out / f"{name}_lengths.npy", packed.lengths)
-        np.save(out / f"{name}_loss_mask.npy", packed.loss_mask)
-        np.save(out / f"{name}_row_starts.npy", packed.row_starts)
-        causes = pc.value_counts(dropped).to_pylist()
-        slots = packed.input_ids.size
-        stats[name] = {
-            "rows_read": len(split),
-            "documents": kept.num_rows,
-            "dropped": {c["values"]: c["counts"] for c in causes if c["values"]},
-            "truncated": int(pc.sum(kept.column("truncated")).as_py() or 0),
-            "prompt_merged": int(pc.sum(table.column("merged")).as_py() or 0),
-            "tokens": int(packed.lengths.sum()),
-            "trained_tokens": int(packed.loss_mask.sum()),
-            "blocks": len(packed.lengths),
-            "padding_fraction": float(1 - packed.lengths.sum() / slots) if slots else 0.0,
-        }
-        log(f"data: {name}: {_describe({name: stats[name]})}")
+        truncated_parts.append(truncated)
+        merged_parts.append(merged)
+    rows = spill.close()
+    drop_code = np.concatenate(dropped_parts)
+    truncated_all = np.concatenate(truncated_parts)
+    merged_all = np.concatenate(merged_parts)
+    names = {code: cause for cause, code in causes.items()}
+    try:
+        # The peak is the per-row arrays alive while a split is packed: each split's counts are
+        # taken first, and before the last (train, nearly every row) is packed, what only the
+        # counts needed is freed.
+        for name in list(splits):
+            order = splits.pop(name)
+            if len(order) == 0:
+                continue
+            codes = drop_code[order]
+            kept = order[codes == 0]
+            counts = np.bincount(codes, minlength=len(causes))
+            stats[name] = {
+                "rows_read": len(order),
+                "documents": len(kept),
+                "dropped": {names[c]: int(n) for c, n in enumerate(counts) if c and n},
+                "truncated": int(truncated_all[kept].sum()),
+                "prompt_merged": int(merged_all[order].sum()),
+            }
+            del codes, order
+            if not splits:
+                del drop_code, truncated_all, merged_all
+            written = write_packed(
+                rows, kept, config.max_seq_length, pad, out / name, packing=not config.no_packing
+            )
+            del kept
+            stats[name].update(
+                tokens=written.tokens,
+                trained_tokens=written.trained,
+                blocks=written.blocks,
+                padding_fraction=1 - written.tokens / written.slots if written.slots else 0.0,
+            )
+            log(f"data: {name}: {_describe({name: stats[name]})}")
+    finally:
+        rows.close()
     if not stats.get("train", {}).get("blocks"):
         read = sum(stats[s]["rows_read"] for s in ("train", "eval") if s in stats)
         raise ValueError(

@@ -8,8 +8,11 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 from __future__ import annotations
 
 import datetime
+import itertools
+import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -184,6 +187,13 @@ class ReportedError(ValueError):
     without printing it again."""
 
 
+# on_main_rank's calls, counted alike on every rank (it is collective): each outcome's key.
+_main_rank_calls = itertools.count()
+# How often a waiting rank looks for rank 0's outcome: soon at first (most work takes
+# milliseconds), then every few seconds (preparing a large dataset takes hours).
+_POLL_FIRST_S, _POLL_MAX_S = 0.005, 2.0
+
+
 def on_main_rank(
     work: Callable[[], T], *, user_errors: tuple[type[BaseException], ...] = (ValueError,)
 ) -> T | None:
@@ -191,29 +201,49 @@ def on_main_rank(
 
     Collective. If `work` raises, every rank stops: rank 0 reports a user mistake (`user_errors`)
     at once and raises `ReportedError`, or re-raises anything else (a crash, with its
-    traceback); every other rank raises `PeerFailure`. A bare barrier would leave the others
-    with gloo's "Connection closed by peer" traceback after rank 0's message; reporting before
-    the others learn of it keeps the message even if torchrun stops rank 0 when the first of
-    them exits. The outcome travels as a host scalar (gloo): one small all-reduce.
+    traceback); every other rank raises `PeerFailure`, carrying the message into its error file
+    (`report_error`, not printed). Reporting before the others learn of it keeps the message
+    even if torchrun stops rank 0 when the first of them exits.
+
+    The others wait on the process group's store (rank 0 sets a key with the outcome), not in a
+    collective: a collective times out after --collective_timeout_minutes, and `work` may be
+    preparing a dataset for hours. A rank 0 that dies is noticed by torchrun, which ends the
+    others; one that hangs holds them as it would hold a collective's peers.
     """
-    result: T | None = None
-    error: BaseException | None = None
-    if not is_distributed() or dist.get_rank() == 0:
+    if not is_distributed():
         try:
-            result = work()
+            return work()
         except user_errors as err:
             report_error(str(err))
-            error = ReportedError(str(err))
-            error.__cause__ = err
-        except BaseException as err:  # every failure must reach the other ranks
-            error = err
-    outcome = 0.0 if error is None else 1.0 if isinstance(error, ReportedError) else 2.0
-    outcome = all_reduce_host_sum([outcome])[0]
-    if error is not None:
-        raise error
-    if outcome:
-        raise PeerFailure(user_error=outcome == 1.0)
-    return result
+            raise ReportedError(str(err)) from err
+    store = dist.distributed_c10d._get_default_store()
+    # A restarted torchrun round meets the previous round's keys in the agent's store.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"fsdp_utils/on_main_rank/{restart}/{next(_main_rank_calls)}"
+    if dist.get_rank() == 0:
+        outcome: dict[str, object] = {"failed": False}
+        try:
+            return work()
+        except user_errors as err:
+            report_error(str(err))
+            outcome = {"failed": True, "user_error": str(err)}
+            raise ReportedError(str(err)) from err
+        except BaseException:  # every failure must reach the other ranks
+            outcome = {"failed": True, "user_error": None}
+            raise
+        finally:
+            store.set(key, json.dumps(outcome))
+    pause = _POLL_FIRST_S
+    while not store.check([key]):  # check() does not block: no store timeout to trip either
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_S)
+    outcome = json.loads(store.get(key))
+    if outcome["failed"]:
+        message = outcome["user_error"]
+        if isinstance(message, str):
+            report_error(message, show=False)
+        raise PeerFailure(user_error=message is not None)
+    return None
 
 
 def broadcast_object(value: T, src: int = 0) -> T:

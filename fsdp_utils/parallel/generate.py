@@ -31,6 +31,17 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in inspect.signature(type(model).forward).parameters
 
 
+def _cache_of(out: Any) -> dict[str, Any]:
+    """The KV cache a forward returned, as the keyword the next forward takes it by.
+    transformers 5.x calls it `cache` (its outputs have that field, and `past_key_values` in or
+    out warns of its removal); earlier releases, and models that return plain tuples or
+    namespaces, call it `past_key_values`. Decided from the output, not the model's signature:
+    a PEFT wrapper's forward takes **kwargs and names neither."""
+    if "cache" in getattr(type(out), "__dataclass_fields__", {}):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 def _everyone_done(done: bool, device: torch.device) -> bool:
     flag = torch.tensor([1.0 if done else 0.0], device=device)
     return bool(dist_utils.all_reduce_min(flag).item() > 0)
@@ -107,7 +118,7 @@ def continue_prompts(
         with context():
             out = model(
                 input_ids=feed, attention_mask=mask, position_ids=next_position,
-                past_key_values=out.past_key_values, use_cache=True, **keep,
+                use_cache=True, **_cache_of(out), **keep,
             )  # fmt: skip
         next_position = next_position + 1
     return results

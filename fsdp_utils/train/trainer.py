@@ -34,7 +34,7 @@ from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
 from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
-from fsdp_utils.data.prepare import PreparedData, prepare_dataset
+from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
 from fsdp_utils.metrics.profile import StepProbes
@@ -210,10 +210,16 @@ class Trainer:
     def _prepare_data(self) -> PreparedData:
         # Rank 0 prepares (or finds) the cached data and tells the others where: a
         # --dataset_module runs once, and every rank reads what rank 0 prepared.
+        # The others wait on the store, not in a collective: preparing may take hours, longer
+        # than --collective_timeout_minutes (`on_main_rank`).
         config, assets = self.config, self.assets
+        started = time.monotonic()
         main_folder = dist_utils.on_main_rank(
             lambda: prepare_dataset(config, assets=assets, log=self.log.info)
         )
+        advice = slow_preparation_advice(time.monotonic() - started, self.env.world_size)
+        if advice:
+            self.log.info(advice)
         folder = dist_utils.broadcast_object(main_folder)
         assert folder is not None  # rank 0 prepared it, or every rank raised
         prepared = PreparedData.load(folder)

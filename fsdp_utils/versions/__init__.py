@@ -122,9 +122,11 @@ def exit_if_untested() -> None:
     untested = [f for f in find_versions(declared_requirements()) if not f.tested]
     if not untested:
         return
-    if int(os.environ.get("RANK", "0")) == 0:
-        report_error(untested_message(untested))
-    else:
+    rank_0 = int(os.environ.get("RANK", "0")) == 0
+    # Every rank carries the message into its torchrun error file: the closing report names
+    # whichever rank exits first (`report_error`).
+    report_error(untested_message(untested), show=rank_0)
+    if not rank_0:
         time.sleep(PEER_EXIT_DELAY_S)
     raise SystemExit(EXIT_USAGE)
 

@@ -1,0 +1,44 @@
+#!/bin/bash
+# Prepare (tokenise and pack) the training data on a CPU node, once, before the GPU job, with
+# as many processes as the allocation has cores. The GPU job with the same options then finds
+# it in the cache ("data: using prepared data") instead of preparing it while its GPUs wait.
+#
+#   mkdir -p logs && sbatch slurm/prepare.sh --config runs/chat.yaml
+#   sbatch --partition=cpu --cpus-per-task=32 slurm/prepare.sh --config runs/chat.yaml
+#   sbatch --dependency=afterok:<its job id> slurm/finetune.sh --config runs/chat.yaml
+#
+# Submit from the repository root; arguments are chess_finetune.py's (only the model's
+# tokenizer and the data options matter). Pick your site's CPU partition with --partition on
+# the sbatch command line. The model and data come from download_models.py's cache: the node
+# needs no internet.
+#
+#SBATCH --job-name=prepare-data
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=16            # tokenisation processes (NUM_PROC follows the allocation)
+#SBATCH --mem=32G                     # host RAM: preparation's memory grows with the processes
+#SBATCH --time=04:00:00
+#SBATCH --output=logs/%x-%j.out       # logs/ must exist (mkdir -p logs): Slurm does not create it
+#
+# Environment overrides:
+#   SETUP              shell code that activates your environment (as for slurm/finetune.sh)
+#   CONFIG, MODEL, DATASET  as for slurm/finetune.sh
+#   NUM_PROC           processes (default: the CPUs Slurm gave the job)
+#   PYTHON             interpreter (python)
+
+eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
+set -uo pipefail
+PYTHON=${PYTHON:-python}
+# No internet on compute nodes: the Hugging Face libraries must know before they are imported.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+
+args=()
+[ -n "${CONFIG:-}" ] && args+=(--config "$CONFIG")
+[ -n "${MODEL:-}" ] && args+=(--model "$MODEL")
+[ -n "${DATASET:-}" ] && args+=(--dataset "$DATASET")
+args+=(--num_proc "${NUM_PROC:-${SLURM_CPUS_PER_TASK:-$(nproc)}}")
+args+=("$@")  # last: the command line wins
+
+echo "job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-$(hostname)}:" \
+    "$PYTHON -m fsdp_utils.data$(printf ' %q' "${args[@]}")"
+exec "$PYTHON" -m fsdp_utils.data "${args[@]}"
