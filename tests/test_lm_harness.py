@@ -595,3 +595,36 @@ def test_plot_draws_the_comparison_with_standard_errors(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text(json.dumps(_results("x", {"piqa": {"acc,none": 0.5}})))
     argv[2] = str(tmp_path / "other.json")
     assert plot_main(argv) == 2  # nothing in common: one paragraph, exit 2
+
+
+def test_check_offline_builds_the_cached_tasks_and_names_missing_task_data(
+    tmp_path: Path,
+) -> None:
+    """The tasks' part of `download_models.py --check-offline`: every recorded task builds from
+    the cache alone; a task whose dataset snapshot is gone is named, with the command that
+    fetches it again, and the check fails (in a process with no network, as a node runs it)."""
+    import shutil
+
+    from fsdp_utils.lm_harness.task_cache import check_tasks
+    from fsdp_utils.lm_harness.tasks import load_task_records
+
+    cache = tmp_path / "hub"
+    cache_task_data(cache, ["arc_easy", "gsm8k"])
+    lines: list[str] = []
+    assert check_tasks(load_task_records(cache), cache, log=lines.append) == {}
+    assert lines == [
+        "OK   lm-eval arc_easy: 1 task(s), 8 documents",
+        "OK   lm-eval gsm8k: 1 task(s), 6 documents",
+    ]
+    (leaf,) = load_task_records(cache)["gsm8k"]
+    shutil.rmtree(cache / "datasets--openai--gsm8k" / "snapshots" / str(leaf.commit))
+    check = subprocess.run(
+        [sys.executable, "download_models.py", "--check-offline", "--cache-dir", str(cache)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "OK   lm-eval arc_easy: 1 task(s), 8 documents" in check.stdout
+    failed = check.stdout.split("FAIL lm-eval gsm8k: ", 1)[1]
+    assert failed.startswith("Dataset openai/gsm8k of task gsm8k")
+    assert "is not in the offline cache" in failed
+    assert failed.splitlines()[1].strip() == "python download_models.py --eval_tasks gsm8k"
