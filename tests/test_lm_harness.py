@@ -167,10 +167,61 @@ def test_requests_are_dealt_so_every_rank_runs_the_same_forwards() -> None:
 
     order = [4, 0, 3, 1, 2]  # longest first
     shares = [deal(order, rank, 2) for rank in range(2)]
-    assert [s.indices for s in shares] == [[4, 3, 2], [0, 1, 4]]  # rank 1 padded with a copy
+    # Rank 1 is padded with a copy of the shortest: at every place rank 0's is the longest.
+    assert [s.indices for s in shares] == [[4, 3, 2], [0, 1, 2]]
     assert [s.real for s in shares] == [3, 2]
     assert deal([7], 1, 4).indices == [7] and deal([7], 1, 4).real == 0
     assert deal([], 0, 2).indices == []
+
+
+def test_batch_size_auto_fills_forwards_up_to_the_planned_tokens(eval_model: Path) -> None:
+    """`--batch_size auto`: on CPU a fixed default; on GPUs the memory plan's token budget
+    sizes each forward by its longest row (at most AUTO_MAX_ROWS rows), the same on every
+    rank. The plan traces the evaluation's forward on fake tensors: its bytes per row hold
+    at least the row's logits, and its rows are what fits in the GPU beside the model."""
+    import torch
+
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.lm_harness.cli import AUTO_MAX_ROWS, CPU_BATCH, build_parser
+    from fsdp_utils.lm_harness.sharded_lm import ShardedLM, batch_sizes, deal
+    from fsdp_utils.plan.estimate import Cluster
+    from fsdp_utils.plan.hardware import GIB, Gpu
+    from fsdp_utils.plan.inference import plan_forward
+    from fsdp_utils.plan.report import Margin
+
+    parse = build_parser().parse_args
+    assert parse(["--model", "m", "--tasks", "t"]).batch_size == "auto"
+    assert parse(["--model", "m", "--tasks", "t", "--batch_size", "3"]).batch_size == 3
+    with pytest.raises(SystemExit):
+        parse(["--model", "m", "--tasks", "t", "--batch_size", "0"])
+    assert (CPU_BATCH, AUTO_MAX_ROWS) == (8, 64)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = eval_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    lm = ShardedLM(
+        model, AutoTokenizer.from_pretrained(model_dir), device=torch.device("cpu"),
+        batch_size=AUTO_MAX_ROWS, token_budget=100,
+    )  # fmt: skip
+    assert [lm.rows_for(n) for n in (1, 40, 50, 51, 100, 300)] == [64, 2, 2, 1, 1, 1]
+    # Places' longest lengths over the ranks, longest first: batches by their first place.
+    assert batch_sizes([60, 50, 30, 30, 20, 10, 10], lm.rows_for) == [1, 2, 3, 1]
+    assert batch_sizes([5, 5], lambda n: 8) == [2]
+    # Two ranks compute the same places' lengths from the same order: rank 0 holds the longest.
+    lengths = {0: 9, 1: 7, 2: 7, 3: 4, 4: 1}
+    shares = [deal(list(lengths), rank, 2).indices for rank in range(2)]
+    assert all(lengths[shares[0][j]] >= lengths[shares[1][j]] for j in range(3))
+
+    config = TrainConfig(model=str(model_dir), precision="fp32", gradient_checkpointing=False)
+    gpu = Gpu("test", 3 * GIB)
+    plan = plan_forward(config, Cluster(1, 2), gpu, seq_len=128, margin=Margin(GIB, 0.10))
+    assert plan.bytes_per_row >= 128 * model.config.vocab_size * 4  # at least its fp32 logits
+    assert plan.seq_len == 128 and plan.token_budget == plan.rows * 128
+    used = plan.fixed_bytes + plan.rows * plan.bytes_per_row
+    margin = Margin(GIB, 0.10).bytes_for(plan.fixed_bytes + plan.bytes_per_row)
+    assert used + margin <= gpu.memory_bytes < used + margin + plan.bytes_per_row
+    assert "row(s) of 128 tokens per forward" in plan.describe()
 
 
 def test_a_dataset_card_says_which_files_a_config_reads() -> None:
