@@ -26,7 +26,13 @@ import pytest
 from fsdp_utils.lm_harness.tasks import offline_tasks
 from tests.conftest import REPO_ROOT
 from tests.hf_mirror import HubMirror, hub_mirror_fixture  # noqa: F401
-from tests.lm_eval_data import TASK_DATASETS, TASK_YAMLS, cache_task_data, write_task_folders
+from tests.lm_eval_data import (
+    TASK_DATASETS,
+    TASK_YAMLS,
+    cache_snapshot,
+    cache_task_data,
+    write_task_folders,
+)
 
 # multiple choice (arc_easy; hellaswag, whose answers are whole sentences; an MMLU subject, whose
 # one-letter answers share one forward), rolling (wikitext), generation (gsm8k)
@@ -438,35 +444,6 @@ def test_download_reads_eval_tasks_from_a_training_config(tmp_path: Path) -> Non
 HUB_ID = "org/tiny-llama"
 
 
-def cache_model(cache: Path, folder: Path, repo_id: str) -> Path:
-    """`folder` in the offline cache as download_models.py leaves a model: its snapshot and its
-    manifest entry; returns the snapshot."""
-    import hashlib
-    import shutil
-
-    from fsdp_utils.hub.cache import snapshot_dir
-    from fsdp_utils.hub.manifest import FileRecord, ManifestEntry, record_entry
-
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot = snapshot_dir(cache, repo_id, "model", commit)
-    shutil.copytree(folder, snapshot)
-    names = sorted(p.name for p in snapshot.iterdir())
-    record_entry(
-        cache,
-        ManifestEntry(
-            repo_id=repo_id, repo_type="model", revision="main", commit=commit,
-            files=tuple(
-                FileRecord(n, (snapshot / n).stat().st_size,
-                           hashlib.sha256((snapshot / n).read_bytes()).hexdigest())
-                for n in names
-            ),
-            repo_files=tuple(names), endpoint="https://huggingface.co",
-            downloaded_at="2026-01-01T00:00:00+00:00",
-        ),
-    )  # fmt: skip
-    return snapshot
-
-
 @pytest.fixture(scope="module")
 def lora_run_over_a_cached_base(
     eval_model: Path, tiny_assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
@@ -477,7 +454,8 @@ def lora_run_over_a_cached_base(
 
     root = tmp_path_factory.mktemp("lora_over_cache")
     cache = root / "hub"
-    snapshot = cache_model(cache, eval_model, HUB_ID)
+    files = {p.name: p.read_bytes() for p in eval_model.iterdir() if p.is_file()}
+    snapshot = cache_snapshot(cache, HUB_ID, "model", files)
     cache_task_data(cache, ["arc_easy"])
     args = tiny_args(
         tiny_assets, root / "run", root / "data-cache", model=HUB_ID, cache_dir=cache,

@@ -5,17 +5,15 @@ from the offline cache, as on a compute node."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from fsdp_utils.hub.offline import OFFLINE_VARIABLES
 from tests import local_slurm as slurm_fixture
 from tests.lm_eval_data import cache_task_data
 from tests.local_slurm import LocalSlurm
 from tests.test_slurm_finetune import REPO, RESOURCES, job_env
-from tests.test_slurm_launch import run_launch
+from tests.test_slurm_launch import assert_offline_before_python, run_launch
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
 
@@ -23,12 +21,7 @@ EVALUATE_SH = REPO / "slurm" / "evaluate.sh"
 
 
 def test_evaluate_sh_exports_offline_mode_before_python() -> None:
-    text = EVALUATE_SH.read_text()
-    offline_line = next(line for line in text.splitlines() if "HF_HUB_OFFLINE=1" in line)
-    for name, value in OFFLINE_VARIABLES.items():
-        assert f"{name}={value}" in offline_line
-    assert text.index("HF_HUB_OFFLINE=1") < text.index('"$PYTHON"')
-    assert subprocess.run(["bash", "-n", str(EVALUATE_SH)]).returncode == 0
+    assert_offline_before_python(EVALUATE_SH)
 
 
 def test_launch_nodes_plans_the_processes_without_a_run_folder() -> None:
