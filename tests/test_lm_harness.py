@@ -229,6 +229,25 @@ def test_batch_size_auto_fills_forwards_up_to_the_planned_tokens(eval_model: Pat
     assert used + margin <= gpu.memory_bytes < used + margin + plan.bytes_per_row
     assert "row(s) of 128 tokens per forward" in plan.describe()
 
+    # The command plans the model --model names, at --max_length tokens a row, before it joins
+    # the process group; with no GPU visible the plan says so.
+    from fsdp_utils.evaluate import plan_token_budget
+    from fsdp_utils.lm_harness.cli import planned_budget
+
+    seen: list[tuple[Any, int]] = []
+    lines: list[str] = []
+
+    def planner(config: Any, seq_len: int) -> tuple[int, str]:
+        seen.append((config, seq_len))
+        return 1234, "planned"
+
+    args = parse(["--model", str(model_dir), "--tasks", "t", "--max_length", "96"])
+    assert planned_budget(args, planner, lines.append) == 1234 and lines == ["planned"]
+    ((planned_config, seq_len),) = seen
+    assert (planned_config.model, planned_config.precision, seq_len) == (str(model_dir), "fp32", 96)
+    with pytest.raises(ValueError, match="none is visible"):
+        plan_token_budget(planned_config, 96)
+
 
 def test_a_dataset_card_says_which_files_a_config_reads() -> None:
     from fsdp_utils.lm_harness.task_cache import TaskDataError, config_files
