@@ -20,6 +20,7 @@ from fsdp_utils.lm_harness.compare import Compared, compared_metrics, higher_is_
 
 EXIT_USAGE = 2
 BASE_COLOR, THIS_COLOR = "0.6", "C0"
+MAX_LABEL = 36
 
 
 def model_label(results: dict[str, Any], fallback: str) -> str:
@@ -27,7 +28,9 @@ def model_label(results: dict[str, Any], fallback: str) -> str:
     lm-eval's config), else `fallback`."""
     ours = results.get("fsdp_utils", {}).get("model", {}).get("model")
     theirs = results.get("config", {}).get("model")
-    return str(ours or (theirs if isinstance(theirs, str) else None) or fallback)
+    label = str(ours or (theirs if isinstance(theirs, str) else None) or fallback)
+    # A long folder path keeps its end (the run's name), so that the title fits the figure.
+    return label if len(label) <= MAX_LABEL else "..." + label[-(MAX_LABEL - 3) :]
 
 
 def by_metric(rows: Sequence[Compared]) -> dict[str, list[Compared]]:
@@ -84,10 +87,15 @@ def plot_comparison(
                 f"{row.change:+.4f}{se}", (end, place), xytext=(6, 0),
                 textcoords="offset points", va="center", fontsize="x-small",
             )  # fmt: skip
-        ax.set_xlim(left=min(0.0, *(min(r.base, r.this) for r in rows)), right=max(ends) * 1.25)
+        # From 0 (or below, for negative scores), with room on the right for the changes.
+        low = min(0.0, *(min(r.base, r.this) for r in rows))
+        high = max(0.0, *ends)
+        ax.set_xlim(low, high + 0.25 * ((high - low) or 1.0))
     bars = [c for c in axes[0].containers if isinstance(c, BarContainer)]
     fig.legend(handles=bars, loc="outside lower center", ncols=2, fontsize="small")
-    fig.suptitle(title or f"{labels[1]} against {labels[0]} (error bars: lm-eval's standard error)")
+    fig.suptitle(
+        title or f"{labels[1]} against {labels[0]}\n(error bars: lm-eval's standard errors)"
+    )
     return fig, panels
 
 
@@ -111,7 +119,7 @@ def write_csv(panels: dict[str, list[Compared]], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fsdp_utils.plot --compare",
+        prog="python -m fsdp_utils.plot",
         description="Draw base against fine-tuned per task and metric, with lm-eval's standard "
         "errors, into a PNG (and the drawn numbers into a CSV beside it).",
     )
