@@ -263,7 +263,7 @@ class TrainStep:
         update (one host-device sync: log steps).
         """
         if global_counts is None:
-            global_counts = dist_utils.all_reduce_host_sum(local_counts(micro_batches))
+            global_counts = dist_utils.all_reduce_host_sum(self.local_counts(micro_batches))
         global_targets, global_tokens = global_counts
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -293,6 +293,11 @@ class TrainStep:
             else:
                 self.router_loss.reset()
         return metrics
+
+    def local_counts(self, batches: list[Batch]) -> list[float]:
+        """What the step's loss is normalised by, and its tokens: `local_counts` (preference
+        tuning counts pairs: fsdp_utils/preference/step.py)."""
+        return local_counts(batches)
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
