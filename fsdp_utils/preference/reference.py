@@ -36,6 +36,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import reshard
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch
 
@@ -73,7 +74,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
-    """The reference runs in eval mode (no dropout) and without gradients, every way."""
+    """The reference runs in eval mode (no dropout) and without gradients, every way; then the
+    shard groups it gathered are freed (`parallel.parallelize.reshard`: else the next training
+    step's gradients are wrong for them)."""
     was_training = model.training
     model.eval()
     try:
@@ -81,6 +84,7 @@ def evaluating(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+        reshard(model)
 
 
 @dataclass
