@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX
 from fsdp_utils.data.preference import PAIR_ROWS
 from fsdp_utils.preference.loss import DpoSettings, dpo_loss
@@ -161,6 +162,7 @@ def probe_runs(pref_assets) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_the_first_step_loss_is_ln2(probe_runs):
     # policy = reference: every pair's logits are 0, whatever the data
     first = torch.load(probe_runs["step"])["first_loss"]
@@ -175,6 +177,7 @@ def _eager_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return picked.masked_fill(labels == IGNORE_INDEX, 0.0).sum(dim=1)
 
 
+@pytest.mark.slow
 def test_loss_and_gradients_equal_an_eager_dpo_on_one_process(probe_runs, pref_assets):
     """2 processes, FSDP2, chunked loss, cached reference, after two real steps (the policy is
     no longer the reference) == one process, eager, full logits, the DPO formula by hand."""
@@ -202,12 +205,14 @@ def test_loss_and_gradients_equal_an_eager_dpo_on_one_process(probe_runs, pref_a
     assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # not all zero
 
 
+@pytest.mark.slow
 def test_the_lora_reference_is_the_base_model_exactly(probe_runs):
     probe = torch.load(probe_runs["lora"])
     assert torch.equal(probe["reference"], probe["base"])
     assert not torch.allclose(probe["policy"], probe["base"])  # the adapters did train
 
 
+@pytest.mark.slow
 def test_a_learnable_preference_set_is_learned(probe_runs, pref_assets):
     out = probe_runs["learn"]
     evals = read_metrics(out, "eval")
@@ -253,3 +258,26 @@ def test_a_cache_written_on_4_processes_reads_on_2_and_equals_the_live_reference
     assert cached[-1] < cached[0]
     caches = list((root / "data").glob("*/reference/*/meta.json"))
     assert len(caches) == 1 and json.loads(caches[0].read_text())["world_size"] == 4
+
+
+@pytest.mark.slow
+def test_the_planner_plans_a_dpo_step(tmp_path):
+    """Two sequences per pair: more activations than the same batch of sequences; the live
+    reference adds a sharded copy of the parameters, the cache nothing."""
+    from fsdp_utils.plan import plan_memory
+    from fsdp_utils.plan.report import Margin
+    from fsdp_utils.synthetic import tiny_model_config
+
+    tiny_model_config("llama", vocab_size=512).save_pretrained(tmp_path)
+
+    def plan(**overrides):
+        config = TrainConfig(model=str(tmp_path), total_batch_size=8, batch_size_per_device=2,
+                             max_seq_length=64, **overrides)  # fmt: skip
+        return plan_memory(config, nodes=1, gpus_per_node=2, gpu_memory_bytes=None,
+                           margin=Margin(runtime_bytes=0, allocator_fraction=0.0))  # fmt: skip
+
+    sft, cached, live = plan(), plan(method="dpo"), plan(method="dpo", reference="live")
+    assert cached.batch.tokens_per_step == 2 * sft.batch.tokens_per_step
+    assert cached.activation_bytes > 1.2 * sft.activation_bytes  # the tiny model: 1.32x
+    assert cached.breakdown.parameters == sft.breakdown.parameters
+    assert live.breakdown.parameters == pytest.approx(2 * cached.breakdown.parameters, rel=0.01)
