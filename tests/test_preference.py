@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -240,24 +241,39 @@ def test_a_learnable_preference_set_is_learned(probe_runs, pref_assets):
 
 @pytest.mark.slow
 def test_a_cache_written_on_4_processes_reads_on_2_and_equals_the_live_reference(pref_assets):
+    """The cache written on 4 processes, read on 2: the losses of 20 steps equal those of a
+    live reference. A run stopped at step 8 whose cache is then deleted resumes on 1 process,
+    computes the cache again from the starting weights, and ends with the same losses."""
     root = pref_assets["root"] / "cache"
     # Its own data cache: the cache of the other runs (written on 2 processes) is not reused
     steps = {"max_training_steps": 20, "log_every": 1, "data_cache_dir": root / "data"}
     four = _args(pref_assets, root / "four", batch_size_per_device=1, max_training_steps=2,
                  data_cache_dir=root / "data")  # fmt: skip
     _torchrun(4, [{"args": four}], root / "w4")
+    split = _args(pref_assets, root / "split", stop_after_steps=8, **steps)
     runs = [
         {"args": _args(pref_assets, root / "cached", **steps)},
         {"args": _args(pref_assets, root / "live", reference="live", **steps)},
+        {"args": split},
     ]
     _torchrun(2, runs, root / "w2")
-    cached = [r["loss"] for r in read_metrics(root / "cached")]
-    live = [r["loss"] for r in read_metrics(root / "live")]
+    cached, live = read_metrics(root / "cached"), read_metrics(root / "live")
     assert len(cached) == len(live) == 20
-    np.testing.assert_allclose(cached, live, rtol=0, atol=1e-6)
-    assert cached[-1] < cached[0]
+    losses = [r["loss"] for r in cached]
+    np.testing.assert_allclose(losses, [r["loss"] for r in live], rtol=0, atol=1e-6)
+    assert losses[-1] < losses[0]
     caches = list((root / "data").glob("*/reference/*/meta.json"))
     assert len(caches) == 1 and json.loads(caches[0].read_text())["world_size"] == 4
+
+    assert json.loads((root / "split" / "status.json").read_text())["step"] == 8
+    shutil.rmtree(caches[0].parent)
+    _torchrun(1, [{"args": _args(pref_assets, root / "split", **steps)}], root / "w1")
+    resumed = read_metrics(root / "split")
+    assert [r["batch_id"] for r in resumed] == [r["batch_id"] for r in cached]
+    np.testing.assert_allclose([r["loss"] for r in resumed], losses, rtol=1e-5, atol=1e-6)
+    assert json.loads(next((root / "data").glob("*/reference/*/meta.json")).read_text()) == {
+        "pairs": 300, "world_size": 1
+    }  # fmt: skip
 
 
 @pytest.mark.slow
