@@ -2,7 +2,7 @@
 (gloo) against a single-process eager DPO, the LoRA reference against the base model, a
 learnable preference set, and the reference cache across world sizes against a live reference.
 
-One torchrun (`probe_runs`, through tests/preference_probe.py) feeds most checks; the cache
+One torchrun (`probe_runs`, through tests/trainer_runs.py) feeds most checks; the cache
 across world sizes takes two more (`cache_runs`, slow).
 """
 
@@ -135,7 +135,7 @@ def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps(runs, default=str))
     command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
-    command += [str(REPO_ROOT / "tests" / "preference_probe.py"), str(root / "runs.json")]
+    command += [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -150,10 +150,10 @@ def probe_runs(pref_assets) -> dict[str, Path]:
     root = pref_assets["root"] / "probe"
     out = {"step": root / "step.pt", "lora": root / "lora.pt", "learn": root / "learn"}
     runs = [
-        {"args": _args(pref_assets, root / "step_run"), "probe": "step", "out": out["step"]},
+        {"args": _args(pref_assets, root / "step_run"), "dpo_probe": "step", "out": out["step"]},
         {
             "args": _args(pref_assets, root / "lora_run", lora=True, lora_dropout=0),
-            "probe": "lora",
+            "dpo_probe": "lora",
             "out": out["lora"],
         },
         {"args": _args(pref_assets, out["learn"], max_training_steps=30, total_batch_size=16,

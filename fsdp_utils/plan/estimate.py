@@ -204,8 +204,8 @@ def traced_step(
         elif reference_model is not None:
             reference = LiveReference(reference_model, forward)
         return build_preference_step(
-            model, config, world_size=env.world_size, device=env.device, chunking=chunking,
-            reference=reference, autocast=autocast, grad_scaler=False,
+            model, config, world_size=env.world_size, device=env.device, hf_config=model.config,
+            chunking=chunking, reference=reference, autocast=autocast, grad_scaler=False,
         )  # fmt: skip
     return build_train_step(
         model,

@@ -46,6 +46,7 @@ class PreferenceRun:
         self.config = config
         self.env = env
         self.log = log
+        self.hf_config = hf_config
         self.chunking = LossChunking.build(config.loss_chunk_size, hf_config)
         self.cache: Path | None = None
         if not config.lora and config.reference == "cached":
@@ -106,7 +107,8 @@ class PreferenceRun:
             reference = CachedReference.load(self.cache, self.env.device)
         self.step = build_preference_step(
             model, self.config, world_size=self.env.world_size, device=self.env.device,
-            chunking=self.chunking, reference=reference, autocast=autocast,
+            hf_config=self.hf_config, chunking=self.chunking, reference=reference,
+            autocast=autocast,
         )  # fmt: skip
         return self.step
 

@@ -24,8 +24,7 @@ from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.train.loss import LossChunking
-from fsdp_utils.train.optim import build_optimizer, build_scheduler
-from fsdp_utils.train.step import Batch, TrainStep, make_grad_scaler
+from fsdp_utils.train.step import Batch, TrainStep, build_train_step
 
 from .loss import DpoSettings, answer_tokens, dpo_loss, sequence_logps
 from .reference import Reference
@@ -144,6 +143,7 @@ def build_preference_step(
     *,
     world_size: int,
     device: torch.device,
+    hf_config: Any,
     chunking: LossChunking,
     reference: Reference,
     autocast: Callable[[], Any] = contextlib.nullcontext,
@@ -151,22 +151,16 @@ def build_preference_step(
 ) -> PreferenceStep:
     """`train.step.build_train_step` for --method dpo (no router loss: the load-balancing term
     of mixture-of-experts models is left out of DPO's objective)."""
-    optimizer = build_optimizer(model, config)
     pair_loss = PairLoss(
         reference, DpoSettings.of(config), chunking=chunking, device=device, autocast=autocast
     )
-    return PreferenceStep(
-        model,
-        optimizer,
-        build_scheduler(optimizer, config),
-        config=config,
-        world_size=world_size,
-        device=device,
-        scaler=make_grad_scaler(config, device) if grad_scaler else None,
-        autocast=autocast,
-        chunking=chunking,
-        pair_loss=pair_loss,
-    )
+    step = build_train_step(
+        model, config, world_size=world_size, device=device, hf_config=hf_config,
+        autocast=autocast, grad_scaler=grad_scaler, step_class=PreferenceStep,
+        router_loss=None, chunking=chunking, pair_loss=pair_loss,
+    )  # fmt: skip
+    assert isinstance(step, PreferenceStep)
+    return step
 
 
 @torch.no_grad()

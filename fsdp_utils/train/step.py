@@ -189,11 +189,20 @@ def build_train_step(
     hf_config: Any,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     grad_scaler: bool = True,
+    step_class: type[TrainStep] | None = None,
+    **step_options: Any,
 ) -> TrainStep:
     """The step of a run: its optimizer (`optim.build_optimizer`), schedule, gradient scaler
-    (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts)."""
+    (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts).
+    `step_class` and `step_options`: another TrainStep and its own arguments, or other values of
+    TrainStep's (preference tuning: fsdp_utils/preference/step.py)."""
     optimizer = build_optimizer(model, config)
-    return TrainStep(
+    options = {
+        "router_loss": RouterLoss.build(config, hf_config),
+        "chunking": LossChunking.build(config.loss_chunk_size, hf_config),
+        **step_options,
+    }
+    return (step_class or TrainStep)(
         model,
         optimizer,
         build_scheduler(optimizer, config),
@@ -202,8 +211,7 @@ def build_train_step(
         device=device,
         scaler=make_grad_scaler(config, device) if grad_scaler else None,
         autocast=autocast,
-        router_loss=RouterLoss.build(config, hf_config),
-        chunking=LossChunking.build(config.loss_chunk_size, hf_config),
+        **options,
     )
 
 
