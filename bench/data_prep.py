@@ -6,12 +6,12 @@
     python bench/data_prep.py --scale 200000,1000000,2000000 --shape text
 
 rate: rows/s to render, mask and tokenise N chat rows (ChatML template without generation
-    markers: every answer found by prefix renders, every opening checked), against a bare
+    markers: every answer found in the one rendering by its character offsets), against a bare
     `tokenizer.apply_chat_template(batch, tokenize=True)` pass over the same rows, in batches
     of 256 as `datasets.map` gives them:
     - bare: apply_chat_template, one process: the floor any chat preparation pays;
-    - encode: the preparation's map function (fsdp_utils.data.rows.RowEncoder: render, check
-      prefixes, mask, the long-row rule) called in this process;
+    - encode: the preparation's map function (fsdp_utils.data.rows.RowEncoder: render, locate
+      each answer by offsets, mask, the long-row rule) called in this process;
     - map, --num_proc 1 and 2: `Dataset.map` of that function, as `prepare_dataset` runs it
       (Arrow conversion, worker start-up and transfer included);
     - prepare, --num_proc 1 and 2: `prepare_dataset` end to end from a jsonl file (load,
