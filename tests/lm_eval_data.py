@@ -30,6 +30,14 @@ TASK_DATASETS = {
     "mmlu_abstract_algebra": ("cais/mmlu", "abstract_algebra"),
     "wikitext": ("EleutherAI/wikitext_document_level", "wikitext-2-raw-v1"),
 }
+# task -> its YAML under lm_eval/tasks (what `tasks.leaf_tasks` reads from lm-eval's index).
+TASK_YAMLS = {
+    "arc_easy": "arc/arc_easy.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "gsm8k": "gsm8k/gsm8k.yaml",
+    "mmlu_abstract_algebra": "mmlu/default/mmlu_abstract_algebra.yaml",
+    "wikitext": "wikitext/wikitext.yaml",
+}
 
 
 def _parquet(rows: list[dict[str, Any]]) -> bytes:
@@ -159,3 +167,47 @@ def write_task_folders(root: Path, seed: int = 0) -> dict[str, Path]:
             (folder / rel).write_bytes(data)
         folders[repo_id] = folder
     return folders
+
+
+def cache_snapshot(cache: Path, repo_id: str, repo_type: str, files: dict[str, bytes]) -> Path:
+    """`files` in the offline cache `cache` as download_models.py leaves a repo: a snapshot at a
+    commit made from the id, and its manifest entry with the files' checksums. Returns the
+    snapshot folder."""
+    import hashlib
+
+    from fsdp_utils.hub.cache import snapshot_dir
+    from fsdp_utils.hub.manifest import FileRecord, ManifestEntry, record_entry
+
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = snapshot_dir(cache, repo_id, repo_type, commit)
+    for rel, data in files.items():
+        (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / rel).write_bytes(data)
+    record_entry(
+        cache,
+        ManifestEntry(
+            repo_id=repo_id, repo_type=repo_type, revision="main", commit=commit,
+            files=tuple(
+                FileRecord(rel, len(data), hashlib.sha256(data).hexdigest())
+                for rel, data in sorted(files.items())
+            ),
+            repo_files=tuple(sorted(files)), endpoint="https://huggingface.co",
+            downloaded_at="2026-01-01T00:00:00+00:00",
+        ),
+    )  # fmt: skip
+    return snapshot
+
+
+def cache_task_data(cache: Path, tasks: list[str], seed: int = 0) -> None:
+    """The tasks' datasets in the offline cache `cache` as `download_models.py --eval_tasks`
+    leaves them (a snapshot per repo, its manifest entry, the task record), without the
+    mirror: for tests whose subject is what reads the cache, not the download."""
+    from fsdp_utils.lm_harness.tasks import LeafTask, save_task_records
+
+    repos = build_task_repos(seed)
+    records = {}
+    for task in tasks:
+        repo_id, config = TASK_DATASETS[task]
+        snapshot = cache_snapshot(cache, repo_id, "dataset", repos[repo_id])
+        records[task] = [LeafTask(task, TASK_YAMLS[task], repo_id, config, snapshot.name)]
+    save_task_records(cache, records)

@@ -2,17 +2,20 @@
 
 The acceptance test is equality with lm-eval's own `HFLM` on the same tiny model: every
 per-request log-likelihood within 1e-4 relative, every generated text and every metric the
-same, for a multiple-choice task (arc_easy), a rolling-loglikelihood task (wikitext, windows of
-64 tokens so that documents roll) and a generation task (gsm8k), on one process (the adapter
-itself) and on two processes with FSDP2 (`python -m fsdp_utils.evaluate` under torchrun, with
-no network, reading the datasets that `download_models.py --eval_tasks` cached from the local
-mirror). The datasets are small copies in their Hub layout (tests/lm_eval_data.py), read by
+same, for multiple-choice tasks (arc_easy, hellaswag, an MMLU subject), a rolling-loglikelihood
+task (wikitext, windows of 64 tokens so that documents roll) and a generation task (gsm8k), on
+one process (the adapter itself) and on two processes with FSDP2 (`python -m
+fsdp_utils.evaluate` under torchrun, with no network, reading the datasets that
+`download_models.py --eval_tasks` cached from the local mirror). Then each form `--model` takes
+(a hub id in the cache, a run folder, a LoRA adapter over its base) against HFLM on the same
+model. The datasets are small copies in their Hub layout (tests/lm_eval_data.py), read by
 lm-eval's own task YAMLs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +23,20 @@ from typing import Any
 
 import pytest
 
+from fsdp_utils.lm_harness.tasks import offline_tasks
 from tests.conftest import REPO_ROOT
 from tests.hf_mirror import HubMirror, hub_mirror_fixture  # noqa: F401
-from tests.lm_eval_data import TASK_DATASETS, write_task_folders
+from tests.lm_eval_data import (
+    TASK_DATASETS,
+    TASK_YAMLS,
+    cache_snapshot,
+    cache_task_data,
+    write_task_folders,
+)
 
-TASKS = ["arc_easy", "wikitext", "gsm8k"]  # multiple choice, rolling, generation
+# multiple choice (arc_easy; hellaswag, whose answers are whole sentences; an MMLU subject, whose
+# one-letter answers share one forward), rolling (wikitext), generation (gsm8k)
+TASKS = ["arc_easy", "hellaswag", "mmlu_abstract_algebra", "wikitext", "gsm8k"]
 LIMIT = 4
 MAX_LENGTH = 64
 GEN_KWARGS = "max_gen_toks=24"
@@ -51,26 +63,39 @@ def task_index() -> Any:
     return TaskManager(include_path=[str(root / f) for f in families], include_defaults=False)
 
 
-def eval_tasks(include: Path) -> Any:
+def eval_tasks(include: Path, tasks: list[str] = TASKS) -> Any:
     """The tests' tasks, reading the datasets through the override folder `include`."""
     from fsdp_utils.lm_harness.tasks import LeafTask, task_manager
 
-    yamls = ["arc/arc_easy.yaml", "wikitext/wikitext.yaml", "gsm8k/gsm8k.yaml"]
-    leaves = [LeafTask(t, y, "", None) for t, y in zip(TASKS, yamls, strict=True)]
-    return task_manager(TASKS, leaves, include)
+    leaves = [LeafTask(t, TASK_YAMLS[t], "", None) for t in tasks]
+    return task_manager(tasks, leaves, include)
 
 
 def reference(
     model_dir: Path, include: Path, *, bootstrap_iters: int = 0, tasks: list[str] = TASKS
 ) -> dict[str, Any]:
     """lm-eval's own HFLM on the tasks, reading the datasets through `include`."""
-    from lm_eval.models.huggingface import HFLM
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return hflm(model, model_dir, include, bootstrap_iters=bootstrap_iters, tasks=tasks)
+
+
+def hflm(
+    model: Any,
+    tokenizer_dir: Path,
+    include: Path,
+    *,
+    bootstrap_iters: int = 0,
+    tasks: list[str] = TASKS,
+) -> dict[str, Any]:
+    """lm-eval's HFLM over `model` (a transformers or PEFT model) on the tasks."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
     lm = HFLM(
         pretrained=model,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
         batch_size=4,
         max_length=MAX_LENGTH,
         device="cpu",
@@ -90,7 +115,7 @@ def _evaluate(
         gen_kwargs=GEN_KWARGS,
         log_samples=True,
         bootstrap_iters=bootstrap_iters,
-        task_manager=eval_tasks(include),
+        task_manager=eval_tasks(include, tasks),
     )
     assert results is not None
     return results
@@ -100,11 +125,13 @@ def _responses(samples: list[dict[str, Any]]) -> list[tuple[int, list[Any]]]:
     return sorted((s["doc_id"], [r[0] for r in s["resps"]]) for s in samples)
 
 
-def assert_same_answers(ours: dict[str, Any], theirs: dict[str, Any]) -> int:
+def assert_same_answers(
+    ours: dict[str, Any], theirs: dict[str, Any], tasks: list[str] = TASKS
+) -> int:
     """Every request's answer the same (log-likelihoods within RTOL), every metric equal.
     Returns how many requests were compared."""
     compared = 0
-    for task in TASKS:
+    for task in tasks:
         for (doc, mine), (doc_ref, ref) in zip(
             _responses(ours[task]), _responses(theirs[task]), strict=True
         ):
@@ -125,8 +152,10 @@ def metrics(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {task: results["results"][task] for task in TASKS}
 
 
-def assert_same_metrics(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
-    for task in TASKS:
+def assert_same_metrics(
+    ours: dict[str, Any], theirs: dict[str, Any], tasks: list[str] = TASKS
+) -> None:
+    for task in tasks:
         mine, ref = ours[task], theirs[task]
         assert mine.keys() == ref.keys()
         for key, value in ref.items():
@@ -144,10 +173,80 @@ def test_requests_are_dealt_so_every_rank_runs_the_same_forwards() -> None:
 
     order = [4, 0, 3, 1, 2]  # longest first
     shares = [deal(order, rank, 2) for rank in range(2)]
-    assert [s.indices for s in shares] == [[4, 3, 2], [0, 1, 4]]  # rank 1 padded with a copy
+    # Rank 1 is padded with a copy of the shortest: at every place rank 0's is the longest.
+    assert [s.indices for s in shares] == [[4, 3, 2], [0, 1, 2]]
     assert [s.real for s in shares] == [3, 2]
     assert deal([7], 1, 4).indices == [7] and deal([7], 1, 4).real == 0
     assert deal([], 0, 2).indices == []
+
+
+def test_batch_size_auto_fills_forwards_up_to_the_planned_tokens(eval_model: Path) -> None:
+    """`--batch_size auto`: on CPU a fixed default; on GPUs the memory plan's token budget
+    sizes each forward by its longest row (at most AUTO_MAX_ROWS rows), the same on every
+    rank. The plan traces the evaluation's forward on fake tensors: its bytes per row hold
+    at least the row's logits, and its rows are what fits in the GPU beside the model."""
+    import torch
+
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.lm_harness.cli import AUTO_MAX_ROWS, CPU_BATCH, build_parser
+    from fsdp_utils.lm_harness.sharded_lm import ShardedLM, batch_sizes, deal
+    from fsdp_utils.plan.estimate import Cluster
+    from fsdp_utils.plan.hardware import GIB, Gpu
+    from fsdp_utils.plan.inference import plan_forward
+    from fsdp_utils.plan.report import Margin
+
+    parse = build_parser().parse_args
+    assert parse(["--model", "m", "--tasks", "t"]).batch_size == "auto"
+    assert parse(["--model", "m", "--tasks", "t", "--batch_size", "3"]).batch_size == 3
+    with pytest.raises(SystemExit):
+        parse(["--model", "m", "--tasks", "t", "--batch_size", "0"])
+    assert (CPU_BATCH, AUTO_MAX_ROWS) == (8, 64)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = eval_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    lm = ShardedLM(
+        model, AutoTokenizer.from_pretrained(model_dir), device=torch.device("cpu"),
+        batch_size=AUTO_MAX_ROWS, token_budget=100,
+    )  # fmt: skip
+    assert [lm.rows_for(n) for n in (1, 40, 50, 51, 100, 300)] == [64, 2, 2, 1, 1, 1]
+    # Places' longest lengths over the ranks, longest first: batches by their first place.
+    assert batch_sizes([60, 50, 30, 30, 20, 10, 10], lm.rows_for) == [1, 2, 3, 1]
+    assert batch_sizes([5, 5], lambda n: 8) == [2]
+    # Two ranks compute the same places' lengths from the same order: rank 0 holds the longest.
+    lengths = {0: 9, 1: 7, 2: 7, 3: 4, 4: 1}
+    shares = [deal(list(lengths), rank, 2).indices for rank in range(2)]
+    assert all(lengths[shares[0][j]] >= lengths[shares[1][j]] for j in range(3))
+
+    config = TrainConfig(model=str(model_dir), precision="fp32", gradient_checkpointing=False)
+    gpu = Gpu("test", 3 * GIB)
+    plan = plan_forward(config, Cluster(1, 2), gpu, seq_len=128, margin=Margin(GIB, 0.10))
+    assert plan.bytes_per_row >= 128 * model.config.vocab_size * 4  # at least its fp32 logits
+    assert plan.seq_len == 128 and plan.token_budget == plan.rows * 128
+    used = plan.fixed_bytes + plan.rows * plan.bytes_per_row
+    margin = Margin(GIB, 0.10).bytes_for(plan.fixed_bytes + plan.bytes_per_row)
+    assert used + margin <= gpu.memory_bytes < used + margin + plan.bytes_per_row
+    assert "row(s) of 128 tokens per forward" in plan.describe()
+
+    # The command plans the model --model names, at --max_length tokens a row, before it joins
+    # the process group; with no GPU visible the plan says so.
+    from fsdp_utils.evaluate import plan_token_budget
+    from fsdp_utils.lm_harness.cli import planned_budget
+
+    seen: list[tuple[Any, int]] = []
+    lines: list[str] = []
+
+    def planner(config: Any, seq_len: int) -> tuple[int, str]:
+        seen.append((config, seq_len))
+        return 1234, "planned"
+
+    args = parse(["--model", str(model_dir), "--tasks", "t", "--max_length", "96"])
+    assert planned_budget(args, planner, lines.append) == 1234 and lines == ["planned"]
+    ((planned_config, seq_len),) = seen
+    assert (planned_config.model, planned_config.precision, seq_len) == (str(model_dir), "fp32", 96)
+    with pytest.raises(ValueError, match="none is visible"):
+        plan_token_budget(planned_config, 96)
 
 
 def test_a_dataset_card_says_which_files_a_config_reads() -> None:
@@ -229,7 +328,7 @@ def test_two_processes_offline_equal_hflm_from_the_download(
             sys.executable,
             "download_models.py",
             "--eval_tasks",
-            ",".join([*TASKS, "hellaswag", "mmlu_abstract_algebra", "ifeval"]),
+            ",".join([*TASKS, "ifeval"]),
             "--cache-dir",
             str(cache),
         ],
@@ -244,7 +343,7 @@ def test_two_processes_offline_equal_hflm_from_the_download(
     assert "cannot be evaluated offline" in fetch.stderr
     assert "dataset google/IFEval (task(s) ifeval)" in fetch.stderr
     record = json.loads((cache / "lm-eval-tasks.json").read_text())
-    assert sorted(record["tasks"]) == sorted([*TASKS, "hellaswag", "mmlu_abstract_algebra"])
+    assert sorted(record["tasks"]) == sorted(TASKS)
     for name, leaves in record["tasks"].items():
         (leaf,) = leaves
         assert leaf["commit"] == hub_mirror.repos[leaf["dataset"]].commits["main"], name
@@ -269,7 +368,7 @@ def test_two_processes_offline_equal_hflm_from_the_download(
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "FSDP2 over 2 process(es)" in run.stdout
-    assert "|arc_easy|" in run.stdout  # lm-eval's table in the log
+    assert re.search(r"\|arc_easy +\|", run.stdout)  # lm-eval's table in the log
     (results_file,) = out.glob("results_*.json")
     ours = json.loads(results_file.read_text())
     samples = {
@@ -285,8 +384,6 @@ def test_two_processes_offline_equal_hflm_from_the_download(
             ours["fsdp_utils"]["datasets"][task]["commit"] == hub_mirror.repos[repo].commits["main"]
         )
         assert ours["versions"][task] is not None
-
-    from fsdp_utils.lm_harness.tasks import offline_tasks
 
     include = tmp_path / "reference-tasks"
     offline_tasks(TASKS, cache, include)
@@ -359,3 +456,223 @@ def test_download_reads_eval_tasks_from_a_training_config(tmp_path: Path) -> Non
     assets = tmp_path / "assets.yaml"
     assets.write_text("assets: []\neval_tasks: [gsm8k]\n")
     assert load_assets_file(assets).eval_tasks == ("gsm8k",)
+
+
+# --- what --model names ---------------------------------------------------------------------
+
+HUB_ID = "org/tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def lora_run_over_a_cached_base(
+    eval_model: Path, tiny_assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """One short LoRA run (one process, 2 steps) whose base is a hub id in the offline cache:
+    its run folder's final/ is an adapter folder naming that id as its base."""
+    from tests.train_helpers import check_ok, run_finetune, tiny_args
+
+    root = tmp_path_factory.mktemp("lora_over_cache")
+    cache = root / "hub"
+    files = {p.name: p.read_bytes() for p in eval_model.iterdir() if p.is_file()}
+    snapshot = cache_snapshot(cache, HUB_ID, "model", files)
+    cache_task_data(cache, ["arc_easy"])
+    args = tiny_args(
+        tiny_assets, root / "run", root / "data-cache", model=HUB_ID, cache_dir=cache,
+        lora=True, lora_dropout=0.0, max_training_steps=2, learning_rate=5e-2,
+    )  # fmt: skip
+    check_ok(run_finetune(1, args))
+    return {"cache": cache, "snapshot": snapshot, "run": root / "run"}
+
+
+def evaluate_in_process(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
+    """`python -m fsdp_utils.evaluate ARGV` in this process (one rank: the interpreter, torch
+    and lm-eval are already loaded); the address it sets for its process group is undone."""
+    import socket
+
+    from fsdp_utils.lm_harness.cli import main
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert main(list(argv)) == 0
+
+
+@pytest.mark.slow
+def test_a_run_folder_a_lora_adapter_and_a_hub_id_equal_hflm(
+    lora_run_over_a_cached_base: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--model RUN`: the run's final/ model, here a LoRA adapter folder, over the base its
+    adapter_config.json names, a hub id resolved in the offline cache; `--model HUB_ID`: that
+    snapshot. Each scores as HFLM does on the same model (PEFT's for the adapter), and the
+    adapter's scores are not the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run, cache, snapshot = (lora_run_over_a_cached_base[k] for k in ("run", "cache", "snapshot"))
+    adapter = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == HUB_ID
+    common = ["--tasks", "arc_easy", "--limit", str(LIMIT), "--max_length", str(MAX_LENGTH),
+              "--cache_dir", str(cache), "--log_samples", "--bootstrap_iters", "0"]  # fmt: skip
+    evaluate_in_process(monkeypatch, "--model", str(run), *common)
+    evaluate_in_process(monkeypatch, "--model", HUB_ID, *common, "--output_dir", str(tmp_path))
+
+    def read(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        (results,) = folder.glob("results_*.json")
+        (samples,) = folder.glob("samples_arc_easy_*.jsonl")
+        return json.loads(results.read_text()), [json.loads(s) for s in samples.open()]
+
+    tuned, tuned_samples = read(run / "lm_eval")  # a run folder's results go into it
+    base, base_samples = read(tmp_path)
+    assert tuned["fsdp_utils"]["model"] | {"precision": "fp32"} == {
+        "model": str(run), "model_dir": str(snapshot), "model_commit": snapshot.name,
+        "adapter_dir": str(run / "final"), "run_dir": str(run), "precision": "fp32",
+        "world_size": 1,
+    }  # fmt: skip
+    assert base["fsdp_utils"]["model"]["model"] == HUB_ID
+    assert base["fsdp_utils"]["model"]["adapter_dir"] is None
+
+    include = tmp_path / "reference-tasks"
+    offline_tasks(["arc_easy"], cache, include)
+    base_model = AutoModelForCausalLM.from_pretrained(snapshot, dtype="float32").eval()
+    theirs_base = hflm(base_model, snapshot, include, tasks=["arc_easy"])
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(snapshot, dtype="float32"), run / "final"
+    ).eval()
+    theirs_tuned = hflm(peft, run / "final", include, tasks=["arc_easy"])
+    for ours, ours_samples, theirs in (
+        (tuned, tuned_samples, theirs_tuned),
+        (base, base_samples, theirs_base),
+    ):
+        assert_same_answers({"arc_easy": ours_samples}, theirs["samples"], ["arc_easy"])
+        assert_same_metrics(ours["results"], theirs["results"], ["arc_easy"])
+    changed = [
+        abs(a[0] - b[0]) / abs(b[0])
+        for s, t in zip(_responses(tuned_samples), _responses(base_samples), strict=True)
+        for a, b in zip(s[1], t[1], strict=True)
+    ]
+    assert max(changed) > 100 * RTOL  # the adapter moved the scores
+
+
+def _results(model: str, scores: dict[str, dict[str, float | str]]) -> dict[str, Any]:
+    """Results in lm-eval's layout, with its `higher_is_better` for the metrics used here."""
+    better = {"acc": True, "acc_norm": True, "exact_match": True, "word_perplexity": False}
+    better |= {f"{k}_stderr": v for k, v in better.items()}  # never read: lm-eval lists them
+    return {
+        "results": {task: {"alias": task, **values} for task, values in scores.items()},
+        "higher_is_better": {
+            task: {k.partition(",")[0]: better[k.partition(",")[0]] for k in values}
+            for task, values in scores.items()
+        },
+        "fsdp_utils": {"model": {"model": model}},
+    }
+
+
+def test_plot_draws_the_comparison_with_standard_errors(tmp_path: Path) -> None:
+    """`python -m fsdp_utils.plot --compare BASE RESULTS`: one panel per metric, each task's
+    base and fine-tuned bars at their values with their standard errors as error bars (read
+    back from the figure's artists), the direction of better from lm-eval, the CSV beside."""
+    import csv
+
+    from fsdp_utils.lm_harness.compare_plot import plot_comparison
+    from fsdp_utils.plot import main as plot_main
+
+    base = _results("org/base", {
+        "arc_easy": {"acc,none": 0.60, "acc_stderr,none": 0.03, "acc_norm,none": 0.55,
+                     "acc_norm_stderr,none": 0.025},
+        "hellaswag": {"acc,none": 0.40, "acc_stderr,none": 0.02},
+        "wikitext": {"word_perplexity,none": 9.0, "word_perplexity_stderr,none": "N/A"},
+        "boolq": {"acc,none": 0.7, "acc_stderr,none": 0.01},  # the other side lacks it
+    })  # fmt: skip
+    tuned = _results("runs/chess", {
+        "arc_easy": {"acc,none": 0.68, "acc_stderr,none": 0.04, "acc_norm,none": 0.50,
+                     "acc_norm_stderr,none": 0.02},
+        "hellaswag": {"acc,none": 0.45, "acc_stderr,none": 0.01},
+        "wikitext": {"word_perplexity,none": 7.5, "word_perplexity_stderr,none": "N/A"},
+    })  # fmt: skip
+    fig, _ = plot_comparison(base, tuned, labels=("org/base", "runs/chess"))
+    axes = {ax.get_title(loc="left"): ax for ax in fig.axes}
+    assert sorted(axes) == [
+        "acc,none (higher is better)", "acc_norm,none (higher is better)",
+        "word_perplexity,none (lower is better)",
+    ]  # fmt: skip
+    drawn = {}
+    for title, ax in axes.items():
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        ticks = dict(zip(ax.get_yticks(), labels, strict=True))
+        bars = [c for c in ax.containers if hasattr(c, "patches") and c.patches]
+        assert [c.get_label() for c in bars] == ["org/base", "runs/chess"]
+        for side, container in zip(("base", "this"), bars, strict=True):
+            segments = container.errorbar.lines[2][0].get_segments()
+            for patch, segment in zip(container.patches, segments, strict=True):
+                middle = patch.get_y() + patch.get_height() / 2
+                task = ticks[min(ticks, key=lambda tick: abs(tick - middle))]  # the nearest label
+                half = None  # no standard error: no error bar drawn
+                if len(segment):
+                    (low, y0), (high, y1) = segment
+                    assert y0 == y1 == pytest.approx(middle)  # the error bar on its bar
+                    half = round(float(high - low) / 2, 9)
+                drawn[(title.split()[0], task, side)] = (float(patch.get_width()), half)
+    assert drawn == {
+        ("acc,none", "arc_easy", "base"): (0.60, 0.03),
+        ("acc,none", "arc_easy", "this"): (0.68, 0.04),
+        ("acc,none", "hellaswag", "base"): (0.40, 0.02),
+        ("acc,none", "hellaswag", "this"): (0.45, 0.01),
+        ("acc_norm,none", "arc_easy", "base"): (0.55, 0.025),
+        ("acc_norm,none", "arc_easy", "this"): (0.50, 0.02),
+        ("word_perplexity,none", "wikitext", "base"): (9.0, None),  # lm-eval gives no stderr
+        ("word_perplexity,none", "wikitext", "this"): (7.5, None),
+    }
+    # The first task is on top; the change is written beside each pair.
+    acc = axes["acc,none (higher is better)"]
+    top = max(zip(acc.get_yticks(), acc.get_yticklabels(), strict=True), key=lambda t: t[0])
+    assert top[1].get_text() == "arc_easy"
+    assert "+0.0800 (+1.6 se)" in [t.get_text() for t in acc.texts]
+
+    for name, results in (("base", base), ("tuned", tuned)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    out = tmp_path / "plots" / "compare.png"
+    argv = ["--compare", str(tmp_path / "base.json"), str(tmp_path / "tuned.json"), "-o", str(out)]
+    assert plot_main(argv) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert [(r["task"], r["metric"], r["base"], r["this"]) for r in rows][:2] == [
+        ("arc_easy", "acc,none", "0.6", "0.68"), ("hellaswag", "acc,none", "0.4", "0.45"),
+    ]  # fmt: skip
+    (tmp_path / "other.json").write_text(json.dumps(_results("x", {"piqa": {"acc,none": 0.5}})))
+    argv[2] = str(tmp_path / "other.json")
+    assert plot_main(argv) == 2  # nothing in common: one paragraph, exit 2
+
+
+def test_check_offline_builds_the_cached_tasks_and_names_missing_task_data(
+    tmp_path: Path,
+) -> None:
+    """The tasks' part of `download_models.py --check-offline`: every recorded task builds from
+    the cache alone; a task whose dataset snapshot is gone is named, with the command that
+    fetches it again, and the check fails (in a process with no network, as a node runs it)."""
+    import shutil
+
+    from fsdp_utils.lm_harness.task_cache import check_tasks
+    from fsdp_utils.lm_harness.tasks import load_task_records
+
+    cache = tmp_path / "hub"
+    cache_task_data(cache, ["arc_easy", "gsm8k"])
+    lines: list[str] = []
+    assert check_tasks(load_task_records(cache), cache, log=lines.append) == {}
+    assert lines == [
+        "OK   lm-eval arc_easy: 1 task(s), 8 documents",
+        "OK   lm-eval gsm8k: 1 task(s), 6 documents",
+    ]
+    (leaf,) = load_task_records(cache)["gsm8k"]
+    shutil.rmtree(cache / "datasets--openai--gsm8k" / "snapshots" / str(leaf.commit))
+    check = subprocess.run(
+        [sys.executable, "download_models.py", "--check-offline", "--cache-dir", str(cache)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "OK   lm-eval arc_easy: 1 task(s), 8 documents" in check.stdout
+    failed = check.stdout.split("FAIL lm-eval gsm8k: ", 1)[1]
+    assert failed.startswith("Dataset openai/gsm8k of task gsm8k")
+    assert "is not in the offline cache" in failed
+    assert failed.splitlines()[1].strip() == "python download_models.py --eval_tasks gsm8k"

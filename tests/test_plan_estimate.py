@@ -80,7 +80,9 @@ def test_the_knobs_move_memory_the_way_they_should(configs):
     more_gpus = _plan(folder, gpus=4)
     offloaded = _plan(folder, cpu_offload=True)
 
-    assert bigger_batch.activation_bytes > 1.8 * base.activation_bytes
+    # 4 times the rows: the saved activations grow 4 times, the loss's chunk of logits (the same
+    # number of tokens at any batch) not at all.
+    assert bigger_batch.activation_bytes > 1.6 * base.activation_bytes
     assert checkpointed.activation_bytes < base.activation_bytes
     # With deferred sync the full (unsharded) gradients stay between micro-batches.
     assert deferred.gradient_bytes > 1.5 * synced.gradient_bytes

@@ -205,10 +205,15 @@ def test_a_user_mistake_is_the_last_thing_after_run_prints(tmp_path: Path) -> No
     assert "error:" not in run_launch("after-run", str(tmp_path), "1", env={}).stderr
 
 
-def test_finetune_sh_exports_offline_mode_before_python() -> None:
-    text = FINETUNE_SH.read_text()
+def assert_offline_before_python(script: Path) -> None:
+    """`script` exports every offline variable before it first runs Python, and parses."""
+    text = script.read_text()
     offline_line = next(line for line in text.splitlines() if "HF_HUB_OFFLINE=1" in line)
     for name, value in OFFLINE_VARIABLES.items():
         assert f"{name}={value}" in offline_line
     assert text.index("HF_HUB_OFFLINE=1") < text.index('"$PYTHON"')
-    assert subprocess.run(["bash", "-n", str(FINETUNE_SH)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_finetune_sh_exports_offline_mode_before_python() -> None:
+    assert_offline_before_python(FINETUNE_SH)

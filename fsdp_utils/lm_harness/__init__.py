@@ -8,6 +8,7 @@
                  reading the pinned snapshots)
     task_cache   the login node's half: `download_models.py --eval_tasks`, and its offline check
     compare      `--compare BASE_RESULTS`: base against fine-tuned, with standard errors
+    compare_plot `python -m fsdp_utils.plot --compare BASE RESULTS`: that comparison drawn
     training     `chess_finetune.py --eval_tasks`: the final model scored at the end of the run
     cli          `python -m fsdp_utils.evaluate`
 

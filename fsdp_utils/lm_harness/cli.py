@@ -18,12 +18,18 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
 PEER_EXIT_DELAY_S = 2.0
 DEFAULT_OUTPUT = "lm_eval_results"
+AUTO = "auto"
+CPU_BATCH = 8  # --batch_size auto on CPU: memory is rarely the limit there, time is
+AUTO_MAX_ROWS = 64  # --batch_size auto on GPUs: at most this many rows (lm-eval's own cap)
+# (eval TrainConfig, tokens per row) -> (tokens one forward may hold, a line for the log)
+Planner = Callable[[Any, int], tuple[int, str]]
 RESULTS_FOLDER = "lm_eval"  # inside a run folder
 
 
@@ -43,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=float, help="at most N documents per task (a fraction if < 1)")
     p.add_argument("--num_fewshot", type=int, help="few-shot examples (default: each task's own)")
-    p.add_argument("--batch_size", type=int, default=8, help="rows per forward pass per rank")
+    p.add_argument(
+        "--batch_size",
+        type=batch_size_option,
+        default=AUTO,
+        help="rows per forward pass per rank, or auto (default): on GPUs as many as the memory "
+        f"plan fits (at most {AUTO_MAX_ROWS}), on CPU {CPU_BATCH}",
+    )
     p.add_argument(
         "--include_path",
         metavar="DIR",
@@ -79,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def batch_size_option(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of rows (1 or more) or auto, not {text!r}")
+
+
 def task_names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
@@ -92,8 +112,12 @@ def output_folder(args: argparse.Namespace, run_dir: Path | None) -> Path:
     return run_dir / RESULTS_FOLDER if run_dir else Path(DEFAULT_OUTPUT)
 
 
-def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | None:
-    """Collective. Returns lm-eval's results dict on rank 0 (None elsewhere)."""
+def evaluate(
+    args: argparse.Namespace, log: Any = print, *, planner: Planner | None = None
+) -> dict[str, Any] | None:
+    """Collective. Returns lm-eval's results dict on rank 0 (None elsewhere). `planner`: the
+    memory plan that sizes the forwards of `--batch_size auto` on GPUs (it traces the model in
+    a fake process group of its own, so it runs before this process joins the real one)."""
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -123,6 +147,14 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    batch_size, token_budget = args.batch_size, None
+    if args.batch_size == AUTO:
+        cuda = dist_utils.device_type(args.device) == "cuda"
+        batch_size = AUTO_MAX_ROWS if cuda else CPU_BATCH
+        if cuda and planner is not None:
+            token_budget = planned_budget(args, planner, log)
+        elif int(os.environ.get("RANK", "0")) == 0:
+            log(f"batch: auto on CPU: {CPU_BATCH} rows per forward")
     env = dist_utils.init_distributed(args.device)
     names = task_names(args.tasks)
     cache = hub_cache_dir(args.cache_dir)
@@ -166,7 +198,8 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
         device=env.device,
         rank=env.rank,
         world_size=env.world_size,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
+        token_budget=token_budget,
         max_length=args.max_length,
         model_info=identity,
         log=log if env.is_main else None,
@@ -198,6 +231,23 @@ def evaluate(args: argparse.Namespace, log: Any = print) -> dict[str, Any] | Non
     return results
 
 
+def planned_budget(args: argparse.Namespace, planner: Planner, log: Any) -> int:
+    """The tokens one forward may hold on this GPU, from the memory plan (every rank plans the
+    same model alike, so they agree; rank 0 logs it)."""
+    from fsdp_utils.hub.resolve import load_model_config
+    from fsdp_utils.lm_harness.loading import default_precision, eval_config, resolve_model_source
+
+    source = resolve_model_source(args.model, args.cache_dir)
+    hf_config = load_model_config(source.weights_dir)
+    precision = default_precision(hf_config) if args.precision == "auto" else args.precision
+    config = eval_config(source, precision=precision, cache_dir=args.cache_dir)
+    seq_len = args.max_length or int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    budget, line = planner(config, seq_len)
+    if int(os.environ.get("RANK", "0")) == 0:
+        log(line)
+    return budget
+
+
 def write_results(
     results: dict[str, Any], out: Path, *, log_samples: bool, log: Any = print
 ) -> Path:
@@ -222,7 +272,7 @@ def write_results(
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> int:
     from fsdp_utils.hub.offline import enable_offline_mode
 
     enable_offline_mode()  # before any Hugging Face import: nothing is fetched from here on
@@ -231,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     clean = False
     try:
-        evaluate(args, log=lambda line: print(line, flush=True))
+        evaluate(args, log=lambda line: print(line, flush=True), planner=planner)
         clean = True
     except dist_utils.ReportedError:
         return EXIT_USAGE

@@ -13,25 +13,26 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
-def load_results(path: str | Path) -> dict[str, Any]:
+def load_results(path: str | Path, *, flag: str = "--compare") -> dict[str, Any]:
     """A results JSON, or the newest `results_*.json` in a folder (lm-eval's own layout, where
     the files sit one folder deeper, too). ValueError when there is none."""
     path = Path(path).expanduser()
     if path.is_dir():
         found = sorted(path.glob("results_*.json")) or sorted(path.glob("*/results_*.json"))
         if not found:
-            raise ValueError(f"--compare {path}: no results_*.json in that folder.")
+            raise ValueError(f"{flag} {path}: no results_*.json in that folder.")
         path = max(found, key=lambda p: p.name.split("results_", 1)[1])
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--compare {path}: not a readable lm-eval results file ({err}).") from err
+        raise ValueError(f"{flag} {path}: not a readable lm-eval results file ({err}).") from err
     if not isinstance(results, dict) or "results" not in results:
-        raise ValueError(f"--compare {path}: no `results` in it; is it lm-eval's results JSON?")
+        raise ValueError(f"{flag} {path}: no `results` in it; is it lm-eval's results JSON?")
     return results
 
 
@@ -39,9 +40,32 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def comparison_rows(base: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, ...]]:
-    """(task, metric, base, this, change) per metric both results hold, as text."""
-    rows: list[tuple[str, ...]] = []
+@dataclass(frozen=True)
+class Compared:
+    """One task's metric in both results (`metric` as lm-eval keys it: `acc,none`)."""
+
+    task: str
+    metric: str
+    base: float
+    base_se: float | None
+    this: float
+    this_se: float | None
+
+    @property
+    def change(self) -> float:
+        return self.this - self.base
+
+    @property
+    def change_in_se(self) -> float | None:
+        """The change over the combined standard error, when both sides have one."""
+        if self.base_se is None or self.this_se is None or not (self.base_se or self.this_se):
+            return None
+        return self.change / math.hypot(self.base_se, self.this_se)
+
+
+def compared_metrics(base: dict[str, Any], new: dict[str, Any]) -> list[Compared]:
+    """Every task and metric both results hold, in task then metric order."""
+    found: list[Compared] = []
     for task in sorted(set(base["results"]) & set(new["results"])):
         mine, theirs = new["results"][task], base["results"][task]
         for key in sorted(mine):
@@ -53,10 +77,26 @@ def comparison_rows(base: dict[str, Any], new: dict[str, Any]) -> list[tuple[str
                 continue
             stderr_key = f"{metric}_stderr,{where}"
             se, se_before = _number(mine.get(stderr_key)), _number(theirs.get(stderr_key))
-            change = f"{value - before:+.4f}"
-            if se is not None and se_before is not None and (se or se_before):
-                change += f" ({(value - before) / math.hypot(se, se_before):+.1f} se)"
-            rows.append((task, key, _with_se(before, se_before), _with_se(value, se), change))
+            found.append(Compared(task, key, before, se_before, value, se))
+    return found
+
+
+def higher_is_better(results: dict[str, Any], task: str, metric: str) -> bool | None:
+    """lm-eval's own word on the metric (`higher_is_better` in its results), None if silent."""
+    value = results.get("higher_is_better", {}).get(task, {}).get(metric.partition(",")[0])
+    return value if isinstance(value, bool) else None
+
+
+def comparison_rows(base: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(task, metric, base, this, change) per metric both results hold, as text."""
+    rows: list[tuple[str, ...]] = []
+    for c in compared_metrics(base, new):
+        change = f"{c.change:+.4f}"
+        if c.change_in_se is not None:
+            change += f" ({c.change_in_se:+.1f} se)"
+        rows.append(
+            (c.task, c.metric, _with_se(c.base, c.base_se), _with_se(c.this, c.this_se), change)
+        )
     return rows
 
 

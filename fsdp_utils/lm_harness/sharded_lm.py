@@ -73,13 +73,25 @@ class Share:
 
 def deal(order: Sequence[int], rank: int, world_size: int) -> Share:
     """Items in `order` (longest first), dealt round-robin: rank r takes order[r::world_size],
-    padded to ceil(n / world_size) items with copies of the first item of `order`."""
+    padded to ceil(n / world_size) items with copies of the last (shortest) item of `order`, so
+    that at every place rank 0's item is the longest of all ranks'."""
     per_rank = -(-len(order) // world_size)
     mine = list(order[rank::world_size])
     real = len(mine)
     if order:
-        mine += [order[0]] * (per_rank - real)
+        mine += [order[-1]] * (per_rank - real)
     return Share(mine, real)
+
+
+def batch_sizes(longest: Sequence[int], rows_for: Callable[[int], int]) -> list[int]:
+    """Consecutive batches over places whose longest item (over all ranks) is `longest[j]`,
+    longest first: each batch takes `rows_for(length of its first place)` places."""
+    sizes, start = [], 0
+    while start < len(longest):
+        size = min(max(1, rows_for(longest[start])), len(longest) - start)
+        sizes.append(size)
+        start += size
+    return sizes
 
 
 def run_sharded(
@@ -87,18 +99,23 @@ def run_sharded(
     *,
     length: Callable[[T], int],
     work: Callable[[list[T]], list[R]],
-    batch_size: int,
+    rows_for: Callable[[int], int],
     rank: int,
     world_size: int,
 ) -> list[R]:
     """`work` on batches of this rank's share of `items`; every result, in item order, on
-    every rank. Every rank calls `work` equally often with batches of equal sizes."""
+    every rank. `rows_for(length)`: the rows of a batch whose longest item has that length.
+    Every rank calls `work` equally often with batches of equal sizes (the sizes follow from
+    the order every rank computes alike)."""
     order = sorted(range(len(items)), key=lambda i: (-length(items[i]), i))
     share = deal(order, rank, world_size)
+    longest = [length(items[order[j * world_size]]) for j in range(len(share.indices))]
     results: list[R] = []
-    for start in range(0, len(share.indices), batch_size):
-        batch = [items[i] for i in share.indices[start : start + batch_size]]
+    start = 0
+    for size in batch_sizes(longest, rows_for):
+        batch = [items[i] for i in share.indices[start : start + size]]
         results += work(batch)
+        start += size
     everyone = dist_utils.all_gather_objects(
         list(zip(share.indices, results, strict=True))[: share.real]
     )
@@ -140,6 +157,7 @@ class ShardedLM(TemplateLM):
         rank: int = 0,
         world_size: int = 1,
         batch_size: int = 8,
+        token_budget: int | None = None,
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
@@ -156,6 +174,9 @@ class ShardedLM(TemplateLM):
         self.shard_rank = rank
         self.shard_world_size = world_size
         self.batch_size = batch_size
+        # --batch_size auto on a GPU: rows per forward from the memory plan's token budget (at
+        # most `batch_size`), so that a forward of long requests takes fewer rows.
+        self.token_budget = token_budget
         self._max_length = max_length
         self._max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
@@ -246,10 +267,16 @@ class ShardedLM(TemplateLM):
             items,
             length=length,
             work=work,
-            batch_size=self.batch_size,
+            rows_for=self.rows_for,
             rank=self.shard_rank,
             world_size=self.shard_world_size,
         )
+
+    def rows_for(self, longest: int) -> int:
+        """Rows of a forward whose longest row has `longest` tokens."""
+        if self.token_budget is None:
+            return self.batch_size
+        return max(1, min(self.batch_size, self.token_budget // max(1, longest)))
 
     @torch.no_grad()
     def _score_rows(self, rows: list[Row]) -> list[list[tuple[float, bool]]]:
@@ -396,7 +423,8 @@ class ShardedLM(TemplateLM):
                 for g in generated
             ]
 
-        return self._sharded(prompts, len, work)
+        # A row's memory is its prompt and everything it may generate.
+        return self._sharded(prompts, lambda prompt: len(prompt) + max_new, work)
 
 
 def _accepts(model: nn.Module, name: str) -> bool:

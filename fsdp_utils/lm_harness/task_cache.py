@@ -234,11 +234,13 @@ def check_tasks(
         for name, leaves in records.items():
             folder = Path(tmp) / name
             try:
-                write_overrides(
-                    {leaf.task: snapshot_of(leaf, cache) for leaf in leaves},
-                    folder,
-                    {leaf.task: leaf.yaml for leaf in leaves},
-                )
+                snapshots = {leaf.task: snapshot_of(leaf, cache) for leaf in leaves}
+            except ValueError as err:  # its own paragraph, ending with the command to run
+                failed[name] = str(err)
+                log(f"FAIL lm-eval {name}: {err}")
+                continue
+            try:
+                write_overrides(snapshots, folder, {leaf.task: leaf.yaml for leaf in leaves})
                 loaded = task_manager([name], leaves, folder).load([name])
                 docs = sum(_count_docs(task) for task in loaded["tasks"].values())
                 log(f"OK   lm-eval {name}: {len(loaded['tasks'])} task(s), {docs} documents")

@@ -3,6 +3,9 @@
     eval "$(python -m fsdp_utils.slurm.launch plan -- <chess_finetune.py arguments>)"
         sets NNODES, NPROC_PER_NODE, WORLD_SIZE, RDZV_ENDPOINT, RDZV_ID, RUN_DIR, STOP_FILE,
         exports OMP_NUM_THREADS, and prints a one-line summary (or the error, exit 2) on stderr.
+    eval "$(python -m fsdp_utils.slurm.launch nodes)"
+        the same without a run folder (slurm/evaluate.sh): NNODES, NPROC_PER_NODE,
+        WORLD_SIZE, RDZV_ENDPOINT, RDZV_ID and OMP_NUM_THREADS.
     python -m fsdp_utils.slurm.launch after-run <run_dir> <exit code>
         prints `requeue` if the trainer stopped early to save (status.json "interrupted") and the
         job may be requeued, else `done`; the reason goes to stderr.
@@ -58,8 +61,8 @@ class LaunchPlan:
     rdzv_host: str
     rdzv_port: int
     rdzv_id: str
-    run_dir: Path
-    stop_file: Path
+    run_dir: Path | None  # None: a job that writes no run folder (slurm/evaluate.sh)
+    stop_file: Path | None
     omp_num_threads: int
 
     @property
@@ -83,7 +86,7 @@ class LaunchPlan:
             "RUN_DIR": self.run_dir,
             "STOP_FILE": self.stop_file,
         }
-        lines = [f"{k}={shlex.quote(str(v))}\n" for k, v in values.items()]
+        lines = [f"{k}={shlex.quote(str(v))}\n" for k, v in values.items() if v is not None]
         lines.append(f"export OMP_NUM_THREADS={self.omp_num_threads}\n")
         return "".join(lines)
 
@@ -92,7 +95,7 @@ class LaunchPlan:
             f"launch: {self.nnodes} node(s) x {self.nproc_per_node} process(es) "
             f"({self.nproc_source}) = world size {self.world_size}; rendezvous "
             f"{self.rdzv_endpoint} (id {self.rdzv_id}); {self.omp_num_threads} CPU thread(s) "
-            f"per process; run folder {self.run_dir}"
+            f"per process" + (f"; run folder {self.run_dir}" if self.run_dir else "")
         )
 
 
@@ -210,10 +213,11 @@ def plan_launch(
     env: Mapping[str, str],
     hostnames: Sequence[str],
     gpus: GpuCount,
-    train_args: Sequence[str],
+    train_args: Sequence[str] | None,
     resolve: Resolver = resolve_addresses,
 ) -> LaunchPlan:
-    """Everything the sbatch script needs to start one torchrun per node."""
+    """Everything the sbatch script needs to start one torchrun per node; the run folder and
+    stop file too unless `train_args` is None (a job that is no training run)."""
     if not hostnames:
         raise ValueError("The job has no nodes (empty SLURM_JOB_NODELIST?).")
     nnodes = len(hostnames)
@@ -230,7 +234,7 @@ def plan_launch(
     job_id = env.get("SLURM_JOB_ID", "0")
     port = int(env["RDZV_PORT"]) if env.get("RDZV_PORT") else rendezvous_port(job_id)
     # One folder per job, the same after a requeue, unless the arguments name one.
-    paths = run_paths(train_args, Path("runs") / job_run_name(env))
+    paths = None if train_args is None else run_paths(train_args, Path("runs") / job_run_name(env))
     cpus = int(env.get("SLURM_CPUS_PER_TASK") or env.get("SLURM_CPUS_ON_NODE") or nproc)
     return LaunchPlan(
         nnodes=nnodes,
@@ -239,8 +243,8 @@ def plan_launch(
         rdzv_host=host,
         rdzv_port=port,
         rdzv_id=job_id,
-        run_dir=paths.run_dir,
-        stop_file=paths.stop_file,
+        run_dir=paths.run_dir if paths else None,
+        stop_file=paths.stop_file if paths else None,
         omp_num_threads=int(env.get("OMP_NUM_THREADS") or max(1, cpus // nproc)),
     )
 
@@ -337,13 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd = sub.add_parser("plan", help="print shell exports for slurm/finetune.sh")
     plan_cmd.add_argument("train_args", nargs=argparse.REMAINDER)
+    sub.add_parser("nodes", help="print shell exports for slurm/evaluate.sh (no run folder)")
     after = sub.add_parser("after-run", help="print `requeue` or `done`")
     after.add_argument("run_dir", type=Path)
     after.add_argument("exit_code", type=int)
     args = parser.parse_args(argv)
     env = os.environ
-    if args.command == "plan":
-        train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.command in ("plan", "nodes"):
+        train_args = None
+        if args.command == "plan":
+            train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
         try:
             gpus = count_gpus(env, nvidia_smi_list)
             plan = plan_launch(env, job_hostnames(env), gpus, train_args)

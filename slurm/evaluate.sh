@@ -1,0 +1,78 @@
+#!/bin/bash
+# Standard benchmarks (lm-evaluation-harness) under Slurm, the model sharded with FSDP2 as in
+# training: one torchrun per node, one process per GPU, no network.
+#
+#   mkdir -p logs && sbatch slurm/evaluate.sh --model runs/chess --tasks arc_easy,hellaswag,gsm8k
+#   sbatch slurm/evaluate.sh --model codellama/CodeLlama-7b-hf --tasks mmlu --output_dir runs/base-eval
+#   sbatch --nodes=2 slurm/evaluate.sh --model runs/big --tasks mmlu --compare runs/base-eval
+#   MODEL=runs/chess TASKS=arc_easy,gsm8k LIMIT=100 sbatch slurm/evaluate.sh
+#
+# Submit from the repository root. Arguments after the script name go to
+# `python -m fsdp_utils.evaluate` (see docs/evaluate.md; they win over the environment
+# overrides). The tasks' data must be in the offline cache first: on the login node,
+# `python download_models.py --eval_tasks arc_easy,...`. A task that is not cached stops the job
+# in seconds, before the model loads, naming that command. An evaluation keeps nothing to resume
+# from: give it the time it needs (--limit for a quick look).
+#
+#SBATCH --job-name=evaluate
+#SBATCH --nodes=1                     # more nodes: a model too large for one node's GPUs
+#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=16            # per node: tokenisation of the requests
+#SBATCH --mem=128G                    # host RAM per node (the weights pass through it, slice by slice)
+#SBATCH --time=02:00:00
+#SBATCH --output=logs/%x-%j.out       # logs/ must exist (mkdir -p logs): Slurm does not create it
+#
+# Environment overrides (unset: fsdp_utils.evaluate's defaults):
+#   SETUP                  shell code that activates your environment (as for slurm/finetune.sh)
+#   MODEL                  hub id in the offline cache, model folder, run folder or LoRA adapter
+#   TASKS                  comma-separated lm-eval tasks or groups
+#   LIMIT, BATCH_SIZE      --limit (documents per task) and --batch_size (rows per rank)
+#   OUTPUT_DIR             where the results go (default: <run>/lm_eval for a run folder)
+#   NPROC_PER_NODE         processes per node (default: one per GPU; 1 on a node without GPUs)
+#   RDZV_HOST, RDZV_PORT   rendezvous address for multi-node jobs (as for slurm/finetune.sh)
+#   PYTHON                 interpreter (python)
+# Cluster network settings (NCCL_SOCKET_IFNAME, ...) go in SETUP, as for slurm/finetune.sh.
+
+# Before `set -u`: activation scripts (conda's in particular) read unset variables.
+eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
+set -uo pipefail
+PYTHON=${PYTHON:-python}
+# No internet on compute nodes: the Hugging Face libraries must know before they are imported.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+
+args=()
+[ -n "${MODEL:-}" ] && args+=(--model "$MODEL")
+[ -n "${TASKS:-}" ] && args+=(--tasks "$TASKS")
+[ -n "${LIMIT:-}" ] && args+=(--limit "$LIMIT")
+[ -n "${BATCH_SIZE:-}" ] && args+=(--batch_size "$BATCH_SIZE")
+[ -n "${OUTPUT_DIR:-}" ] && args+=(--output_dir "$OUTPUT_DIR")
+args+=("$@")  # last: the command line wins
+
+# Sets NNODES NPROC_PER_NODE WORLD_SIZE RDZV_ENDPOINT RDZV_ID and exports OMP_NUM_THREADS, as
+# slurm/finetune.sh's plan does (one process per GPU, rendezvous on the first node).
+launch_plan=$("$PYTHON" -m fsdp_utils.slurm.launch nodes) || exit 2
+eval "$launch_plan"
+echo "job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-$(hostname)}:" \
+    "$PYTHON -m fsdp_utils.evaluate$(printf ' %q' "${args[@]}")"
+
+# Several nodes: this script hosts the rendezvous store (as slurm/finetune.sh does), so every
+# node can close the rendezvous when the others have exited.
+rdzv_conf=join_timeout=600
+store_pid=""
+if [ "$NNODES" -gt 1 ]; then
+    "$PYTHON" -m fsdp_utils.slurm.rdzv_store "${RDZV_ENDPOINT##*:}" &
+    store_pid=$!
+    rdzv_conf+=,is_host=false
+fi
+# --cpus-per-task is repeated because srun in Slurm 22.05 does not inherit it from sbatch.
+srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    --kill-on-bad-exit=1 \
+    "$PYTHON" -m torch.distributed.run \
+    --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
+    --rdzv-conf="$rdzv_conf" \
+    -m fsdp_utils.evaluate "${args[@]}"
+exit_code=$?
+[ -z "$store_pid" ] || { kill "$store_pid" && wait "$store_pid"; } 2>/dev/null
+exit "$exit_code"
