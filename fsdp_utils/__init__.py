@@ -13,6 +13,7 @@ checks it: see `.importlinter`):
     chess_eval/  did the model learn chess? (python-chess as the referee)
     lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
     train/       the trainer: train -> train_step (TrainStep) -> forward_backward
+    preference/  DPO beside train/: its loss, step and the reference model's log-probabilities
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
     run/         before a run: preflight, run-folder start, shared paths; opening the Trainer
     slurm/       sbatch/submitit launchers, a local Slurm for tests

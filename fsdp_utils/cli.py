@@ -135,6 +135,8 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    from fsdp_utils.metrics.logger import format_eval
+
     last, ev = summary.get("last") or {}, summary.get("eval")
     if summary["status"] == "completed":
         lines = [f"done in {summary['seconds']:.1f}s"]
@@ -149,7 +151,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"({last['tokens_per_s_per_device']:,.0f} per device)"
         )
     if ev:
-        lines.append(f"  eval loss {ev['eval_loss']:.4f} | perplexity {ev['eval_perplexity']:.2f}")
+        lines.append(f"  eval {format_eval(ev)}")
     for task, scores in (summary.get("benchmarks") or {}).items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in list(scores.items())[:3])
         lines.append(f"  {task}: {shown}")

@@ -487,6 +487,24 @@ def random_conversations(
     return conversations
 
 
+def preference_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """n preference rows (prompt, chosen, rejected) with a rule to learn: the chosen answer says
+    "ka" as many times as the prompt has words, the rejected one as many random words."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.randint(1, 4)
+        rejected = random_words(rng, words)
+        rows.append(
+            {
+                "prompt": random_words(rng, words) + "\n",
+                "chosen": " ".join(["ka"] * words),
+                "rejected": rejected if rejected.split() != ["ka"] * words else "lo",
+            }
+        )
+    return rows
+
+
 def train_chat_tokenizer(vocab_size: int = 600, seed: int = 0) -> Any:
     """A byte-level BPE (any text encodes, as with GPT-2, Llama 3 or Qwen) trained on random
     conversations, with the special tokens of the chat templates above. Returns a

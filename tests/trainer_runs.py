@@ -8,7 +8,13 @@ status), so that later runs can resume from the checkpoints of earlier ones. Wit
 also saves what a test cannot read from the run folder: the trained (sharded) model's logits on
 the first two held-out blocks and its whole state dict, gathered. With "measure", the run is
 instead one warm-up step and one step under the planner's tracker (`fsdp_utils.plan.measure`),
-whose `StepMemory` rank 0 writes as JSON.
+whose `StepMemory` rank 0 writes as JSON. With "dpo_probe" (and "out": a path), a DPO run
+(tests/test_preference.py): "step" runs two real steps, then the third step's forward and
+backward only, and rank 0 saves that step's loss, the gathered gradients, the gathered weights
+before it and every rank's micro-batches (the test recomputes them in one process, eagerly);
+"lora" runs two real steps, then rank 0 saves the reference's log-probabilities of a few
+held-out pairs (the adapters off), the policy's, and those of the base model loaded by
+transformers in this process, without FSDP.
 """
 
 from __future__ import annotations
@@ -49,6 +55,66 @@ def _measure(trainer: Any, path: Path) -> None:
         path.write_text(json.dumps(record, indent=2))
 
 
+def _clean(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _dpo_step(trainer: Any, out: Path) -> None:
+    from fsdp_utils.checkpoint.hf_folder import gather_full_state_dict
+    from fsdp_utils.parallel import distributed as dist_utils
+
+    step = trainer.train_step
+    first = step(trainer.step_batches(0), step=1)["loss"]
+    step(trainer.step_batches(1), step=2)
+    state = gather_full_state_dict(trainer.model)
+    batches = trainer.step_batches(2)
+    pairs, _ = dist_utils.all_reduce_host_sum(step.local_counts(batches))
+    total = torch.zeros((), dtype=torch.float64)
+    for batch in batches:
+        total += step.forward_backward(batch, pairs)
+    loss = float(dist_utils.all_reduce_sum(total)) / pairs
+    grads = {}
+    for name, param in trainer.model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[_clean(name)] = (
+                grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            ).cpu()
+    every = dist_utils.all_gather_objects(batches)
+    if trainer.env.is_main:
+        batches_all = [b for rank in every for b in rank]
+        torch.save(
+            {"first_loss": first, "loss": loss, "grads": grads, "state": state,
+             "batches": batches_all, "beta": trainer.config.dpo_beta},
+            out,
+        )  # fmt: skip
+
+
+def _dpo_lora(trainer: Any, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.preference.loss import sequence_logps
+
+    step = trainer.train_step
+    for s in range(2):
+        step(trainer.step_batches(s), step=s + 1)
+    batch = trainer.eval_blocks.batch([0, 1, 2])
+    reference = step.pair_loss.reference.logps(batch)
+    trainer.model.eval()
+    with torch.no_grad():
+        policy = sequence_logps(
+            trainer.model, batch, chunking=step.chunking, device=trainer.env.device
+        )
+    if trainer.env.is_main:
+        base = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float32)
+        base.eval()
+        with torch.no_grad():
+            eager = sequence_logps(base, batch, chunking=step.chunking, device=trainer.env.device)
+        torch.save({"reference": reference, "policy": policy, "base": eager}, out)
+
+
 def main() -> int:
     from fsdp_utils.config.parse import build_parser, parse_config
     from fsdp_utils.parallel import distributed as dist_utils
@@ -65,6 +131,9 @@ def main() -> int:
             trainer.setup()
             if run.get("measure"):
                 _measure(trainer, Path(run["measure"]))
+            elif run.get("dpo_probe"):  # tests/test_preference.py
+                probe = {"step": _dpo_step, "lora": _dpo_lora}[run["dpo_probe"]]
+                probe(trainer, Path(run["out"]))
             else:
                 summary = trainer.train()
                 if summary["status"] == "completed":

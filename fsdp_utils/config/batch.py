@@ -21,15 +21,23 @@ class BatchPlan:
     world_size: int
     gradient_accumulation_steps: int
     seq_length: int
+    # Sequences per example: 2 for DPO, whose batch sizes count pairs (a chosen and a rejected
+    # sequence each: fsdp_utils/data/preference.py).
+    sequences_per_example: int = 1
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens (sequence positions) per optimizer step, over all devices."""
-        return self.total_batch_size * self.seq_length
+        return self.total_batch_size * self.sequences_per_example * self.seq_length
+
+    @property
+    def example_name(self) -> str:
+        return "pairs (2 sequences each)" if self.sequences_per_example == 2 else "sequences"
 
     def describe(self) -> str:
         return (
-            f"total batch {self.total_batch_size} sequences = {self.batch_size_per_device} per "
+            f"total batch {self.total_batch_size} {self.example_name} = "
+            f"{self.batch_size_per_device} per "
             f"device x {self.world_size} devices x {self.gradient_accumulation_steps} "
             f"accumulation steps; {self.seq_length} tokens per sequence -> "
             f"{self.tokens_per_step:,} tokens per optimizer step"
@@ -104,4 +112,5 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
         world_size=world_size,
         gradient_accumulation_steps=derived,
         seq_length=config.max_seq_length,
+        sequences_per_example=2 if config.method == "dpo" else 1,
     )

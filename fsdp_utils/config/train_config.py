@@ -18,8 +18,13 @@ OptimizerName = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
-DataFormat = Literal["auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates"]
+DataFormat = Literal[
+    "auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates", "preference"
+]
 LongExamples = Literal["drop", "truncate", "error"]
+Method = Literal["sft", "dpo"]
+DpoLoss = Literal["sigmoid", "ipo"]
+ReferenceMode = Literal["cached", "live"]
 # transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]
 
@@ -47,6 +52,7 @@ SECTIONS = {
     "evaluation": "evaluation",
     "checkpoints": "run folder, checkpoints, time limits and the final model",
     "lora": "LoRA",
+    "preference": "preference tuning (DPO: fsdp_utils/preference/)",
     "logging": "logging and trackers",
 }
 
@@ -575,6 +581,51 @@ class TrainConfig:
         metadata=_opt("Do not write the Hugging Face model at the end.", section="checkpoints"),
     )
 
+    # --- preference tuning (fsdp_utils/preference/) -------------------------------------------
+    method: Method = field(
+        default="sft",
+        metadata=_opt(
+            "sft: supervised fine-tuning (the loss on the answers); dpo: Direct Preference "
+            "Optimization on pairs of a chosen and a rejected answer (columns chosen, rejected "
+            "and optionally prompt; docs/preference.md). With dpo the batch sizes count pairs.",
+            section="preference",
+        ),
+    )
+    dpo_beta: float = field(
+        default=0.1,
+        metadata=_opt(
+            "DPO's beta: how far the policy may move from the reference (higher: less).",
+            section="preference",
+        ),
+    )
+    dpo_loss: DpoLoss = field(
+        default="sigmoid",
+        metadata=_opt(
+            "sigmoid: DPO's loss; ipo: IPO's squared loss on length-averaged log-probabilities "
+            "(TRL's loss_type names).",
+            section="preference",
+        ),
+    )
+    dpo_label_smoothing: float = field(
+        default=0.0,
+        metadata=_opt(
+            "With --dpo_loss sigmoid: the assumed fraction of pairs whose labels are flipped "
+            "(conservative DPO); 0: plain DPO.",
+            section="preference",
+        ),
+    )
+    reference: ReferenceMode = field(
+        default="cached",
+        metadata=_opt(
+            "The DPO reference model without --lora: cached (its log-probabilities computed "
+            "once before training, sharded, and kept beside the prepared data) or live (a "
+            "frozen sharded copy of the model, run at every step: one more forward per step, "
+            "one more model in memory). With --lora the reference is the model with its "
+            "adapters off.",
+            section="preference",
+        ),
+    )
+
     # --- LoRA (fsdp_utils/model/lora.py) -----------------------------------------------------------
     lora: bool = field(
         default=False,
@@ -751,6 +802,7 @@ def validate_config(config: TrainConfig) -> None:
             f"--chess_eval_temperature must be >= 0 (0: greedy), got {config.chess_eval_temperature}."
         )
     _validate_lora(config)
+    _validate_preference(config)
     if config.freeze_layers < 0:
         raise ValueError(f"--freeze_layers must be >= 0 (0: off), got {config.freeze_layers}.")
     if config.freeze_layers and config.lora:
@@ -789,6 +841,42 @@ def _validate_data_format(config: TrainConfig) -> None:
     if module is not None and (":" not in module or not module.rsplit(":", 1)[1].isidentifier()):
         raise ValueError(
             f"--dataset_module {module!r}: expected FILE.py:FUNCTION, e.g. my_data.py:build."
+        )
+
+
+def _validate_preference(config: TrainConfig) -> None:
+    if config.method != "dpo":
+        changed = [
+            f"--{f.name}"
+            for f in dataclasses.fields(config)
+            if f.metadata.get("section") == "preference"
+            and f.name != "method"
+            and getattr(config, f.name) != f.default
+        ]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)}: preference-tuning option(s), which only --method dpo "
+                "reads. Add --method dpo (and a dataset of chosen/rejected pairs), or drop them."
+            )
+        return
+    if config.dpo_beta <= 0:
+        raise ValueError(f"--dpo_beta must be positive, got {config.dpo_beta}.")
+    if not 0.0 <= config.dpo_label_smoothing < 0.5:
+        raise ValueError(
+            f"--dpo_label_smoothing must be in [0, 0.5), got {config.dpo_label_smoothing}."
+        )
+    if config.dpo_label_smoothing and config.dpo_loss != "sigmoid":
+        raise ValueError("--dpo_label_smoothing applies to --dpo_loss sigmoid only.")
+    if config.reference == "live" and config.lora:
+        raise ValueError(
+            "--reference live keeps a frozen copy of the model as the DPO reference, but with "
+            "--lora the reference is already the same model with its adapters off (no second "
+            "model in memory). Drop --reference live."
+        )
+    if config.train_on_prompt:
+        raise ValueError(
+            "--train_on_prompt with --method dpo: DPO compares the answers given the same "
+            "prompt, so the prompt's tokens carry no loss. Drop --train_on_prompt."
         )
 
 

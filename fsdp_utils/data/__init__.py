@@ -10,5 +10,6 @@ spilling tokens and writing blocks as they come (`token_files`), and `cli` runs 
 (`python -m fsdp_utils.data`, slurm/prepare.sh);
 `blocks` reads the prepared blocks at training time and decides which blocks every rank sees at
 every step (a pure function of the step), and `--num_epochs` into steps; `document_masking`
-keeps packed documents from attending to each other.
+keeps packed documents from attending to each other. `preference` turns TRL's preference rows
+(chosen/rejected, --method dpo) into pairs of masked sequences and reads back whole pairs.
 """

@@ -8,6 +8,7 @@
     alpaca             instruction, output (+ input)    the Alpaca prompt (instruct.py)
     templates          any, named by --prompt_template  {column} placeholders (instruct.py)
                        and --response_template
+    preference         chosen, rejected (+ prompt)      pairs for --method dpo (preference.py)
 
 Chess and text are token streams cut into blocks, every token trained, as they always were.
 The other formats carry a loss mask: only the answers are trained (`--train_on_prompt`: all).
@@ -24,7 +25,8 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import CHESS_COLUMNS
 
 STREAM_FORMATS = ("chess", "text")  # every token trained; documents cut into blocks
-MASKED_FORMATS = ("chat", "prompt_completion", "alpaca", "templates")  # rows with a loss mask
+MASKED_FORMATS = ("chat", "prompt_completion", "alpaca", "templates", "preference")  # loss masks
+PREFERENCE_COLUMNS = ("chosen", "rejected")  # TRL's preference formats; `prompt` optional
 
 CHAT_COLUMNS = ("messages", "conversations")
 
@@ -71,6 +73,7 @@ def _required(name: str, config: TrainConfig) -> str:
         "prompt_completion": "`prompt` and `completion`",
         "alpaca": "`instruction` and `output` (and optionally `input`)",
         "templates": "the columns --prompt_template and --response_template name",
+        "preference": "`chosen` and `rejected` (and optionally `prompt`)",
     }[name]
 
 
@@ -82,6 +85,7 @@ def _has(name: str, columns: Sequence[str], config: TrainConfig) -> bool:
         "prompt_completion": "prompt" in columns and "completion" in columns,
         "alpaca": "instruction" in columns and "output" in columns,
         "templates": True,  # checked against the placeholders (instruct.check_templates)
+        "preference": all(c in columns for c in PREFERENCE_COLUMNS),
     }[name]
 
 
@@ -90,8 +94,12 @@ def chat_column(columns: Sequence[str]) -> str:
 
 
 def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
-    """The format of a dataset with these columns; a ValueError naming the fix when none fits."""
+    """The format of a dataset with these columns; a ValueError naming the fix when none fits.
+    --method dpo reads pairs only, and --method sft never does (`_preference_choice`)."""
     shown = ", ".join(columns)
+    preference = _preference_choice(columns, config)
+    if preference is not None:
+        return preference
     if config.data_format != "auto":
         if not _has(config.data_format, columns, config):
             raise ValueError(
@@ -126,3 +134,37 @@ def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
         "'{answer}', or return rows in one of these formats from a --dataset_module "
         "my_data.py:build."
     )
+
+
+def _preference_choice(columns: Sequence[str], config: TrainConfig) -> FormatChoice | None:
+    """--method dpo: the preference format, or the error naming the columns it needs.
+    --method sft on a set of pairs (nothing else to train on): the error naming --method dpo."""
+    shown = ", ".join(columns)
+    pairs = _has("preference", columns, config)
+    if config.method == "dpo":
+        if config.data_format not in ("auto", "preference") or not pairs:
+            raise ValueError(
+                f"--method dpo trains on preference pairs: it needs the columns `chosen` and "
+                f"`rejected` (text or message lists, and optionally `prompt`; TRL's preference "
+                f"formats), but the dataset has: {shown}"
+                + (
+                    f" (and --data_format is {config.data_format})"
+                    * (config.data_format not in ("auto", "preference"))
+                )
+                + ". Give a dataset of pairs (docs/preference.md), or fine-tune on answers "
+                "with --method sft (the default)."
+            )
+        return FormatChoice("preference", "columns `chosen` and `rejected` (--method dpo)")
+    if config.data_format == "preference" or (
+        pairs
+        and config.data_format == "auto"
+        and config.prompt_template is None
+        and not any(_has(n, columns, config) for n in ("chess", "chat", "alpaca", "text"))
+        and not _has("prompt_completion", columns, config)
+    ):
+        raise ValueError(
+            f"The dataset's columns ({shown}) are preference pairs (`chosen`, `rejected`): "
+            "train on them with --method dpo (docs/preference.md). Supervised fine-tuning "
+            "(--method sft) needs one answer per row."
+        )
+    return None

@@ -55,6 +55,7 @@ from fsdp_utils.data.custom import ModuleRows, load_dataset_module
 from fsdp_utils.data.files import peek_columns
 from fsdp_utils.data.formats import FormatChoice, choose_format
 from fsdp_utils.data.instruct import check_templates
+from fsdp_utils.data.preference import PAIR_ROWS, PreferenceEncoder, PreferencePairs, pair_sequences
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
 from fsdp_utils.data.streaming import Batch, count_rows, dataset_batches, row_batches
@@ -158,13 +159,15 @@ class PreparedData:
         """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
         return cls(folder, json.loads((folder / "meta.json").read_text()))
 
-    def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks:
+    def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks | PreferencePairs:
         """A split's blocks; with document masking their batches carry position ids that
         restart at every document (fsdp_utils.data.document_masking): after each EOS for
         chess and text, at the stored row starts for the masked formats. A padded (unpacked)
         row holds one document anyway, so it gets none."""
         packed = bool(self.meta["spec"].get("packing", True))
         restart = document_masking and packed
+        if self.meta["spec"].get("masked", {}).get("format") == "preference":
+            return PreferencePairs.load(self.folder, name)  # padded pairs: nothing to restart
         if "masked" in self.meta["spec"]:
             return TokenBlocks.load(self.folder, name, row_starts=restart)
         eos = self.meta["stats"]["eos_token_id"] if restart else None
@@ -301,7 +304,7 @@ def _chat_template_for(
     --chat_template); prompt/completion rows need one only if they hold message lists."""
     if choice.name == "chat" or config.chat_template is not None:
         return chat_template(tokenizer, template_file=config.chat_template, model=config.model)
-    if choice.name == "prompt_completion" and tokenizer.chat_template:
+    if choice.name in ("prompt_completion", "preference") and tokenizer.chat_template:
         return chat_template(tokenizer, template_file=None, model=config.model)
     return None
 
@@ -631,7 +634,7 @@ class _EncodeRows:
     """Masked rows -> (tokens, loss masks, lengths, drop reasons, truncated, merged); a
     dropped row keeps no tokens (length 0)."""
 
-    encoder: RowEncoder
+    encoder: RowEncoder | PreferenceEncoder
 
     def __call__(
         self, batch: Batch
@@ -671,11 +674,17 @@ def _build_rows(
     head = next(_row_batches(source, columns))
     first = {k: v[:64] for k, v in head.items()}
     first[ROW_INDEX] = list(range(len(next(iter(first.values())))))
-    if choice.name == "prompt_completion" and uses_messages(first) and template is None:
+    pairs = choice.name == "preference"
+    sides = PreferenceEncoder.sides(first) if pairs else first
+    if (
+        choice.name in ("prompt_completion", "preference")
+        and uses_messages(sides)
+        and template is None
+    ):
         # Message lists, and the model has no chat template: the error names --chat_template.
         template = chat_template(tokenizer, template_file=None, model=config.model)
-    encoder = RowEncoder(
-        choice.name,
+    rows_encoder = RowEncoder(
+        "prompt_completion" if pairs else choice.name,
         tokenizer,
         config.max_seq_length,
         config.long_examples,
@@ -683,6 +692,9 @@ def _build_rows(
         template=template,
         prompt_template=config.prompt_template,
         response_template=config.response_template,
+    )
+    encoder: RowEncoder | PreferenceEncoder = (
+        PreferenceEncoder(rows_encoder) if pairs else rows_encoder
     )
     conversations = encoder.conversations(first)
     stats: dict[str, Any] = {"format": choice.name, "format_reason": choice.reason}
@@ -716,6 +728,9 @@ def _build_rows(
         num_proc=_num_proc(config, num_rows), total=num_rows, log=log,
     ):  # fmt: skip
         spill.append(flat, lengths, mask)
+        if pairs:  # one entry per pair: a pair is kept or dropped whole
+            dropped, truncated = dropped[::2], truncated[::2] | truncated[1::2]
+            merged = merged[::2] | merged[1::2]
         dropped_parts.append(
             np.fromiter(
                 (causes.setdefault(d, len(causes)) for d in dropped), np.uint8, len(dropped)
@@ -749,9 +764,17 @@ def _build_rows(
             del codes, order
             if not splits:
                 del drop_code, truncated_all, merged_all
-            written = write_packed(
-                rows, kept, config.max_seq_length, pad, out / name, packing=not config.no_packing
-            )
+            if pairs:  # padded, chosen and rejected side by side; each pair's row for the cache
+                np.save(out / f"{name}_{PAIR_ROWS}.npy", kept.astype(np.int64))
+                written = write_packed(
+                    rows, pair_sequences(kept), config.max_seq_length, pad, out / name,
+                    packing=False,
+                )  # fmt: skip
+            else:
+                written = write_packed(
+                    rows, kept, config.max_seq_length, pad, out / name,
+                    packing=not config.no_packing,
+                )  # fmt: skip
             del kept
             stats[name].update(
                 tokens=written.tokens,

@@ -42,12 +42,30 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
     # Mixture-of-experts runs with a router loss: logged beside the language-model loss.
     aux = f" | aux {m['aux_loss']:.4f}" if m.get("aux_loss") is not None else ""
     return (
-        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f}{aux} | lr {m['lr']:.2e} | "
+        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f}{aux}{_preference(m)} | "
+        f"lr {m['lr']:.2e} | "
         f"grad norm {_fmt(m.get('grad_norm'), '.3f')} | "
         f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/device) | "
         f"MFU {_fmt(m.get('mfu_pct'), '.1f', '%')} | {mem}"
         f"peak rss {_fmt(m.get('host_peak_rss_gib'), '.2f')} GiB | {m['step_time_s']:.3f} s/step"
     )
+
+
+def _preference(m: dict[str, Any], prefix: str = "") -> str:
+    """DPO's reward accuracy and margin (--method dpo), beside the loss."""
+    accuracy = m.get(f"{prefix}rewards/accuracies")
+    if accuracy is None:
+        return ""
+    return f" | reward acc {100 * accuracy:.1f}% margin {m[f'{prefix}rewards/margins']:.4f}"
+
+
+def format_eval(m: dict[str, Any]) -> str:
+    """An evaluation's line: the token loss's perplexity, or DPO's reward accuracy."""
+    if "eval_perplexity" in m:
+        detail = f"perplexity {m['eval_perplexity']:.2f} | {m['eval_tokens']:,} tokens"
+    else:
+        detail = _preference(m, "eval_").removeprefix(" | ") + f" | {m['eval_pairs']:,} pairs"
+    return f"loss {m['eval_loss']:.4f} | {detail}"
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -175,10 +193,7 @@ class RunLogger:
 
     def eval(self, metrics: dict[str, Any]) -> None:
         self._write({"kind": "eval", **metrics})
-        self.info(
-            f"eval  step {metrics['step']:>5} | loss {metrics['eval_loss']:.4f} | "
-            f"perplexity {metrics['eval_perplexity']:.2f} | {metrics['eval_tokens']:,} tokens"
-        )
+        self.info(f"eval  step {metrics['step']:>5} | {format_eval(metrics)}")
 
     def close(self) -> None:
         sinks, self.sinks = self.sinks, []

@@ -193,3 +193,15 @@ def gradient_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractCo
     if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 shard group's gathered parameters now. A forward under no_grad leaves
+    the groups that do not reshard after forward (the root, the last decoder layer) gathered,
+    as no backward comes to free them, and while they are, `model.parameters()` yields their
+    gathered tensors, not the sharded parameters: an optimizer built then steps copies (found
+    with DPO's reference pass, which runs before the optimizer is built: the last layer never
+    trained on 2 processes). No-op for DDP and single-device models."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import (
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
+from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
@@ -52,7 +53,10 @@ from fsdp_utils.plan.extrapolate import (
     truncated_config,
     why_layers_differ,
 )
-from fsdp_utils.plan.tracking import StepMemory, track_train_step
+from fsdp_utils.plan.tracking import PARAMETERS, StepMemory, track_train_step, with_resident
+from fsdp_utils.preference.reference import AdaptersOff, ForwardSettings, LiveReference, Reference
+from fsdp_utils.preference.step import build_preference_step
+from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch, TrainStep, build_train_step
 
 
@@ -149,18 +153,60 @@ def placeholder_micro_batches(plan: BatchPlan, count: int, seed: int) -> list[Ba
         total_batch_size=plan.batch_size_per_device * plan.world_size * count,
     )
     blocks = step_plan.total_batch_size
+    sequences = blocks * plan.sequences_per_example
     tokens = TokenBlocks(
-        np.zeros((blocks, plan.seq_length), np.int32), np.full(blocks, plan.seq_length, np.int32)
+        np.zeros((sequences, plan.seq_length), np.int32),
+        np.full(sequences, plan.seq_length, np.int32),
+    )
+    # DPO: each example is a pair, both of its sequences in the micro-batch
+    source = (
+        tokens if plan.sequences_per_example == 1 else PreferencePairs(tokens, np.arange(blocks))
     )
     sampler = StepSampler(blocks, step_plan, seed)
-    return [tokens.batch(indices) for indices in sampler.micro_batches(0, rank=0)]
+    return [source.batch(indices) for indices in sampler.micro_batches(0, rank=0)]
 
 
-def traced_step(model: Any, config: TrainConfig, env: DistEnv) -> TrainStep:
+def _local_bytes(model: Any) -> int:
+    """This device's bytes of a model's (sharded) parameters."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    return total
+
+
+class _CachedStandIn:
+    """The DPO reference cache in a traced step: a few host numbers per pair, no device memory
+    to plan beyond the step's [sequences] fp32 log-probabilities."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        return torch.zeros(batch["input_ids"].shape[0], device=self.device)
+
+
+def traced_step(
+    model: Any, config: TrainConfig, env: DistEnv, reference_model: Any = None
+) -> TrainStep:
     """The trainer's step on a (fake) model: same optimizer, schedule, loss scaling, router loss,
     micro-batch loop and gradient sync. No gradient scaler for fp16-mixed: it holds two scalars
     and unscales in place (no memory to plan), and its inf check would read a fake value and
-    could skip the step."""
+    could skip the step. --method dpo: DPO's step, its reference the model with the adapters
+    off (--lora), `reference_model` (--reference live) or the cache (nothing on the device)."""
+    autocast = autocast_context(config, env.device)
+    if config.method == "dpo":
+        chunking = LossChunking.build(config.loss_chunk_size, model.config)
+        forward = ForwardSettings(chunking, env.device, autocast)
+        reference: Reference = _CachedStandIn(env.device)
+        if config.lora:
+            reference = AdaptersOff(model, forward)
+        elif reference_model is not None:
+            reference = LiveReference(reference_model, forward)
+        return build_preference_step(
+            model, config, world_size=env.world_size, device=env.device, hf_config=model.config,
+            chunking=chunking, reference=reference, autocast=autocast, grad_scaler=False,
+        )  # fmt: skip
     return build_train_step(
         model,
         config,
@@ -334,17 +380,27 @@ def _trace(
 ) -> StepMemory:
     """Materialise `model` (from `build_parallel_model`, on meta) on fake tensors and trace
     one training step of it."""
+    reference_model = None
+    if config.method == "dpo" and config.reference == "live" and not config.lora:
+        # DPO's frozen copy: its parameters and its forward (no gradients) are planned too
+        reference_model, _ = build_parallel_model(hf_config, config, env)
     try:
         with _UnitScalarsFakeMode(allow_non_fake_inputs=True), _transformers_eager_paths():
             materialize(model, env.device)
             model.train()
-            step = traced_step(model, config, env)
+            if reference_model is not None:
+                materialize(reference_model, env.device)
+                reference_model.requires_grad_(False)
+            step = traced_step(model, config, env, reference_model)
             # Warm-up: creates the optimizer state, untracked.
             step(placeholder_micro_batches(batch, 1, config.seed), step=1)
             count = traced_micro_batches(batch, config.defer_grad_sync)
-            return track_train_step(
+            memory = track_train_step(
                 step, lambda: placeholder_micro_batches(batch, count, config.seed), step=2
             )
+            if reference_model is not None:
+                memory = with_resident(memory, PARAMETERS[0], _local_bytes(reference_model))
+            return memory
     except (
         DataDependentOutputException,
         DynamicOutputShapeException,

@@ -240,7 +240,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{m.decoder_layers} x {m.decoder_layer_class})",
         f"  {describe_setup(plan.config, plan.cluster)}",
         f"  batch: {b.batch_size_per_device} per device x {b.world_size} devices x "
-        f"{b.gradient_accumulation_steps} accumulation = {b.total_batch_size} sequences of "
+        f"{b.gradient_accumulation_steps} accumulation = {b.total_batch_size} {b.example_name} of "
         f"{b.seq_length} tokens",
         "",
         f"per GPU, at the predicted peak (in {where}):",

@@ -370,3 +370,27 @@ def higher_peak(forward_backward: Snapshot, optimizer: Snapshot) -> Snapshot:
     return (
         optimizer if optimizer.get(TOTAL, 0) > forward_backward.get(TOTAL, 0) else forward_backward
     )
+
+
+def with_resident(memory: StepMemory, category: str, nbytes: int) -> StepMemory:
+    """`memory` with `nbytes` more in `category` at every snapshot: tensors alive through the
+    whole step that the tracker did not see (DPO's frozen reference copy, --reference live,
+    whose sharded parameters are not the tracked model's)."""
+
+    def add(snapshot: Snapshot) -> Snapshot:
+        if not snapshot:
+            return snapshot
+        return {
+            **snapshot,
+            category: snapshot.get(category, 0) + nbytes,
+            TOTAL: snapshot.get(TOTAL, 0) + nbytes,
+        }
+
+    return dataclasses.replace(
+        memory,
+        peak=add(memory.peak),
+        peak_before_optimizer=add(memory.peak_before_optimizer),
+        before_optimizer=add(memory.before_optimizer),
+        peak_in_optimizer=add(memory.peak_in_optimizer),
+        segments=tuple(dataclasses.replace(s, peak=add(s.peak)) for s in memory.segments),
+    )

@@ -189,11 +189,20 @@ def build_train_step(
     hf_config: Any,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     grad_scaler: bool = True,
+    step_class: type[TrainStep] | None = None,
+    **step_options: Any,
 ) -> TrainStep:
     """The step of a run: its optimizer (`optim.build_optimizer`), schedule, gradient scaler
-    (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts)."""
+    (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts).
+    `step_class` and `step_options`: another TrainStep and its own arguments, or other values of
+    TrainStep's (preference tuning: fsdp_utils/preference/step.py)."""
     optimizer = build_optimizer(model, config)
-    return TrainStep(
+    options = {
+        "router_loss": RouterLoss.build(config, hf_config),
+        "chunking": LossChunking.build(config.loss_chunk_size, hf_config),
+        **step_options,
+    }
+    return (step_class or TrainStep)(
         model,
         optimizer,
         build_scheduler(optimizer, config),
@@ -202,8 +211,7 @@ def build_train_step(
         device=device,
         scaler=make_grad_scaler(config, device) if grad_scaler else None,
         autocast=autocast,
-        router_loss=RouterLoss.build(config, hf_config),
-        chunking=LossChunking.build(config.loss_chunk_size, hf_config),
+        **options,
     )
 
 
@@ -263,7 +271,7 @@ class TrainStep:
         update (one host-device sync: log steps).
         """
         if global_counts is None:
-            global_counts = dist_utils.all_reduce_host_sum(local_counts(micro_batches))
+            global_counts = dist_utils.all_reduce_host_sum(self.local_counts(micro_batches))
         global_targets, global_tokens = global_counts
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -293,6 +301,11 @@ class TrainStep:
             else:
                 self.router_loss.reset()
         return metrics
+
+    def local_counts(self, batches: list[Batch]) -> list[float]:
+        """What the step's loss is normalised by, and its tokens: `local_counts` (preference
+        tuning counts pairs: fsdp_utils/preference/step.py)."""
+        return local_counts(batches)
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""

@@ -32,8 +32,9 @@ from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
+from fsdp_utils.data.blocks import StepSampler, TokenBlocks, describe_epochs, epoch_steps
 from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
+from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
@@ -59,10 +60,11 @@ from fsdp_utils.parallel.parallelize import (
     describe_parallelism,
     fsdp_group_names,
 )
+from fsdp_utils.preference.run import PreferenceRun
 from fsdp_utils.train.evaluate import evaluate
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, TrainStep, build_train_step, local_counts
+from fsdp_utils.train.step import Batch, TrainStep, build_train_step
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
 
 
@@ -91,6 +93,9 @@ class Trainer:
     peak_tflops: float | None
     eval_seconds: float | None = None  # the last evaluation's, for the time-limit estimate
     samples: SamplePrompts | None = None  # --sample_prompts
+    preference: PreferenceRun | None = None  # --method dpo (fsdp_utils/preference/)
+    train_blocks: TokenBlocks | PreferencePairs
+    eval_blocks: TokenBlocks | PreferencePairs
 
     def __init__(
         self, config: TrainConfig, env: DistEnv, *, plan: BatchPlan, assets: ResolvedAssets
@@ -141,19 +146,33 @@ class Trainer:
             device=env.device,
         )
         resume_from = self.checkpointer.to_resume(warn=self.log.info)
+        if config.method == "dpo":
+            self.preference = PreferenceRun(
+                config, env, data_folder=self.data.folder, model_dir=self.model_dir,
+                hf_config=self.hf_config, log=self.log.info,
+            )  # fmt: skip
+            self.log.info(self.preference.describe())
+        # A DPO reference cache to compute needs the starting weights, even when resuming.
+        starting = self.preference is not None and self.preference.needs_starting_weights
 
         watch = Stopwatch()
-        self.model = self._build_model(meta, load_weights=resume_from is None)
+        self.model = self._build_model(meta, load_weights=resume_from is None or starting)
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
         if config.document_masking:
             check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
         if (router := RouterLoss.describe(config, self.hf_config)) is not None:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
-        self.train_step = build_train_step(
-            self.model, config, world_size=env.world_size, device=env.device,
-            hf_config=self.hf_config, autocast=self.autocast,
-        )  # fmt: skip
+        if self.preference is not None:
+            self.train_step = self.preference.build_step(
+                self.model, splits=self._pairs(), frozen_copy=self._frozen_copy,
+                autocast=self.autocast, batch_size=self.plan.batch_size_per_device,
+            )  # fmt: skip
+        else:
+            self.train_step = build_train_step(
+                self.model, config, world_size=env.world_size, device=env.device,
+                hf_config=self.hf_config, autocast=self.autocast,
+            )  # fmt: skip
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
         if resume_from is not None:
@@ -245,6 +264,23 @@ class Trainer:
         )
         return model
 
+    def _pairs(self) -> list[PreferencePairs]:
+        splits = [self.train_blocks, self.eval_blocks]
+        return [s for s in splits if isinstance(s, PreferencePairs)]
+
+    def _frozen_copy(self) -> nn.Module:
+        """The starting model again, built and sharded like the trained one (the DPO reference
+        of --reference live)."""
+        model = build_meta_model(
+            self.hf_config,
+            self.config.precision,
+            attn_implementation=self.config.attn_implementation,
+        )
+        meta = transform_model(model, self.config)
+        return build_model(
+            meta, self.config, self.env, self.model_dir, self._key_map, load_weights=True
+        )
+
     def _resume(self, info: CheckpointInfo) -> None:
         watch = Stopwatch()
         self.checkpointer.load(info, self.model, self.optimizer)
@@ -327,7 +363,7 @@ class Trainer:
             batches = self.step_batches(step) if more else []
             step_time = watch.lap()
             # The next step's target counts ride on the stop decision's all-reduce.
-            decision = self.stop.poll(step, step_time, add=local_counts(batches))
+            decision = self.stop.poll(step, step_time, add=self.train_step.local_counts(batches))
             global_counts = decision.sums
             if log_now:
                 last = self._log_step(metrics, step_time)
@@ -380,6 +416,7 @@ class Trainer:
             **({"aux_loss": metrics["aux_loss"]} if "aux_loss" in metrics else {}),
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
+            **metrics.get("logged", {}),  # the method's own (DPO's rewards and log-probabilities)
             **throughput(
                 metrics["tokens"],
                 step_time,
@@ -403,15 +440,23 @@ class Trainer:
     def evaluate(self) -> dict[str, Any] | None:
         """Collective: the held-out loss now (`fsdp_utils.train.evaluate`), logged; and the
         answers to --sample_prompts (`fsdp_utils.train.samples`)."""
-        metrics = evaluate(
-            self.model,
-            self.eval_blocks,
-            env=self.env,
-            batch_size=self.plan.batch_size_per_device,
-            max_batches=self.config.eval_batches,
-            autocast=self.autocast,
-            chunking=self.train_step.chunking,
-        )
+        if self.preference is not None:
+            assert isinstance(self.eval_blocks, PreferencePairs)
+            metrics = self.preference.evaluate(
+                self.model, self.eval_blocks, batch_size=self.plan.batch_size_per_device,
+                max_batches=self.config.eval_batches,
+            )  # fmt: skip
+        else:
+            assert isinstance(self.eval_blocks, TokenBlocks)
+            metrics = evaluate(
+                self.model,
+                self.eval_blocks,
+                env=self.env,
+                batch_size=self.plan.batch_size_per_device,
+                max_batches=self.config.eval_batches,
+                autocast=self.autocast,
+                chunking=self.train_step.chunking,
+            )
         record = None if metrics is None else {"step": self.state.step, **metrics}
         if record is not None:
             self.log.eval(record)

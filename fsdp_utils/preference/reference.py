@@ -1,0 +1,220 @@
+"""The DPO reference model's log-probabilities, three ways, none of them a second model on the
+wrong device or a table read by rank:
+
+- `AdaptersOff` (--lora): the trained model itself with its LoRA adapters switched off, under
+  no_grad: the base model, with no second copy in memory;
+- `CachedReference` (the default otherwise): computed once before training, sharded with FSDP2
+  like the training forward (`compute_reference_cache`), and written beside the prepared data
+  under a key of the model's files, the prepared data and the settings that change the numbers
+  (`cache_key`). Each pair's log-probabilities are stored by the pair's row in the dataset, and
+  a batch looks its pairs up by row (`PAIR_ROWS`), so a cache written at one world size is read
+  at any other, and a requeued job or a second run with the same data reuses it;
+- `LiveReference` (--reference live): a frozen sharded copy of the starting model, run at
+  every step (one more forward per step and one more model's parameters in memory).
+
+Each gives the summed log-probabilities of the answer tokens, [chosen..., rejected...] like the
+batch, fp32 on the device, computed through the same forward as the policy's (train/loss.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
+from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import reshard
+from fsdp_utils.train.loss import LossChunking
+from fsdp_utils.train.step import Batch
+
+from .loss import sequence_logps
+
+CACHE_VERSION = 1  # bump when what the cache holds, or how it is computed, changes
+CACHE_SUBDIR = "reference"  # beside the prepared arrays: <prepared folder>/reference/<key>/
+
+
+class Reference(Protocol):
+    def logps(self, batch: Batch) -> torch.Tensor:
+        """[sequences] the reference's summed answer log-probabilities, fp32 on the device."""
+        ...
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
+    a PeftModel: ours injects the adapters into the transformers model). The flag is set
+    directly: peft's `enable_adapters` would also flip the adapters' requires_grad, which FSDP2
+    tracks on its sharded parameters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "--lora but no adapter in the model"
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            layer._disable_adapters = was
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """The reference runs in eval mode (no dropout) and without gradients, every way; then the
+    shard groups it gathered are freed (`parallel.parallelize.reshard`: else the next training
+    step's gradients are wrong for them)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+        reshard(model)
+
+
+@dataclass
+class ForwardSettings:
+    chunking: LossChunking
+    device: torch.device
+    autocast: Callable[[], Any]
+
+    def logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        with evaluating(model):
+            return sequence_logps(
+                model, batch, chunking=self.chunking, device=self.device, autocast=self.autocast
+            )
+
+
+@dataclass
+class AdaptersOff:
+    model: nn.Module
+    forward: ForwardSettings
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return self.forward.logps(self.model, batch)
+
+
+@dataclass
+class LiveReference:
+    model: nn.Module  # frozen, sharded like the policy
+    forward: ForwardSettings
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        return self.forward.logps(self.model, batch)
+
+
+@dataclass(frozen=True)
+class CachedReference:
+    rows: np.ndarray  # (pairs,) sorted dataset rows
+    values: np.ndarray  # (pairs, 2) float32: chosen, rejected
+    device: torch.device
+
+    @classmethod
+    def load(cls, folder: Path, device: torch.device) -> CachedReference:
+        with np.load(folder / "logps.npz") as saved:
+            return cls(saved["rows"], saved["logps"], device)
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        rows = batch[PAIR_ROWS].numpy()
+        at = np.searchsorted(self.rows, rows)
+        found = at < len(self.rows)
+        if not found.all() or not (self.rows[at[found]] == rows[found]).all():
+            missing = rows[~found | (self.rows[np.minimum(at, len(self.rows) - 1)] != rows)]
+            raise AssertionError(f"reference cache has no log-probabilities for rows {missing}")
+        values = self.values[at]  # (pairs, 2)
+        both = np.concatenate([values[:, 0], values[:, 1]])
+        return torch.from_numpy(both).to(self.device)
+
+
+def cache_key(config: TrainConfig, model_dir: Path, data_folder: Path, chunk_size: int) -> str:
+    """What the reference's numbers depend on: the model's files (their names, sizes and times),
+    the prepared data (its folder is named by its own key), and the settings of the forward."""
+    files = sorted(
+        (p.name, p.stat().st_size, int(p.stat().st_mtime))
+        for p in Path(model_dir).iterdir()
+        if p.is_file() and p.suffix in (".safetensors", ".bin", ".json")
+    )
+    spec = {
+        "version": CACHE_VERSION,
+        "model": str(Path(model_dir).resolve()),
+        "files": files,
+        "data": data_folder.name,
+        "precision": config.precision,
+        "attn_implementation": config.attn_implementation,
+        "loss_chunk_size": chunk_size,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_folder(config: TrainConfig, model_dir: Path, data_folder: Path, chunk_size: int) -> Path:
+    return data_folder / CACHE_SUBDIR / cache_key(config, model_dir, data_folder, chunk_size)
+
+
+def is_cached(folder: Path) -> bool:
+    return (folder / "logps.npz").is_file()
+
+
+def compute_reference_cache(
+    model: nn.Module,
+    splits: list[PreferencePairs],
+    folder: Path,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    forward: ForwardSettings,
+    log: Callable[[str], None],
+) -> None:
+    """Collective: the reference log-probabilities of every pair of `splits`, each rank a share
+    of the pairs (every rank the same number of forwards, as FSDP's collectives need), gathered
+    and written by rank 0 as one table indexed by dataset row."""
+    rows_parts, value_parts = [], []
+    for pairs in splits:
+        n = len(pairs)
+        if n == 0:
+            continue
+        # Every pair once across ranks; the last rank's share padded with repeats so that all
+        # ranks run the same number of forwards (the repeats are dropped by np.unique).
+        per_rank = -(-n // env.world_size)
+        mine = np.minimum(np.arange(env.rank, per_rank * env.world_size, env.world_size), n - 1)
+        for start in range(0, len(mine), batch_size):
+            indices = mine[start : start + batch_size]
+            batch = pairs.batch(indices)
+            both = forward.logps(model, batch).float().cpu().numpy()
+            rows_parts.append(batch[PAIR_ROWS].numpy())
+            value_parts.append(np.stack([both[: len(indices)], both[len(indices) :]], axis=1))
+    mine_rows = np.concatenate(rows_parts) if rows_parts else np.zeros(0, np.int64)
+    mine_values = np.concatenate(value_parts) if value_parts else np.zeros((0, 2), np.float32)
+    gathered = dist_utils.all_gather_objects((mine_rows, mine_values))
+    if env.is_main:
+        rows = np.concatenate([r for r, _ in gathered])
+        values = np.concatenate([v for _, v in gathered]).astype(np.float32)
+        rows, first = np.unique(rows, return_index=True)  # sorted; padding repeats dropped
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.savez(tmp / "logps.npz", rows=rows, logps=values[first])
+        (tmp / "meta.json").write_text(
+            json.dumps({"pairs": len(rows), "world_size": env.world_size})
+        )
+        if not is_cached(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(tmp, folder)  # atomic: a reader sees the whole table or none
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"dpo: reference log-probabilities of {len(rows):,} pairs cached in {folder}")
+    dist_utils.barrier()

@@ -1,0 +1,64 @@
+"""`sbatch slurm/finetune.sh --method dpo` on the real one-node Slurm (tiny chat model, CPU,
+2 processes with gloo): the first leg reaches its time limit, saves and requeues; the second
+resumes its checkpoint, reuses the reference cache, and completes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fsdp_utils.synthetic import preference_pairs, save_chat_model
+from tests import local_slurm as slurm_fixture
+from tests.chat_helpers import write_jsonl
+from tests.local_slurm import FINISHED_STATES, LocalSlurm
+
+local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) -> None:
+    model = save_chat_model(tmp_path / "model", "chatml")
+    data = write_jsonl(tmp_path / "prefs.jsonl", preference_pairs(300))
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = {
+        **os.environ,
+        "SETUP": f"source {REPO / '.venv' / 'bin' / 'activate'}",
+        "MODEL": str(model),
+        "DATASET": str(data),
+        "TOTAL_BATCH_SIZE": "8",
+    }
+    # Leg 1: a 1-minute limit and a 45 s margin leave too little for 400 steps: save, requeue
+    steps = 400
+    job = local_slurm.sbatch(
+        "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=1",
+        "--signal=B:USR1@40", f"--output={log}", "slurm/finetune.sh",
+        "--method", "dpo", "--dataset_include", "", "--max_seq_length", "64",
+        "--eval_examples", "16", "--eval_every", "0", "--precision", "fp32",
+        "--output_dir", str(run_dir), "--max_training_steps", str(steps),
+        "--time_limit_margin_minutes", "0.75", "--save_every_minutes", "0",
+        cwd=REPO, env=env,
+    )  # fmt: skip
+    requeued = local_slurm.wait_until(
+        job, lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINISHED_STATES,
+        timeout=150,
+    )  # fmt: skip
+    assert requeued.get("Restarts") == "1", (requeued, log.read_text())
+    local_slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
+    info = local_slurm.wait(job, timeout=280)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    assert "requeueing to resume" in text
+    assert "dpo: computing the reference log-probabilities" in text  # leg 1
+    assert "dpo: reference log-probabilities from" in text  # leg 2: the cache reused
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    done = [r["step"] for r in records if r.get("kind") == "train"]
+    assert done.count(1) == 1 and max(done) == steps and len(set(done)) == len(done)
+    assert any(r.get("kind") == "resumed" for r in records)
+    assert "rewards/accuracies" in next(r for r in records if r.get("kind") == "train")
+    assert (run_dir / "final" / "config.json").is_file()
