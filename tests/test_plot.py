@@ -130,6 +130,8 @@ def test_plot_draws_the_metrics_of_a_resumed_run(tmp_path: Path) -> None:
     titles = {ax.get_title() for ax in fig.axes if ax.get_visible()}
     assert {"chess eval: legal-move rate", "chess eval: next-move accuracy"} <= titles
     assert not [t for t in titles if "games" in t or "opening" in t or "strict" in t]
+    assert not [t for t in titles if "DPO" in t]  # an SFT run's plot: no DPO panels
+    assert loss_label(fig) == "cross-entropy (nats/token)"
     # Smoothed: TensorBoard's debiased EMA of the raw values.
     raw = [v for _, v in expected("train", "loss")]
     ema, smoothed = 0.0, []
@@ -154,6 +156,90 @@ def test_plot_draws_the_metrics_of_a_resumed_run(tmp_path: Path) -> None:
         assert row["run"] == "my-run"
         from_csv.setdefault(row["series"], []).append((int(row["step"]), float(row["value"])))
     assert from_csv == {d.series: d.points() for d in drawn}
+
+
+def loss_label(fig: Any) -> str:
+    return next(ax.get_ylabel() for ax in fig.axes if ax.get_title() == "loss")
+
+
+DPO_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+              "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+def _dpo_metrics(step: int, prefix: str = "") -> dict[str, float]:
+    """TRL's metrics as fsdp_utils.preference.step logs them, a different number per field."""
+    chosen, rejected = 0.02 * step, -0.03 * step - (0.01 if prefix else 0.0)
+    return {
+        f"{prefix}rewards/chosen": chosen,
+        f"{prefix}rewards/rejected": rejected,
+        f"{prefix}rewards/accuracies": min(1.0, 0.1 * step + (0.05 if prefix else 0.0)),
+        f"{prefix}logps/chosen": -40.0 + 0.2 * step,
+        f"{prefix}logps/rejected": -42.0 - 0.3 * step,
+        f"{prefix}rewards/margins": chosen - rejected,
+    }
+
+
+def test_a_dpo_run_gets_panels_of_its_rewards_accuracy_and_log_probabilities(
+    tmp_path: Path,
+) -> None:
+    """The records of a DPO run as the trainer logs them (RunLogger: a train record with the
+    step's metrics and the method's `logged` ones, an eval record with the `eval_` split's):
+    every DPO field is drawn, train as lines and eval as dotted lines, in three panels, and
+    overlaid with an SFT run the SFT run draws none of them."""
+    run, sft = tmp_path / "dpo", tmp_path / "sft"
+    run.mkdir()
+    logger = RunLogger(run / "metrics.jsonl", True, 12, stream=open("/dev/null", "w"))  # noqa: SIM115
+    logger.event("start", "training: steps 0 -> 12", step=0)
+    for step in range(1, 13):
+        train = {k: v for k, v in _train(step, 1).items() if k != "kind"}
+        logger.step(train | {"loss": 0.6931 - 0.04 * step} | _dpo_metrics(step))
+        if step % 4 == 0:
+            logger.eval({"step": step, "eval_loss": 0.7 - 0.03 * step,
+                         **_dpo_metrics(step, "eval_"), "eval_pairs": 40})  # fmt: skip
+    logger.close()
+    _write(sft, [{"kind": "start", "step": 0}] + [_train(s, 1) for s in (1, 2, 3)])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def expected(kind: str, key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in records if r["kind"] == kind and key in r]
+
+    fig, drawn = plot.plot_runs([plot.RunCurves.load(run, "dpo")], smoothing=0.5)
+    panels = {
+        "DPO rewards: chosen vs rejected": ["rewards/chosen", "rewards/rejected", "rewards/margins"],
+        "DPO reward accuracy": ["rewards/accuracies"],
+        "DPO log-probabilities": ["logps/chosen", "logps/rejected"],
+    }  # fmt: skip
+    for panel, fields in panels.items():
+        assert [d.series for d in drawn if d.panel == panel] == [
+            name for field in fields for name in (field, f"eval_{field}")
+        ]
+    for field in DPO_FIELDS:
+        assert len(expected("train", field)) == 12 and len(expected("eval", f"eval_{field}")) == 3
+        assert _drawn(drawn, "dpo", field) == expected("train", field)
+        assert _drawn(drawn, "dpo", f"eval_{field}") == expected("eval", f"eval_{field}")
+    # In the figure itself: the eval split's line has dots, the accuracy's axis spans 0 to 1.
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) <= set(axes)
+    (eval_line,) = [d.line for d in drawn if d.series == "eval_rewards/accuracies"]
+    assert eval_line.get_marker() == "o" and eval_line in axes["DPO reward accuracy"].lines
+    assert axes["DPO reward accuracy"].get_ylim() == pytest.approx((-0.02, 1.02))
+    assert _drawn(drawn, "dpo", "train loss") == expected("train", "loss")
+    assert loss_label(fig) == "DPO loss, mean over pairs"
+
+    # The command: the CSV beside the PNG holds the DPO series too.
+    out = tmp_path / "dpo.png"
+    assert plot.main([str(run), "-o", str(out)]) == 0
+    with open(out.with_suffix(".csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r["series"] == "eval_rewards/margins"]
+    assert [(int(r["step"]), float(r["value"])) for r in rows] == expected(
+        "eval", "eval_rewards/margins"
+    )
+
+    # Overlaid with an SFT run: the DPO panels stay, with the DPO run's lines only.
+    fig, drawn = plot.plot_runs(plot.load_runs([run, sft], None))
+    assert {d.run for d in drawn if d.panel in panels} == {"dpo"}
+    assert {d.run for d in drawn if d.series == "train loss"} == {"dpo", "sft"}
+    assert loss_label(fig) == "cross-entropy (nats/token)"  # not only DPO losses there
 
 
 def test_sweep_overlays_runs_in_value_order(tmp_path: Path, capsys) -> None:

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX
 from fsdp_utils.data.preference import PAIR_ROWS
+from fsdp_utils.metrics.plot import RunCurves, plot_runs
 from fsdp_utils.preference.loss import DpoSettings, dpo_loss
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests.chat_helpers import write_jsonl
@@ -222,6 +223,12 @@ def test_a_learnable_preference_set_is_learned(probe_runs, pref_assets):
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected"} <= set(train[-1])  # fmt: skip
     assert train[-1]["loss"] < math.log(2) - 0.1
+    # The run's plot draws its DPO metrics as logged, train and eval split.
+    _, drawn = plot_runs([RunCurves.load(out, "learn")])
+    lines = {d.series: d.points() for d in drawn}
+    for field in ("rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert lines[field] == [(r["step"], r[field]) for r in train]
+        assert lines[f"eval_{field}"] == [(r["step"], r[f"eval_{field}"]) for r in evals]
     # The exported model, through transformers alone: on the held-out pairs its implicit reward
     # beta (log p - log p_ref) prefers the chosen answer.
     from fsdp_utils.data.prepare import PreparedData

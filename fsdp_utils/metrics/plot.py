@@ -3,8 +3,10 @@ optimizer step in one PNG, headless (matplotlib's Agg backend: no display), and 
 in a CSV beside it (`runs.csv`: panel, run, series, step, value).
 
 Panels: train loss, raw and smoothed, with the eval loss; learning rate; tokens/s; memory;
-gradient norm; and the chess evaluation's skill measures (records of kind `chess_eval`:
-legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
+gradient norm; a DPO run's rewards of the chosen and rejected answers with their margin, its
+reward accuracy and its log-probabilities, train and eval split (fields `rewards/...`,
+`logps/...`, `eval_rewards/...`); and the chess evaluation's skill measures (records of kind
+`chess_eval`: legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
 move, full-length continuations) when the run has them. Several runs overlay, one colour each, with their names in
 the legend: run folders given one by one, or `--sweep DIR` for every run folder in DIR (what
 `slurm/submit.py --sweep` writes). A run resumed after a requeue is one folder and one curve
@@ -19,7 +21,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,15 +153,28 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
 
+# DPO's metrics, TRL's names (fsdp_utils.preference.step): three panels when a run logged them,
+# the train split's as lines and the eval split's (`eval_` prefix) as the same line style with
+# dots. An SFT run has none of these fields and keeps its plot.
+DPO_REWARDS, DPO_ACCURACY = "DPO rewards: chosen vs rejected", "DPO reward accuracy"
+DPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (DPO_REWARDS, "beta (log pi - log ref), mean over pairs",
+     ("rewards/chosen", "rewards/rejected", "rewards/margins")),
+    (DPO_ACCURACY, "share of pairs, chosen reward higher", ("rewards/accuracies",)),
+    ("DPO log-probabilities", "policy log p of the answer, mean over pairs",
+     ("logps/chosen", "logps/rejected")),
+)  # fmt: skip
+DPO_STYLES = ("-", "--", ":")
 
-def _chess_panels(runs: Sequence[RunCurves]) -> list[tuple[str, str, list[str]]]:
-    """The chess panels whose fields some run logged: (title, y label, fields)."""
-    logged: set[str] = set()
-    for run in runs:
-        for record in run.chess:
-            logged.update(scalar_fields(record))
+
+def _logged_panels(
+    table: Sequence[tuple[str, str, tuple[str, ...]]], records: Iterable[dict[str, Any]]
+) -> list[tuple[str, str, list[str]]]:
+    """The panels of `table` whose fields some record has as a number: (title, y label,
+    fields)."""
+    logged = {key for record in records for key in scalar_fields(record)}
     panels = []
-    for title, ylabel, fields in CHESS_PANELS:
+    for title, ylabel, fields in table:
         present = [f for f in fields if f in logged]
         if present:
             panels.append((title, ylabel, present))
@@ -206,13 +221,18 @@ def plot_runs(
 
     cuda = any(r.get("cuda_peak_allocated_gib") is not None for run in runs for r in run.train)
     memory = CUDA_MEMORY if cuda else HOST_MEMORY
-    chess_panels = _chess_panels(runs)
+    chess_panels = _logged_panels(CHESS_PANELS, (r for run in runs for r in run.chess))
+    dpo_panels = _logged_panels(DPO_PANELS, (r for run in runs for r in run.train))
+    dpo_only = bool(dpo_panels) and all(
+        any("rewards/accuracies" in r for r in run.train) for run in runs
+    )
     panels: list[tuple[str, str]] = [  # (title, y label)
-        ("loss", "cross-entropy (nats/token)"),
+        ("loss", "DPO loss, mean over pairs" if dpo_only else "cross-entropy (nats/token)"),
         ("learning rate", "learning rate"),
         ("throughput", "tokens/s (all processes)"),
         ("memory", "GiB"),
         ("gradient norm", "global L2 norm (before clipping)"),
+        *[(title_, ylabel) for title_, ylabel, _ in dpo_panels],
         *[(title_, ylabel) for title_, ylabel, _ in chess_panels],
     ]
     columns = 2
@@ -256,6 +276,12 @@ def plot_runs(
             draw("memory", run.name, series, *_series(run.train, key), color=color, lw=1.5, ls=ls)
         draw("gradient norm", run.name, "grad norm", *_series(run.train, "grad_norm"),
              color=color, lw=1.2)  # fmt: skip
+        for title_, _, fields in dpo_panels:
+            for name, ls in zip(fields, DPO_STYLES, strict=False):
+                draw(title_, run.name, name, *_series(run.train, name), color=color, lw=1.5,
+                     ls=ls)  # fmt: skip
+                draw(title_, run.name, f"eval_{name}", *_series(run.evals, f"eval_{name}"),
+                     color=color, lw=1.0, ls=ls, marker="o", ms=4)  # fmt: skip
         for title_, _, fields in chess_panels:
             for name, ls in zip(fields, CHESS_STYLES, strict=False):
                 draw(title_, run.name, name, *_series(run.chess, name), color=color,
@@ -290,6 +316,23 @@ def plot_runs(
                          for name, ls in zip(fields, CHESS_STYLES, strict=False)],
                 fontsize="small",
             )  # fmt: skip
+    for title_, _, fields in dpo_panels:
+        # Line styles say which series, dots the eval split's; colours say which run.
+        labels = [name.split("/")[1] for name in fields] if len(fields) > 1 else ["train"]
+        handles = [Line2D([], [], color="0.3", ls=ls, label=label)
+                   for label, ls in zip(labels, DPO_STYLES, strict=False)]  # fmt: skip
+        handles.append(Line2D([], [], color="0.3", lw=1.0, marker="o", ms=4, label="eval"))
+        # An accuracy rises to 1 at the right: its legend below, where it hides no point.
+        axes[title_].legend(
+            handles=handles,
+            fontsize="small",
+            loc="lower right" if title_ == DPO_ACCURACY else "best",
+        )
+    if DPO_REWARDS in axes:  # at 0 the policy is the reference
+        axes[DPO_REWARDS].axhline(0.0, color="0.5", lw=0.8)
+    if DPO_ACCURACY in axes:  # ties count as wrong, so the first step's accuracy is 0
+        axes[DPO_ACCURACY].set_ylim(-0.02, 1.02)
+        axes[DPO_ACCURACY].axhline(0.5, color="0.5", lw=0.8, ls=":")  # a coin's accuracy
     axes["memory"].set_ylim(bottom=0)  # from 0: how much of the memory is in use, at a glance
     for extra in range(len(panels), rows * columns):  # an empty cell in the last row
         fig.add_subplot(rows, columns, extra + 1).set_visible(False)
