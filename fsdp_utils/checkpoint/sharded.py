@@ -80,6 +80,11 @@ def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
     identity.update(lora_identity(config))
     identity.update(freeze.identity(config))
     identity.update(data_identity(config))  # masked formats' settings, when not the defaults
+    # DPO runs only: their steps count pairs and their loss is another, so an SFT checkpoint is
+    # not theirs to continue (nor theirs an SFT run's). DPO's beta and loss may change on resume,
+    # as the learning rate may.
+    if config.method != "sft":
+        identity["method"] = config.method
     return identity
 
 
