@@ -116,6 +116,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     def evaluate() -> Any:  # the final evaluation is not a training step
         profiler.disable()
         started["cpu"] = time.process_time() - started["cpu"]
+        trainer.train_step = original  # evaluate reads the step's settings (its loss chunks)
         return original_evaluate()
 
     trainer.train_step = train_step  # type: ignore[assignment]

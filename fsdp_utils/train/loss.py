@@ -238,19 +238,26 @@ class _LinearNLLSum(torch.autograd.Function):
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk: int
     ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # Accumulated in fp32 (bf16 weights: the chunks' sum would lose bits in bf16)
+        grad_weight: torch.Tensor | None = None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], tokens[start : start + chunk]
-            logits = F.linear(h, weight).float()  # fp32 as in token_loss_sum
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of the logits
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
+            # fp32 as in token_loss_sum; log_softmax is one fused pass over the logits, in
+            # place of logsumexp's several (and their temporaries)
+            logp = torch.log_softmax(F.linear(h, weight).float(), dim=-1)
+            picked = logp.gather(1, t[:, None])
+            total -= picked.sum()
+            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of log p
+            probs = logp.exp_().scatter_add_(1, t[:, None], torch.full_like(picked, -1.0))
             grad = probs.to(weight.dtype)
             grad_hidden[start : start + chunk] = grad @ weight
-            grad_weight += (grad.t() @ h.to(weight.dtype)).float()
+            part = grad.t() @ h.to(weight.dtype)
+            if grad_weight is None:  # the first (often the only) chunk: no zeros to add to
+                grad_weight = part if part.dtype == torch.float32 else part.float()
+            else:
+                grad_weight += part
+        assert grad_weight is not None  # hidden has rows: chunked_target_nll checks
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
