@@ -238,8 +238,7 @@ class _LinearNLLSum(torch.autograd.Function):
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk: int
     ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)
-        # Accumulated in fp32 (bf16 weights: the chunks' sum would lose bits in bf16)
-        grad_weight: torch.Tensor | None = None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], tokens[start : start + chunk]
@@ -252,12 +251,10 @@ class _LinearNLLSum(torch.autograd.Function):
             probs = logp.exp_().scatter_add_(1, t[:, None], torch.full_like(picked, -1.0))
             grad = probs.to(weight.dtype)
             grad_hidden[start : start + chunk] = grad @ weight
-            part = grad.t() @ h.to(weight.dtype)
-            if grad_weight is None:  # the first (often the only) chunk: no zeros to add to
-                grad_weight = part if part.dtype == torch.float32 else part.float()
-            else:
-                grad_weight += part
-        assert grad_weight is not None  # hidden has rows: chunked_target_nll checks
+            if weight.dtype == torch.float32:  # summed in the matmul: no [vocab, hidden] temporary
+                grad_weight.addmm_(grad.t(), h)
+            else:  # bf16 products, summed over the chunks in fp32
+                grad_weight += (grad.t() @ h.to(weight.dtype)).float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
