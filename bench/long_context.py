@@ -118,12 +118,14 @@ def main() -> None:
             ratios = [
                 u["s_per_step"] / c["s_per_step"] for c, u in zip(chunked, unchunked, strict=True)
             ]
+            row["speed_ratios"] = ratios
             row["speed_ratio_median"] = statistics.median(ratios)
             row["speed_ratio_range"] = [min(ratios), max(ratios)]
             cpu_ratios = [
                 u["cpu_s_per_step"] / c["cpu_s_per_step"]
                 for c, u in zip(chunked, unchunked, strict=True)
             ]
+            row["cpu_ratios"] = cpu_ratios
             row["cpu_ratio_median"] = statistics.median(cpu_ratios)
             row["cpu_ratio_range"] = [min(cpu_ratios), max(cpu_ratios)]
             row["loss_relative_gap"] = abs(chunked[0]["loss"] / unchunked[0]["loss"] - 1)

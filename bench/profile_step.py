@@ -4,8 +4,8 @@ Runs under torchrun (2 CPU processes, gloo) on the benchmark's model and data, p
 with cProfile on *process CPU time* (so that other processes on a shared machine do not count)
 over the timed steps, and prints, per optimizer step: CPU seconds, split into forward,
 backward, optimizer, gradient clipping and the rest (loop, loss, checks, logging, scalar
-collectives), and how many scalar all-reduces and host reads of tensor values (`.item()`,
-`.tolist()`, `float()`: host-device syncs on a GPU) the step makes.
+collectives), and how many scalar all-reduces, FSDP parameter all-gathers and host reads of
+tensor values (`.item()`, `.tolist()`, `float()`: host-device syncs on a GPU) the step makes.
 
     python bench/profile_step.py                # both loops, after bench/throughput.py's assets
     python bench/profile_step.py --steps 6 --only ours
@@ -77,6 +77,11 @@ def _summarise(stats: pstats.Stats, steps: int, cpu_seconds: float) -> dict[str,
         if f.endswith("distributed_c10d.py") and fn == "all_reduce"
     )
     out["eager_all_reduces_per_step"] = all_reduces / steps
+    # FSDP's parameter all-gathers (every shard group, forward and backward)
+    gathers = sum(
+        v[0] for (f, _, fn), v in raw.items() if f == "~" and "_distributed_c10d.all_gather" in fn
+    )
+    out["fsdp_all_gathers_per_step"] = gathers / steps
     return out
 
 
@@ -116,6 +121,7 @@ def _profile_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     def evaluate() -> Any:  # the final evaluation is not a training step
         profiler.disable()
         started["cpu"] = time.process_time() - started["cpu"]
+        trainer.train_step = original  # evaluate reads the step's settings (its loss chunks)
         return original_evaluate()
 
     trainer.train_step = train_step  # type: ignore[assignment]

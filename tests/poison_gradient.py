@@ -3,9 +3,10 @@
     POISON_GRADIENT_AT_STEP=3 python tests/poison_gradient.py <chess_finetune.py options>
 
 What a bf16/fp32 run without a gradient scaler can meet: a finite loss whose backward
-overflows. A forward hook on `lm_head` (added through `cli.main`'s `after_setup`) passes the
-logits through unchanged but multiplies their gradient by infinity at that step (1-based, as
-logged); nothing else differs from a real run.
+overflows. A forward pre-hook on `lm_head` (added through `cli.main`'s `after_setup`) passes
+its input, the last hidden states, through unchanged but multiplies their gradient by infinity
+at that step (1-based, as logged): the loss in chunks reads those hidden states, not the
+layer's output; nothing else differs from a real run.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ class _InfiniteGradient(torch.autograd.Function):
 
 
 def poison(trainer: Trainer) -> None:
-    """`cli.main`'s after-setup hook: from now on, the lm_head's output gradient is infinite
+    """`cli.main`'s after-setup hook: from now on, the gradient of lm_head's input is infinite
     at step POISON_STEP."""
 
-    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> Any:
+    def hook(module: torch.nn.Module, inputs: tuple[Any, ...]) -> Any:
         if module.training and trainer.state.step + 1 == POISON_STEP:
-            return _InfiniteGradient.apply(output)
+            return (_InfiniteGradient.apply(inputs[0]), *inputs[1:])
         return None
 
-    trainer.model.get_submodule("lm_head").register_forward_hook(hook)
+    trainer.model.get_submodule("lm_head").register_forward_pre_hook(hook)
 
 
 if __name__ == "__main__":

@@ -134,15 +134,18 @@ def training_flops_per_token(
     return full
 
 
-def _read_status_kib(field: str) -> int | None:
+def _read_status_kib(*fields: str) -> dict[str, int]:
+    """The KiB figures of /proc/self/status named `fields` (those found), in one read."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
+                name, _, rest = line.partition(":")
+                if name in fields:
+                    found[name] = int(rest.split()[0])
     except OSError:
         pass
-    return None
+    return found
 
 
 def reset_memory_peaks(device: torch.device) -> bool:
@@ -173,9 +176,10 @@ def memory_snapshot(device: torch.device) -> dict[str, float | None]:
 
         out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
-    rss = _read_status_kib("VmRSS")
+    status = _read_status_kib("VmRSS", "VmHWM")
+    rss = status.get("VmRSS")
     out["host_rss_gib"] = rss * 1024 / gib if rss is not None else None
-    peak_kib = _read_status_kib("VmHWM")
+    peak_kib = status.get("VmHWM")
     if peak_kib is None:
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     out["host_peak_rss_gib"] = peak_kib * 1024 / gib

@@ -120,7 +120,12 @@ def parallelize(
             # resharding them after forward would only all-gather them again (torchtitan).
             last = index == len(layers) - 1
             fully_shard(layer, reshard_after_forward=reshard and not last, **fsdp_kwargs)
-    fully_shard(model, reshard_after_forward=reshard, **fsdp_kwargs)
+        # The root's (embeddings, final norm, output layer) likewise: the loss's backward needs
+        # them first. Kept gathered (FSDP2's default for a root), they take one all-gather per
+        # micro-batch instead of two; a state dict still reads them sharded (FSDP's hook).
+        fully_shard(model, reshard_after_forward=False, **fsdp_kwargs)
+    else:  # the root holds every layer: resharding after forward frees them all
+        fully_shard(model, reshard_after_forward=reshard, **fsdp_kwargs)
     return model
 
 

@@ -242,15 +242,19 @@ class _LinearNLLSum(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], tokens[start : start + chunk]
-            logits = F.linear(h, weight).float()  # fp32 as in token_loss_sum
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of the logits
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
+            # fp32 as in token_loss_sum; log_softmax is one fused pass over the logits, in
+            # place of logsumexp's several (and their temporaries)
+            logp = torch.log_softmax(F.linear(h, weight).float(), dim=-1)
+            picked = logp.gather(1, t[:, None])
+            total -= picked.sum()
+            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of log p
+            probs = logp.exp_().scatter_add_(1, t[:, None], torch.full_like(picked, -1.0))
             grad = probs.to(weight.dtype)
             grad_hidden[start : start + chunk] = grad @ weight
-            grad_weight += (grad.t() @ h.to(weight.dtype)).float()
+            if weight.dtype == torch.float32:  # summed in the matmul: no [vocab, hidden] temporary
+                grad_weight.addmm_(grad.t(), h)
+            else:  # bf16 products, summed over the chunks in fp32
+                grad_weight += (grad.t() @ h.to(weight.dtype)).float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
