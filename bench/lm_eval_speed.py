@@ -2,12 +2,17 @@
 model, one process) against lm-eval's own `HFLM` on the same model, on CPU.
 
     python bench/lm_eval_speed.py            # 3 interleaved rounds, medians and spreads
+    python bench/lm_eval_speed.py --threads 1   # steadier on a shared machine
+    python bench/lm_eval_speed.py --kinds loglikelihood_rolling --rounds 9 --documents 16
 
 The requests are lm-eval `Instance`s as its tasks make them: multiple-choice log-likelihoods (a
 question, four answers of a few words: ARC's shape) and rolling log-likelihoods of documents
 (wikitext's), on a small random Llama (4 layers, 256 wide) with a byte-level tokenizer. Both sides
 get the same requests and batch size; the time is the model call alone (tokenisation included,
-task building not).
+task building not). Each round alternates which of the two goes first, so that a load that
+drifts during a round does not always fall on the same side. On a machine other jobs load,
+`--threads 1` gives far steadier figures: torch's intra-op threads wait for each other at every
+operation, so one descheduled thread stalls the other, whichever side runs.
 """
 
 from __future__ import annotations
@@ -52,6 +57,16 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=["loglikelihood", "loglikelihood_rolling"],
+        default=["loglikelihood", "loglikelihood_rolling"],
+        help="which request kinds to time (the rolling ones alone take a few forwards a round)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -63,6 +78,8 @@ def main() -> None:
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.synthetic import save_chat_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     folder = Path(tempfile.mkdtemp(prefix="lm-eval-speed-")) / "model"
     save_chat_model(folder, "llama3", hidden_size=256, num_layers=4, max_positions=512)
@@ -82,18 +99,23 @@ def main() -> None:
         batch_size=args.batch_size,
         device="cpu",
     )
-    requests = make_requests(args.questions, args.documents)
+    everything = make_requests(args.questions, args.documents)
+    requests = {kind: everything[kind] for kind in args.kinds}
     rates: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for kind, batch in requests.items():
-            for name, lm in (("HFLM", hf), ("ShardedLM", ours)):
+            pair: list[tuple[str, Any]] = [("HFLM", hf), ("ShardedLM", ours)]
+            for name, lm in pair if round_ % 2 == 0 else pair[::-1]:
                 started = time.perf_counter()
                 with torch.no_grad():
                     getattr(lm, kind)(batch, disable_tqdm=True)
                 rates.setdefault((kind, name), []).append(
                     len(batch) / (time.perf_counter() - started)
                 )
-    print(f"requests/s on CPU, {args.rounds} interleaved rounds (median, min-max):")
+    print(
+        f"requests/s on CPU, {torch.get_num_threads()} thread(s), {args.rounds} interleaved "
+        "rounds (median, min-max):"
+    )
     for kind in requests:
         medians = {}
         for name in ("HFLM", "ShardedLM"):
