@@ -150,3 +150,21 @@ def test_format_flops():
     assert format_flops(1.234e14) == "123.4 TFLOP"
     assert format_flops(4.614e8) == "461.4 MFLOP"
     assert format_flops(12) == "12 FLOP"
+
+
+def test_an_in_place_addmm_counts_as_addmm():
+    """The fused chunked loss adds its weight gradients with `addmm_`, which torch 2.13 does not
+    count: FlopCount counts it as torch counts `addmm`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    grad, h = torch.randn(8, 4), torch.randn(4, 16)
+    with FlopCounterMode(display=False) as plain:
+        torch.zeros(8, 16).addmm_(grad, h)
+    out_of_place = FlopCount()
+    with out_of_place.counting():
+        torch.addmm(torch.zeros(8, 16), grad, h)
+    in_place = FlopCount()
+    with in_place.counting():
+        torch.zeros(8, 16).addmm_(grad, h)
+    assert plain.get_total_flops() == 0, "torch counts addmm_ now: drop it from our_formulas"
+    assert in_place.total == out_of_place.total == 2 * 8 * 4 * 16

@@ -82,10 +82,15 @@ def _grouped_mm(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]  # (g, m, k) @ (g, k, n)
 
 
+def _addmm(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """`addmm` as torch counts it: the matmul's 2 x m x k x n (the addition is not counted)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def our_formulas() -> dict[Any, Any]:
     """The formulas given to FlopCounterMode beside (or instead of) torch's: SDPA's kernels
-    counted with grouped-query attention whatever torch's version, and `_grouped_mm` where torch
-    has no formula for it. Ops this torch does not have are left out."""
+    counted with grouped-query attention whatever torch's version, and `_grouped_mm` and
+    `addmm_` where torch has no formula for them. Ops this torch does not have are left out."""
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
@@ -96,6 +101,10 @@ def our_formulas() -> dict[Any, Any]:
                 ours[getattr(aten, name)] = formula
     if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in flop_registry:
         ours[aten._grouped_mm] = _grouped_mm
+    # The fused chunked loss adds each chunk's weight gradient in place (train/loss.py); torch
+    # counts `addmm` but not `addmm_`, whose arguments and work are the same.
+    if aten.addmm_ not in flop_registry:
+        ours[aten.addmm_] = _addmm
     return ours
 
 
