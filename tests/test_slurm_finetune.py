@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import local_slurm as slurm_fixture
-from tests.local_slurm import FINISHED_STATES, LocalSlurm
+from tests.local_slurm import LocalSlurm
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
 
@@ -201,12 +201,7 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
         "--save_every_minutes", "0",
         sbatch=sbatch,
     )  # fmt: skip
-    requeued = local_slurm.wait_until(
-        job, lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINISHED_STATES,
-        timeout=150,
-    )  # fmt: skip
-    assert requeued.get("Restarts") == "1", (requeued, log.read_text())
-    local_slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
+    local_slurm.wait_for_requeue(job, log)
 
     def resumed_and_stepping() -> bool:
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
