@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMPS := .stamps
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the Slurm tests on one, whole modules on either (tests/conftest.py).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
@@ -46,10 +50,10 @@ demo: setup
 	$(PY) -m fsdp_utils.demo
 
 test: setup setup-system
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-quick: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # A second environment, rebuilt each time, at the oldest versions pyproject.toml declares: each
 # dependency (and each of the test extra) pinned to its lower bound, torch first (the floor is the

@@ -35,3 +35,48 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from fsdp_utils.synthetic import build_demo_assets
 
     return build_demo_assets(tmp_path_factory.mktemp("tiny_assets"), num_games=400, num_shards=2)
+
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): on the
+# 2-core CI machine one process alone left ~40% of the CPU idle, mostly while Slurm jobs
+# start, requeue and end. Two rules keep that safe and cheap:
+# - every module with a test that uses a local Slurm cluster runs on one worker, one test
+#   after another: the one-node cluster has 2 emulated GPUs, and a job queued behind another
+#   job's would spend its test's timeout waiting (the 2-node cluster's jobs take the same 2
+#   CPUs); whole modules, because a module's other tests may bring a cluster up and down
+#   themselves (test_multinode.py checks the teardown, which a lease held elsewhere stops);
+# - every other module runs whole on one worker, so its module-scoped runs (one short
+#   training shared by several checks) are made once, as without xdist.
+SLURM_FIXTURES = frozenset({"local_slurm", "multinode_slurm"})
+SLURM_GROUP = "local-slurm"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the modules of the Slurm tests as one xdist group and collect them first, so that
+    the longest unit of work starts at once while the other worker takes the other modules."""
+    slurm_modules = {
+        item.path for item in items if SLURM_FIXTURES & set(getattr(item, "fixturenames", ()))
+    }
+    for item in items:
+        if item.path in slurm_modules:
+            item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup`, but an unmarked test is scheduled with its module (xdist's own
+    loadgroup sends each unmarked test alone, which would repeat a module's shared run on
+    both workers), in collection order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.split("@")[-1]
+            return nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False
+    return ModuleOrGroupScheduling(config, log)
