@@ -272,12 +272,15 @@ def test_export_of_a_lora_checkpoint_matches_the_final_folders(lora_run, tmp_pat
 
 def _assert_same_losses(losses: list[float], reference: list[float], what: str) -> None:
     """fp32 runs that sum in another order differ by ~1e-7 at first; over 16 steps at this
-    learning rate training amplifies that, by how much depending on the session's tiny model
-    and data (built afresh each time): up to 2e-4 (3.4e-5 relative) in 2 of 5 sessions, and
-    once 6.6e-4 (1.1e-4 relative) at step 16 of the DDP run on a clean CI clone. So: 2e-5 over
-    the first 8 steps, where the layouts still agree to rounding, and 3e-4 relative over all."""
+    learning rate training amplifies that (Adam divides the LoRA weights' small early gradients
+    by their own size, so rounding noise becomes a step of full size), by how much depending on
+    the session's tiny model and data (built afresh each time): up to 2e-4 (3.4e-5 relative) in
+    2 of 5 sessions, once 6.6e-4 (1.1e-4 relative) at step 16 of the DDP run on a clean CI
+    clone, and once 3.5e-3 (5.7e-4 relative) at step 13 of the one-process run on a loaded clean
+    clone. So: 2e-5 over the first 8 steps, where the layouts still agree to rounding (another
+    batch composition or loss normalisation shows from step 1), and 1e-3 relative over all 16."""
     assert losses[:8] == pytest.approx(reference[:8], rel=2e-5, abs=2e-5), what
-    assert losses == pytest.approx(reference, rel=3e-4, abs=1e-4), what
+    assert losses == pytest.approx(reference, rel=1e-3, abs=1e-4), what
 
 
 @pytest.mark.slow
