@@ -70,13 +70,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     both workers), in collection order."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadGroupScheduling
 
-    class ModuleOrGroupScheduling(LoadScopeScheduling):
+    class ModuleOrGroupScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
-                return nodeid.split("@")[-1]
-            return nodeid.split("::", 1)[0]
+            group = super()._split_scope(nodeid)  # xdist's rule; an unmarked test: its nodeid
+            return nodeid.split("::", 1)[0] if group == nodeid else group
 
     config.option.loadscopereorder = False
     return ModuleOrGroupScheduling(config, log)
