@@ -108,6 +108,9 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
                 trainer.model, config, env, tokenizer_dir=trainer.model_dir, log=trainer.log.info
             )
         summary["lora"] = config.lora
+        if final is not None and config.merge:
+            summary["merged"] = str(trainer.layout.merged_model)
+            summary["quantize"] = config.quantize
         summary["output_dir"] = str(trainer.layout.root)
         trainer.write_status(summary["status"], summary["reason"])
         if env.is_main:
@@ -158,6 +161,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
     lines.append(f"  run folder: {summary['output_dir']}")
     if summary.get("final_model") and summary.get("lora"):
         lines.append(f"  LoRA adapters (PeftModel.from_pretrained): {summary['final_model']}")
+        if summary.get("merged"):
+            lines.append(f"  merged model (from_pretrained): {summary['merged']}")
+        if summary.get("merged") and summary.get("quantize") != "none":
+            from fsdp_utils.model.qlora import NF4_MERGE_NOTE
+
+            lines.append(f"    {NF4_MERGE_NOTE}")
     elif summary.get("final_model"):
         lines.append(f"  model (from_pretrained): {summary['final_model']}")
     print("\n".join(lines), flush=True)

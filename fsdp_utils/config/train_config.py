@@ -23,6 +23,7 @@ DataFormat = Literal[
 ]
 LongExamples = Literal["drop", "truncate", "error"]
 Method = Literal["sft", "dpo"]
+Quantize = Literal["none", "nf4"]
 DpoLoss = Literal["sigmoid", "ipo"]
 ReferenceMode = Literal["cached", "live"]
 # transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
@@ -679,6 +680,17 @@ class TrainConfig:
             section="lora",
         ),
     )
+    # QLoRA (fsdp_utils/model/qlora.py): --qlora is --lora --quantize nf4 (fsdp_utils.config.parse)
+    quantize: Quantize = field(
+        default="none",
+        metadata=_opt(
+            "With --lora: store the frozen base's decoder-layer linear weights in 4 bits: nf4 "
+            "(QLoRA's NormalFloat4 with double-quantized scales, torchao's NF4Tensor, sharded "
+            "by FSDP2). Embeddings, norms and the output layer stay in the compute dtype; the "
+            "adapters train as with --lora. --qlora is short for --lora --quantize nf4.",
+            section="lora",
+        ),
+    )
 
     # --- export ----------------------------------------------------------------------------
     export_dtype: ExportDtype = field(
@@ -896,3 +908,34 @@ def _validate_lora(config: TrainConfig) -> None:
     for name in ("lora_dora", "lora_from"):
         if getattr(config, name) and not config.lora:
             raise ValueError(f"--{name} is a LoRA option: add --lora.")
+    _validate_quantize(config)
+
+
+def _validate_quantize(config: TrainConfig) -> None:
+    """The tutorials' traps with a 4-bit base (tutorial 000, llama-recipes with
+    load_in_4bit=True): fully fine-tuned, the loss does not decrease, and in half precision
+    the gradient scaler meets no gradient at all."""
+    if config.quantize == "none":
+        return
+    if not config.lora:
+        scaler = (
+            " With --precision fp16-mixed it would also stop at the gradient scaler's "
+            '"AssertionError: No inf checks were recorded for this optimizer": no parameter '
+            "would have a gradient to check."
+            if config.precision == "fp16-mixed"
+            else ""
+        )
+        raise ValueError(
+            f"--quantize {config.quantize} without --lora: a 4-bit base cannot be fine-tuned "
+            "itself (its weights are frozen codes, so a full fine-tune of a quantized model "
+            f"trains nothing and its loss does not decrease).{scaler} Train LoRA adapters on "
+            f"it: add --lora (or use --qlora, short for --lora --quantize {config.quantize}); "
+            "or drop --quantize to fine-tune the whole model in 16 bits."
+        )
+    if config.no_fsdp:
+        raise ValueError(
+            f"--quantize {config.quantize} with --no_fsdp: the 4-bit base is sharded and "
+            "gathered by FSDP2 (torchao's NF4Tensor implements its hooks), which DDP does not "
+            "have. Drop --no_fsdp (FSDP2 on one GPU works too), or drop --quantize for LoRA on "
+            "a 16-bit base."
+        )

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.model.build import build_meta_model, compute_dtype
+from fsdp_utils.model.qlora import check_shardable, quantized_shapes, shard_group_size
 from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
 
@@ -133,6 +134,9 @@ def parallelize_model(meta: MetaModel, config: TrainConfig, env: DistEnv) -> nn.
     """Activation checkpointing, torch.compile and FSDP2 (or DDP's part) on a transformed meta
     model, over a device mesh of `env`'s world. Still on meta: `materialize` next."""
     mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
+    if config.quantize != "none":  # NF4 splits by whole groups of scales only
+        shards = shard_group_size(config, env.world_size, env.local_world_size)
+        check_shardable(quantized_shapes(meta.model), shards)
     return parallelize(meta.model, meta.layers, mesh, config)
 
 

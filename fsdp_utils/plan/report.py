@@ -211,7 +211,10 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
         wrap = f"FSDP2 ({config.sharding}) per decoder layer"
     extras: list[str] = [config.precision, config.optimizer]
     if config.lora:
-        extras.append(f"LoRA r={config.lora_r} (frozen base)")
+        base = "4-bit NF4 base" if config.quantize == "nf4" else "frozen base"
+        extras.append(
+            f"{'QLoRA' if config.quantize == 'nf4' else 'LoRA'} r={config.lora_r} ({base})"
+        )
     if config.gradient_checkpointing:
         every = config.checkpoint_every_n_layers
         extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
@@ -231,7 +234,10 @@ def format_plan(plan: MemoryPlan) -> str:
         from fsdp_utils.model.build import compute_dtype
         from fsdp_utils.model.lora import dtype_name
 
-        dtype = f"{dtype_name(compute_dtype(plan.config.precision))} frozen base + {dtype} adapters"
+        base = dtype_name(compute_dtype(plan.config.precision))
+        if plan.config.quantize == "nf4":  # embeddings, norms and the output layer stay 16-bit
+            base = f"NF4 layers + {base} embeddings and output layer"
+        dtype = f"{base} frozen base + {dtype} adapters"
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
