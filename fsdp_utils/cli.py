@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None
     if args.print_config:
         print(config.to_json())
         return 0
+    from fsdp_utils.run.host_memory import fix_mmap_threshold
+
+    fix_mmap_threshold()  # freed activations go back to the system (run/host_memory.py)
     try:
         if args.preflight:
             from fsdp_utils.parallel.distributed import world_size_from_env

@@ -25,9 +25,10 @@ on the meta model and a loader that quantizes one tensor at a time.
   same reason).
 
 Kept in the compute dtype, and said so in the log: linear weights whose element count is not
-a multiple of 16,384 (mixture-of-experts routers and gates: tiny, and rounding them would move
-the routing), GPT-2's `Conv1D` projections (torchao has no NF4 kernel for them) and the
-mixture-of-experts fused expert tensors (3-D; `NF4Tensor` holds and shards 2-D weights only).
+a multiple of 16,384 (small gates), GPT-2's `Conv1D` projections (torchao has no NF4 kernel for
+them), the mixture-of-experts fused expert tensors (3-D; `NF4Tensor` holds and shards 2-D weights
+only) and routers (their own modules, not `nn.Linear`: tiny, and rounding them would move the
+routing).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def is_nf4(tensor: Any) -> bool:
 _SMALL = f"linear weights not a multiple of {GRANULE:,} elements (NF4's unit of scales)"
 _CONV1D = "Conv1D projections (torchao has no NF4 kernel for them)"
 _EXPERTS = "fused expert tensors (3-D; torchao's NF4Tensor holds 2-D weights)"
+_OTHER = "weights of other modules (routers: not nn.Linear, whose forward NF4 replaces)"
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> Any:
@@ -107,9 +109,9 @@ def _unquantized_reason(module: nn.Module, param: torch.Tensor) -> str | None:
         return _EXPERTS
     if type(module).__name__ == "Conv1D":
         return _CONV1D
-    if isinstance(module, nn.Linear) and param.numel() % GRANULE:
-        return _SMALL
-    return None
+    if isinstance(module, nn.Linear):
+        return _SMALL if param.numel() % GRANULE else None
+    return _OTHER if param.dim() == 2 else None
 
 
 def quantize_base(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -> None:
