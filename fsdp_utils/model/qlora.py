@@ -326,6 +326,20 @@ def local_bytes(model: nn.Module) -> tuple[int, int]:
     return stored, dense
 
 
+def unsharded_bytes(model: nn.Module) -> int:
+    """Bytes of the NF4 weights FSDP2 does not manage (one rank per shard group: each rank holds
+    them whole, `fsdp_utils.parallel.parallelize`), which its memory tracker does not see."""
+    total = 0
+    for param in quantized_parameters(model).values():
+        if not hasattr(param, "_local_tensor"):
+            local: Any = param
+            inner, _ = local.__tensor_flatten__()
+            total += sum(
+                getattr(local, n).numel() * getattr(local, n).element_size() for n in inner
+            )
+    return total
+
+
 def describe(model: nn.Module) -> str:
     """'NF4 base: 14 linear weights of the decoder layers (1.31M parameters) in 4 bits ...:
     0.66 MiB on this process (2.50 MiB in bf16) ...; kept in bf16: ...'."""

@@ -43,6 +43,7 @@ from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
+from fsdp_utils.model.qlora import unsharded_bytes
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
@@ -400,6 +401,8 @@ def _trace(
             )
             if reference_model is not None:
                 memory = with_resident(memory, PARAMETERS[0], _local_bytes(reference_model))
+            if unmanaged := unsharded_bytes(model):  # a 4-bit base FSDP2 leaves whole
+                memory = with_resident(memory, PARAMETERS[0], unmanaged)
             return memory
     except (
         DataDependentOutputException,

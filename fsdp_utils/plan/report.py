@@ -234,10 +234,11 @@ def format_plan(plan: MemoryPlan) -> str:
         from fsdp_utils.model.build import compute_dtype
         from fsdp_utils.model.lora import dtype_name
 
-        base = dtype_name(compute_dtype(plan.config.precision))
+        frozen = dtype_name(compute_dtype(plan.config.precision))
+        base = f"{frozen} frozen base"
         if plan.config.quantize == "nf4":  # embeddings, norms and the output layer stay 16-bit
-            base = f"NF4 layers + {base} embeddings and output layer"
-        dtype = f"{base} frozen base + {dtype} adapters"
+            base = f"NF4 frozen base ({frozen} embeddings and output layer)"
+        dtype = f"{base} + {dtype} adapters"
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
