@@ -154,6 +154,8 @@ def test_the_options_and_the_tutorials_traps():
         parse_config(["--quantize", "nf4", "--precision", "fp16-mixed"])
     with pytest.raises(ValueError, match="--quantize nf4 with --no_fsdp"):
         parse_config(["--qlora", "--no_fsdp"])
+    with pytest.raises(ValueError, match=r"--lora_dora with --quantize nf4: .* \(QDoRA\)"):
+        parse_config(["--qlora", "--lora_dora"])
 
 
 def test_the_end_of_a_merged_qlora_run_says_what_the_merged_model_carries(capsys):
@@ -257,6 +259,10 @@ def qlora_runs(tiny_assets, model_256, tmp_path_factory) -> dict[str, Any]:
          "measure": str(root / "step.json")},
         {"args": dpo},
         {"args": _args(tiny_assets, model_256, root / "masked", cache, **masked)},
+        # --lora_from: the first run's adapter continued over the NF4 base
+        {"args": _args(tiny_assets, model_256, root / "continued", cache,
+                       **{**masked, "document_masking": False,
+                          "lora_from": root / "run" / "final"})},
     ]  # fmt: skip
     (root / "runs.json").write_text(json.dumps(runs))
     command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
@@ -440,6 +446,15 @@ def test_document_masking_trains_over_the_nf4_base(qlora_runs):
     unmasked = _losses(qlora_runs["root"] / "run")
     assert len(masked) == 4 and masked[0] != pytest.approx(unmasked[0], rel=1e-5)
     assert masked[-1] < masked[0]
+
+
+@pytest.mark.slow
+def test_an_adapter_continues_over_the_nf4_base(qlora_runs):
+    """--lora_from the first run's adapter: the same first batch, the trained adapter's loss."""
+    continued = _losses(qlora_runs["root"] / "continued")
+    first = _losses(qlora_runs["root"] / "run")
+    assert continued[0] < first[0] - 0.1
+    assert "lora: continuing the adapter" in qlora_runs["stdout"]
 
 
 @pytest.mark.slow

@@ -932,6 +932,13 @@ def _validate_quantize(config: TrainConfig) -> None:
             f"it: add --lora (or use --qlora, short for --lora --quantize {config.quantize}); "
             "or drop --quantize to fine-tune the whole model in 16 bits."
         )
+    if config.lora_dora:
+        raise ValueError(
+            f"--lora_dora with --quantize {config.quantize}: peft's DoRA reads the base weight "
+            "through a dequantize() that torchao's NF4Tensor does not have (it fails as the "
+            "adapters are made), so DoRA over a 4-bit base (QDoRA) is not supported. Drop "
+            "--lora_dora for QLoRA, or drop --quantize for DoRA on the 16-bit base."
+        )
     if config.no_fsdp:
         raise ValueError(
             f"--quantize {config.quantize} with --no_fsdp: the 4-bit base is sharded and "
