@@ -464,3 +464,35 @@ def test_dpo_over_the_nf4_base_starts_at_ln2(qlora_runs):
     losses = _losses(qlora_runs["root"] / "dpo")
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
     assert losses[-1] < losses[0]
+
+
+def _one_paragraph_exit_2(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert expected in result.stderr and result.stderr.count(expected) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (paragraph,) = [p for p in result.stderr.strip().split("\n\n") if "error:" in p]
+    assert "\n" not in paragraph.strip()
+
+
+@pytest.mark.slow
+def test_the_traps_end_with_one_paragraph_and_exit_2(tiny_assets, tmp_path):
+    """--quantize without --lora; and under torchrun a model whose NF4 weights do not split over
+    2 processes (hidden 384: 147,456 = 9 x 16,384 values in q_proj), before any data work."""
+    args = tiny_args(tiny_assets, tmp_path / "full", tmp_path / "cache", quantize="nf4")
+    _one_paragraph_exit_2(run_finetune(1, args), "--quantize nf4 without --lora")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
+    odd = save_tiny_model(tmp_path / "llama-384", tokenizer, hidden_size=384, num_heads=4)
+    args = tiny_args(
+        {**tiny_assets, "model": odd}, tmp_path / "odd", tmp_path / "cache", qlora=True
+    )
+    result = run_finetune(2, args)
+    # Under torchrun: rank 0 prints the paragraph once, torchrun's closing report repeats it
+    # (every rank's error file) as the last thing in the log, and exits 1 itself.
+    expected = "cannot be split so. These weights split over 1, 3 ranks."
+    assert result.returncode != 0 and "[rank0]: Traceback" not in result.stderr
+    paragraphs = [p.strip() for p in result.stderr.split("\n\n")]
+    printed = [p for p in paragraphs if p.startswith("error: --quantize nf4")]
+    assert len(printed) == 1 and expected in printed[0] and "\n" not in printed[0].strip()
+    report = [line for line in result.stderr.splitlines() if "traceback : error:" in line]
+    assert report and expected in report[-1]
+    assert "data:" not in result.stdout
