@@ -59,11 +59,14 @@ def nf4_bits_per_weight(dtype: torch.dtype = torch.bfloat16) -> float:
 
 
 def torchao_nf4() -> Any:
-    """torchao's NF4 module (`NF4Tensor`, `to_nf4`, `SubclassTensorArgs`); imported quietly
-    (`fsdp_utils._quiet_torchao`)."""
-    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    """The module of torchao's `NF4Tensor` (with `to_nf4`, `SubclassTensorArgs`), found from
+    its public name: `torchao.quantization.NF4Tensor` since torchao 0.18 (0.17 had it in
+    `torchao.dtypes.nf4tensor`). Imported quietly (`fsdp_utils._quiet_torchao`)."""
+    import importlib
 
-    return nf4_tensor
+    from torchao.quantization import NF4Tensor
+
+    return importlib.import_module(NF4Tensor.__module__)
 
 
 def is_nf4(tensor: Any) -> bool:
