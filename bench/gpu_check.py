@@ -155,6 +155,17 @@ def run_specs(shapes: list[str], *, steps: int, seq_length: int, batch: int) -> 
                 seq_length,
             )
         )
+        if index > 0:  # QLoRA on the large shape (8B on one 80 GB GPU: issue 40's row)
+            specs.append(
+                RunSpec(
+                    "QLoRA bf16-mixed + AC",
+                    shape,
+                    (*bf16, "--qlora", "--gradient_checkpointing"),
+                    steps,
+                    batch,
+                    seq_length,
+                )
+            )
         if index > 0:
             continue
         specs.append(

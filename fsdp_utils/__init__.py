@@ -6,7 +6,7 @@ checks it: see `.importlinter`):
     config/      what a run is: TrainConfig, the command line, batch arithmetic, run folder, job
     hub/         the offline asset cache: download (login node), resolve (compute nodes)
     data/        dataset files -> rows -> tokens (+ loss masks) -> packed blocks -> batches
-    model/       meta build, decoder layers, sliced weight loading, LoRA
+    model/       meta build, decoder layers, sliced weight loading, LoRA, QLoRA's 4-bit base
     parallel/    process groups, activation checkpointing, torch.compile, FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check

@@ -65,7 +65,9 @@ def test_every_configuration_the_issue_asks_for_runs_on_the_small_shape() -> Non
     assert "--gradient_checkpointing" in small["bf16-mixed + AC"].flags
     assert "--cpu_offload" in small["bf16-mixed + CPU offload"].flags
     assert small["fp16-mixed"].flags[:2] == ("--precision", "fp16-mixed")
-    assert {s.name for s in specs if s.shape == "3b"} == {"bf16-mixed", "bf16-mixed + AC"}
+    large = {s.name: s for s in specs if s.shape == "3b"}
+    assert set(large) == {"bf16-mixed", "bf16-mixed + AC", "QLoRA bf16-mixed + AC"}
+    assert {"--qlora", "--gradient_checkpointing"} <= set(large["QLoRA bf16-mixed + AC"].flags)
 
 
 def test_summary_medians_after_warmup_and_peaks_over_all_steps() -> None:
