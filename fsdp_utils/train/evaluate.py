@@ -13,7 +13,7 @@ from torch import nn
 from fsdp_utils.data.blocks import TokenBlocks, eval_batches
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.train.loss import LossChunking, count_targets
+from fsdp_utils.train.loss import LossChunking, batch_targets
 from fsdp_utils.train.step import forward_loss_sum
 
 
@@ -39,7 +39,7 @@ def evaluate(
     for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
         batch = blocks.batch(indices)
         totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking)[1]
-        totals[1] += count_targets(batch["labels"])
+        totals[1] += batch_targets(batch)
     model.train()
     loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
     if tokens == 0:
