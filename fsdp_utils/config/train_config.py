@@ -249,6 +249,16 @@ class TrainConfig:
             "With --gradient_checkpointing: checkpoint every Nth layer.", section="parallelism"
         ),
     )
+    sequence_parallel: int = field(
+        default=1,
+        metadata=_opt(
+            "Split each sequence into N contiguous slices over N ranks (DeepSpeed-Ulysses: an "
+            "all-to-all around attention), so that a GPU holds 1/N of its activations: for "
+            "sequences longer than one GPU holds. N divides the processes and the attention "
+            "heads; the N ranks of a group read the same sequences (docs/long-context.md).",
+            section="parallelism",
+        ),
+    )
     loss_chunk_size: int | None = field(
         default=None,
         metadata=_opt(
@@ -740,7 +750,7 @@ def parse_step_range(text: str) -> tuple[int, int]:
 def validate_config(config: TrainConfig) -> None:
     """Checks that need no model, data or world size (those come in the batch plan)."""
     positive = ["batch_size_per_device", "max_seq_length", "max_training_steps", "log_every"]
-    positive += ["checkpoint_every_n_layers", "sample_max_new_tokens"]
+    positive += ["checkpoint_every_n_layers", "sample_max_new_tokens", "sequence_parallel"]
     for name in positive:
         if getattr(config, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")

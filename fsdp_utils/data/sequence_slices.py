@@ -27,6 +27,7 @@ from fsdp_utils.data.blocks import IGNORE_INDEX, SHIFT_LABELS
 
 Batch = dict[str, torch.Tensor]
 
+
 def padded_length(length: int, size: int) -> int:
     """`length` rounded up to a multiple of `size`."""
     return -(-length // size) * size

@@ -26,6 +26,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_utils.config.batch import data_parallel_size, divisors
+from fsdp_utils.data.sequence_slices import padded_length
+from fsdp_utils.model.build import context_length
 from fsdp_utils.parallel.distributed import DistEnv
 
 # The keyword under which a forward receives its SequenceParallel (`forward_kwargs`): transformers
@@ -63,6 +66,11 @@ class SequenceParallel:
     data_size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup of the `size` ranks; None when off
 
+    @classmethod
+    def off(cls, env: DistEnv) -> SequenceParallel:
+        """No sequence parallelism: every rank reads its own sequences."""
+        return cls(data_rank=env.rank, data_size=env.world_size)
+
     @property
     def enabled(self) -> bool:
         return self.size > 1
@@ -81,30 +89,14 @@ class SequenceParallel:
         )
 
 
-def data_parallel_size(world_size: int, sequence_parallel: int) -> int:
-    """The data-parallel ranks (groups) of a world; ValueError if N does not divide it."""
-    if sequence_parallel < 1:
-        raise ValueError(f"--sequence_parallel must be at least 1, got {sequence_parallel}.")
-    if world_size % sequence_parallel:
-        valid = ", ".join(str(d) for d in _divisors(world_size))
-        raise ValueError(
-            f"--sequence_parallel {sequence_parallel} does not divide the {world_size} "
-            f"processes: each sequence is split over N ranks of one data-parallel group, so N "
-            f"must divide the world size. Valid values for {world_size} processes: {valid}."
-        )
-    return world_size // sequence_parallel
-
-
 def init_sequence_parallel(env: DistEnv, size: int) -> SequenceParallel:
     """This rank's SequenceParallel: a (data, sequence) device mesh whose sequence dimension is
     the innermost, so that a group is N consecutive ranks (the GPUs of one node, where the
     all-to-all is fastest, when N divides the GPUs per node). Collective when size > 1."""
     data_size = data_parallel_size(env.world_size, size)
     if size == 1:
-        return SequenceParallel(data_rank=env.rank, data_size=env.world_size)
-    mesh = init_device_mesh(
-        env.device.type, (data_size, size), mesh_dim_names=("data", "sequence")
-    )
+        return SequenceParallel.off(env)
+    mesh = init_device_mesh(env.device.type, (data_size, size), mesh_dim_names=("data", "sequence"))
     group = mesh.get_group("sequence")
     return SequenceParallel(
         size=size,
@@ -116,15 +108,29 @@ def init_sequence_parallel(env: DistEnv, size: int) -> SequenceParallel:
 
 
 def check_splittable(
-    hf_config: Any, size: int, *, attn_implementation: str, world_size: int | None = None
+    hf_config: Any,
+    size: int,
+    *,
+    attn_implementation: str,
+    max_seq_length: int,
+    world_size: int | None = None,
 ) -> None:
     """Refuse, with the valid values, what --sequence_parallel `size` cannot split: a world
     size it does not divide, attention heads it does not divide, a family or kernel that is not
-    known to split exactly. Key-value heads fewer than N (or not a multiple of it) are repeated."""
+    known to split exactly, a sequence whose padding (to a multiple of N) would pass the
+    model's context. Key-value heads fewer than N (or not a multiple of it) are repeated."""
     if size == 1:
         return
     if world_size is not None:
         data_parallel_size(world_size, size)
+    padded = padded_length(max_seq_length, size)
+    limit = context_length(hf_config)
+    if limit is not None and padded > limit:
+        raise ValueError(
+            f"--max_seq_length {max_seq_length} is padded to {padded} for --sequence_parallel "
+            f"{size} (a multiple of N), above the model's context length of {limit} tokens. "
+            f"Use --max_seq_length {limit // size * size}."
+        )
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SPLIT_FAMILIES:
         raise ValueError(
@@ -134,7 +140,7 @@ def check_splittable(
         )
     heads = attention_heads(hf_config)
     if heads % size:
-        fits = [d for d in _divisors(heads) if world_size is None or world_size % d == 0]
+        fits = [d for d in divisors(heads) if world_size is None or world_size % d == 0]
         raise ValueError(
             f"--sequence_parallel {size} does not divide the {heads} attention heads of this "
             f"{model_type} model: after the all-to-all each rank computes whole sequences for "
@@ -155,7 +161,3 @@ def attention_heads(hf_config: Any) -> int:
     heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head", None)
     assert heads, f"{type(hf_config).__name__} names no attention heads"
     return int(heads)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

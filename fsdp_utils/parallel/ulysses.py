@@ -202,7 +202,7 @@ def _whole_sequence(
         whole = _last[0]
     else:
         batch = positions.shape[0]
-        gathered = funcol.all_gather_tensor(positions.contiguous(), 0, sp.group)
+        gathered = funcol.all_gather_single(positions.contiguous(), 0, sp.group)
         gathered = (
             gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
         )

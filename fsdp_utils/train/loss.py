@@ -173,7 +173,9 @@ class Targets:
     def of(cls, following: torch.Tensor, positions: int) -> Targets:
         """`following`: `next_token_labels` of a batch whose hidden states have `positions`."""
         batch, predicting = following.shape
-        if is_fake(following):  # the memory planner's trace: no values, so every position (the most)
+        if is_fake(
+            following
+        ):  # the memory planner's trace: no values, so every position (the most)
             b = torch.arange(batch).repeat_interleave(predicting)
             t = torch.arange(predicting).repeat(batch)
         else:

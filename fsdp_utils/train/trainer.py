@@ -36,6 +36,7 @@ from fsdp_utils.data.blocks import StepSampler, TokenBlocks, describe_epochs, ep
 from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
 from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
+from fsdp_utils.data.sequence_slices import describe_padding, slice_batch
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
 from fsdp_utils.metrics.profile import StepProbes
@@ -60,6 +61,7 @@ from fsdp_utils.parallel.parallelize import (
     describe_parallelism,
     fsdp_group_names,
 )
+from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_parallel
 from fsdp_utils.preference.run import PreferenceRun
 from fsdp_utils.train.evaluate import evaluate
 from fsdp_utils.train.router_loss import RouterLoss
@@ -80,6 +82,7 @@ class TrainState:
 class Trainer:
     # Set by `setup`, in this order.
     chess_eval: TrainingChessEval | None
+    sequence_parallel: SequenceParallel  # which sequences this rank reads, which slice of them
     data: PreparedData
     sampler: StepSampler
     checkpointer: Checkpointer
@@ -126,6 +129,11 @@ class Trainer:
         torch.manual_seed(config.seed)
         self._print_header()
         self.chess_eval = TrainingChessEval.build(config, env, self.assets, self.log)
+        self.sequence_parallel = init_sequence_parallel(env, config.sequence_parallel)
+        if (
+            padding := describe_padding(config.max_seq_length, config.sequence_parallel)
+        ) is not None:
+            self.log.info(padding)
         # The model on meta first (no memory): the storage check, the checkpoint key map and
         # the log read it there, and a run that cannot fit on the disk stops before any data work.
         meta = self._meta_model()
@@ -172,6 +180,7 @@ class Trainer:
             self.train_step = build_train_step(
                 self.model, config, world_size=env.world_size, device=env.device,
                 hf_config=self.hf_config, autocast=self.autocast,
+                sequence_parallel=self.sequence_parallel,
             )  # fmt: skip
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
@@ -326,9 +335,11 @@ class Trainer:
         return self.config.save_every_steps > 0 or self.config.save_every_minutes > 0
 
     def step_batches(self, step: int) -> list[Batch]:
-        """This rank's micro-batches of optimizer step `step` (counted from 0), on the host."""
-        micro = self.sampler.micro_batches(step, self.env.rank)
-        return [self.train_blocks.batch(indices) for indices in micro]
+        """This rank's micro-batches of optimizer step `step` (counted from 0), on the host: its
+        data-parallel rank's sequences, its slice of them (--sequence_parallel)."""
+        sp = self.sequence_parallel
+        micro = self.sampler.micro_batches(step, sp.data_rank)
+        return [slice_batch(self.train_blocks.batch(i), rank=sp.rank, size=sp.size) for i in micro]
 
     def train(self) -> dict[str, Any]:
         """Steps until max_training_steps, or until a stop (time limit, signal, stop file):
@@ -456,6 +467,7 @@ class Trainer:
                 max_batches=self.config.eval_batches,
                 autocast=self.autocast,
                 chunking=self.train_step.chunking,
+                sequence_parallel=self.sequence_parallel,
             )
         record = None if metrics is None else {"step": self.state.step, **metrics}
         if record is not None:
