@@ -1,7 +1,8 @@
 """Sequence parallelism on this CPU machine: peak memory per process and tokens/s, N = 1 and 2.
 
-    python bench/sequence_parallel.py             # make bench: memory at 8k, speed at 4k
-    python bench/sequence_parallel.py --full      # make bench-full: memory at 16k and 32k too
+    python bench/sequence_parallel.py             # make bench: memory at 8k, speed at 4k (1 round)
+    python bench/sequence_parallel.py --full      # make bench-full: memory at 16k and 32k too,
+                                                  #   3 rounds of speed
     python bench/sequence_parallel.py --lengths 16384 --rounds 1 --speed_length 0
 
 The model: a Llama of hidden 256, 2 layers, 8 heads (4 key-value heads), intermediate 512,
@@ -12,8 +13,9 @@ step, metrics.jsonl's host_peak_rss_gib, reset every step; tokens/s over the ste
 first), one sequence per step per data-parallel rank:
 
 - memory: N = 1 on 1 process against N = 2 on 2 processes, each at the same length; the
-  activations' part is a step's peak minus the resident memory after the step (what stays:
-  interpreter, torch, the model, the optimizer state);
+  activations' part is a step's peak minus the same run's peak at 256 tokens (what does not
+  grow with the length: interpreter, torch, the model, the optimizer state; the data is
+  prepared beforehand, so no run's memory holds its preparation);
 - speed: the same 2 processes as 2 data-parallel ranks (N = 1, 2 sequences per step) against
   one sequence-parallel group (N = 2, 1 sequence per step), and 1 process (N = 1) for scale, at
   a length all fit; interleaved rounds (the order reversed every other round), the load
@@ -59,6 +61,20 @@ def assets(root: Path, max_positions: int) -> dict[str, Path]:
     return {"model": model, "data": built["data"]}
 
 
+def prepare(found: dict[str, Path], root: Path, lengths: list[int]) -> None:
+    """The prepared blocks of every length, made here once: the runs find them cached."""
+    sys.path.insert(0, str(REPO))
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.data.prepare import prepare_dataset
+
+    for length in lengths:
+        config = TrainConfig(
+            model=str(found["model"]), dataset=str(found["data"]), dataset_include="",
+            data_cache_dir=str(root / "cache"), max_seq_length=length, eval_examples=0,
+        )  # fmt: skip
+        prepare_dataset(config, log=lambda _: None)
+
+
 def run(
     found: dict[str, Path], root: Path, *, nproc: int, size: int, length: int, steps: int
 ) -> dict[str, Any]:
@@ -84,21 +100,28 @@ def run(
     return {"steps": [r for r in records if r.get("kind") == "train"]}
 
 
+BASELINE = 256  # tokens: a run whose activations are next to nothing
+
+
+def step_peak(found: dict[str, Path], root: Path, *, nproc: int, size: int, length: int) -> float:
+    """Rank 0's peak RSS in the second step (the optimizer state exists by then), GiB."""
+    steps = run(found, root, nproc=nproc, size=size, length=length, steps=2)["steps"]
+    return float(steps[-1]["host_peak_rss_gib"])
+
+
 def memory(found: dict[str, Path], root: Path, lengths: list[int]) -> list[dict[str, Any]]:
     rows = []
-    for length in lengths:
-        for nproc, size in ((1, 1), (2, 2)):
-            steps = run(found, root, nproc=nproc, size=size, length=length, steps=2)["steps"]
-            last = steps[-1]  # the optimizer state exists: its peak is a steady step's
-            peak, after = last["host_peak_rss_gib"], last["host_rss_gib"]
+    for nproc, size in ((1, 1), (2, 2)):
+        base = step_peak(found, root, nproc=nproc, size=size, length=BASELINE)
+        for length in lengths:
+            peak = step_peak(found, root, nproc=nproc, size=size, length=length)
             rows.append({
                 "tokens": length, "sequence_parallel": size, "processes": nproc,
-                "peak_rss_gib": peak, "rss_after_step_gib": after,
-                "activations_gib": peak - after,
-                "load": os.getloadavg(),
+                "peak_rss_gib": peak, "baseline_peak_rss_gib": base,
+                "activations_gib": peak - base, "load": os.getloadavg(),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return sorted(rows, key=lambda r: (r["tokens"], r["sequence_parallel"]))
 
 
 def speed(found: dict[str, Path], root: Path, length: int, rounds: int) -> list[dict[str, Any]]:
@@ -122,14 +145,14 @@ def speed(found: dict[str, Path], root: Path, length: int, rounds: int) -> list[
 
 def table(mem: list[dict[str, Any]], fast: list[dict[str, Any]]) -> str:
     lines = [
-        "| tokens | N | processes | peak RSS per process | RSS after the step | activations "
-        "(peak - after) | load (1 min) |",
+        f"| tokens | N | processes | peak RSS per process | peak at {BASELINE} tokens | "
+        "activations (the difference) | load (1 min) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in mem:
         lines.append(
             f"| {r['tokens']:,} | {r['sequence_parallel']} | {r['processes']} | "
-            f"{r['peak_rss_gib']:.2f} GiB | {r['rss_after_step_gib']:.2f} GiB | "
+            f"{r['peak_rss_gib']:.2f} GiB | {r['baseline_peak_rss_gib']:.2f} GiB | "
             f"{r['activations_gib']:.2f} GiB | {r['load'][0]:.1f} |"
         )
     for length in sorted({r["tokens"] for r in mem}):
@@ -167,14 +190,16 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="make bench-full: 16k and 32k too")
     parser.add_argument("--lengths", type=int, nargs="*", help="memory at these lengths")
     parser.add_argument("--speed_length", type=int, default=4096, help="0: no speed rounds")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, help="speed rounds (default 1; --full: 3)")
     args = parser.parse_args()
     lengths = args.lengths or ([8192, 16384, 32768] if args.full else [8192])
+    rounds = args.rounds or (3 if args.full else 1)
     with tempfile.TemporaryDirectory(prefix="bench-sp-") as folder:
         root = Path(folder)
         found = assets(root, max([*lengths, args.speed_length]))
+        prepare(found, root, sorted({BASELINE, *lengths, args.speed_length} - {0}))
         mem = memory(found, root, lengths)
-        fast = speed(found, root, args.speed_length, args.rounds) if args.speed_length else []
+        fast = speed(found, root, args.speed_length, rounds) if args.speed_length else []
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sequence_parallel.json").write_text(
         json.dumps({"memory": mem, "speed": fast}, indent=1)
