@@ -12,7 +12,8 @@ parameters take 5 MB). Each run is chess_finetune.py for real (the trainer's own
 step, metrics.jsonl's host_peak_rss_gib, reset every step; tokens/s over the steps after the
 first), one sequence per step per data-parallel rank:
 
-- memory: N = 1 on 1 process against N = 2 on 2 processes, each at the same length; the
+- memory: N = 1 on 1 process against N = 2 on 2 processes, each at the same length (glibc's
+  malloc told to map every block above 64 KiB: `MEMORY_ENV`); the
   activations' part is a step's peak minus the same run's peak at 256 tokens (what does not
   grow with the length: interpreter, torch, the model, the optimizer state; the data is
   prepared beforehand, so no run's memory holds its preparation);
@@ -43,6 +44,11 @@ RESULTS = REPO / "bench" / "results"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 GIB = 1024**3
+# Memory runs: every allocation above 64 KiB gets its own mapping, returned to the system when
+# freed. glibc's default threshold grows with the largest block freed (up to 32 MiB), after
+# which freed tensors stay in the heap and the resident size follows the heap's history more
+# than the tensors alive (seen here: 32k tokens at N = 2 read 0.74 of N = 1's instead of ~0.5).
+MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 def assets(root: Path, max_positions: int) -> dict[str, Path]:
@@ -76,7 +82,14 @@ def prepare(found: dict[str, Path], root: Path, lengths: list[int]) -> None:
 
 
 def run(
-    found: dict[str, Path], root: Path, *, nproc: int, size: int, length: int, steps: int
+    found: dict[str, Path],
+    root: Path,
+    *,
+    nproc: int,
+    size: int,
+    length: int,
+    steps: int,
+    env: dict[str, str] = ENV,
 ) -> dict[str, Any]:
     """One chess_finetune.py run: its steps' records."""
     out = root / f"run-{nproc}-{size}-{length}"
@@ -93,7 +106,7 @@ def run(
     command = [sys.executable, script] if nproc == 1 else [TORCHRUN, "--standalone"]
     if nproc > 1:
         command += [f"--nproc_per_node={nproc}", script]
-    result = subprocess.run([*command, *flags], capture_output=True, text=True, env=ENV, cwd=REPO)
+    result = subprocess.run([*command, *flags], capture_output=True, text=True, env=env, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(command + flags)}\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +118,9 @@ BASELINE = 256  # tokens: a run whose activations are next to nothing
 
 def step_peak(found: dict[str, Path], root: Path, *, nproc: int, size: int, length: int) -> float:
     """Rank 0's peak RSS in the second step (the optimizer state exists by then), GiB."""
-    steps = run(found, root, nproc=nproc, size=size, length=length, steps=2)["steps"]
+    steps = run(found, root, nproc=nproc, size=size, length=length, steps=2, env=MEMORY_ENV)[
+        "steps"
+    ]
     return float(steps[-1]["host_peak_rss_gib"])
 
 
@@ -130,9 +145,10 @@ def speed(found: dict[str, Path], root: Path, length: int, rounds: int) -> list[
     rows: list[dict[str, Any]] = []
     for index in range(rounds):
         for nproc, size in kinds if index % 2 == 0 else list(reversed(kinds)):
-            steps = run(found, root, nproc=nproc, size=size, length=length, steps=4)["steps"][1:]
+            every = run(found, root, nproc=nproc, size=size, length=length, steps=4)["steps"]
+            steps = every[1:]  # the first allocates the optimizer state
             seconds = sum(s["step_time_s"] for s in steps)
-            tokens = sum(s["tokens"] for s in steps)
+            tokens = every[-1]["tokens_seen"] - every[0]["tokens_seen"]
             cpu = [b["process_cpu_s"] - a["process_cpu_s"] for a, b in itertools.pairwise(steps)]
             rows.append({
                 "round": index, "tokens": length, "processes": nproc, "sequence_parallel": size,

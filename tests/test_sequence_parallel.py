@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +27,13 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX, SHIFT_LABELS, next_token_labels
 from fsdp_utils.data.sequence_slices import describe_padding, slice_batch
 from fsdp_utils.parallel.sequence import FORWARD_KEYWORD, SPLIT_FAMILIES, check_splittable
-from fsdp_utils.synthetic import TINY_ARCHITECTURES, tiny_model_config
+from fsdp_utils.synthetic import (
+    TINY_ARCHITECTURES,
+    preference_pairs,
+    save_chat_model,
+    tiny_model_config,
+)
+from tests.chat_helpers import write_jsonl
 from tests.train_helpers import REPO_ROOT, TORCHRUN, read_metrics, tiny_args
 
 # --- each rank's slice ---------------------------------------------------------------------
@@ -256,6 +263,11 @@ CASES = {
 }
 
 
+def options_for_steps() -> dict[str, Any]:
+    """STEPS steps at a constant learning rate, no clipping (the gradients compared are raw)."""
+    return {"max_training_steps": STEPS, "warmup_steps": 0, "grad_clip": 0, "no_final_save": True}
+
+
 def _launch(nproc: int, runs: dict[str, list[str]], root: Path) -> None:
     """tests/sequence_parallel_runs.py on `nproc` processes: each run's gradients and weights."""
     root.mkdir(parents=True, exist_ok=True)
@@ -287,14 +299,23 @@ def sp_runs(tiny_assets, tmp_path_factory) -> Path:
         model = tiny_assets["model"] if family == "llama" else root / family
         if family != "llama" and not model.exists():
             save_tiny_model(model, tokenizer, arch=family)
-        options = {"max_training_steps": STEPS, "warmup_steps": 0, "grad_clip": 0,
-                   "loss_chunk_size": 16, "no_final_save": True, **flags}  # fmt: skip
+        options = {**options_for_steps(), "loss_chunk_size": 16, **flags}
         assets = {"model": model, "data": tiny_assets["data"]}
         return tiny_args(assets, root / name, cache, **options)
 
     one = {name: argv(name, family, **flags) for name, (family, flags) in CASES.items()}
     two = {f"{name} sp2": argv(f"{name} sp2", family, sequence_parallel=2, **flags)
            for name, (family, flags) in CASES.items()}  # fmt: skip
+    # DPO (IPO's loss: length-averaged log-probabilities, so the answers' token counts are summed
+    # over the slices too) on chat pairs, the reference cached before the first step: each run
+    # computes its own cache (its own data folder), the split one over its slices.
+    pairs = {"model": save_chat_model(root / "chat", "chatml"),
+             "data": write_jsonl(root / "prefs.jsonl", preference_pairs(120))}  # fmt: skip
+    for name, table, extra in (("dpo", one, {}), ("dpo sp2", two, {"sequence_parallel": 2})):
+        table[name] = tiny_args(
+            pairs, root / name, root / f"{name} data", max_seq_length=32, method="dpo",
+            dpo_loss="ipo", eval_examples=16, **{**options_for_steps(), **extra},
+        )  # fmt: skip
     two["llama dp2"] = argv("llama dp2", "llama")
     # A leg of 2 steps with N = 2, then the rest resumed with N = 1 (same folder), as after a
     # time limit: --stop_after_steps saves and stops the way the time limit does.
@@ -338,6 +359,19 @@ def test_two_processes_with_n_2_train_as_one_unsplit_process(sp_runs, case):
     _same_run(sp_runs, f"{case} sp2", case)
     config = json.loads((sp_runs / f"{case} sp2" / "config.json").read_text())
     assert config["config"]["sequence_parallel"] == 2
+
+
+@pytest.mark.slow
+def test_dpo_splits_both_sequences_of_a_pair_alike(sp_runs):
+    """DPO on 2 processes with N = 2 against one unsplit process: a pair's loss is computed on
+    the group's first rank from the log-probabilities summed over the slices, its pairs counted
+    once; the reference cache computed over slices holds the unsplit run's values."""
+    _same_run(sp_runs, "dpo sp2", "dpo")
+    caches = [sorted((sp_runs / f"{name} data").rglob("logps.npz")) for name in ("dpo", "dpo sp2")]
+    assert all(len(found) == 1 for found in caches), caches
+    one, two = (np.load(found[0]) for found in caches)
+    assert np.array_equal(one["rows"], two["rows"])
+    np.testing.assert_allclose(two["logps"], one["logps"], rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_utils.config.batch import data_parallel_size, divisors
@@ -74,6 +76,22 @@ class SequenceParallel:
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        """The rank of its group that carries what is computed whole from the slices (a DPO
+        pair's loss and metrics: `sum_over_slices`). Every rank leads its own when off."""
+        return self.rank == 0
+
+    def sum_over_slices(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over the group's ranks (each rank's slices' part of a per-sequence
+        total: a sequence's log-probability), differentiable. Its backward sums the gradients
+        over the group, so only the `leader` may carry a loss computed from it (the others
+        carry it times 0): each rank's slices then get the whole sequence's gradient once."""
+        if not self.enabled:
+            return value
+        summed = funcol.all_reduce(value, "sum", self.group)
+        return summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed
 
     def forward_kwargs(self) -> dict[str, Any]:
         """What a forward of this rank's slices passes to the model (nothing when off)."""
