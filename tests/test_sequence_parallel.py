@@ -308,12 +308,14 @@ def sp_runs(tiny_assets, tmp_path_factory) -> Path:
            for name, (family, flags) in CASES.items()}  # fmt: skip
     # DPO (IPO's loss: length-averaged log-probabilities, so the answers' token counts are summed
     # over the slices too) on chat pairs, the reference cached before the first step: each run
-    # computes its own cache (its own data folder), the split one over its slices.
+    # computes its own cache (its own data folder), the split one over its slices. The pairs'
+    # sequences take 4 to 13 tokens: slices of 8 cut half of them, their answers mostly in
+    # the second slice.
     pairs = {"model": save_chat_model(root / "chat", "chatml"),
              "data": write_jsonl(root / "prefs.jsonl", preference_pairs(120))}  # fmt: skip
     for name, table, extra in (("dpo", one, {}), ("dpo sp2", two, {"sequence_parallel": 2})):
         table[name] = tiny_args(
-            pairs, root / name, root / f"{name} data", max_seq_length=32, method="dpo",
+            pairs, root / name, root / f"{name} data", max_seq_length=16, method="dpo",
             dpo_loss="ipo", eval_examples=16, **{**options_for_steps(), **extra},
         )  # fmt: skip
     two["llama dp2"] = argv("llama dp2", "llama")
@@ -366,6 +368,8 @@ def test_dpo_splits_both_sequences_of_a_pair_alike(sp_runs):
     """DPO on 2 processes with N = 2 against one unsplit process: a pair's loss is computed on
     the group's first rank from the log-probabilities summed over the slices, its pairs counted
     once; the reference cache computed over slices holds the unsplit run's values."""
+    lengths = np.load(next((sp_runs / "dpo sp2 data").rglob("train_lengths.npy")))
+    assert (lengths > 8).mean() > 0.3  # the slices' border cuts sequences, answers included
     _same_run(sp_runs, "dpo sp2", "dpo")
     caches = [sorted((sp_runs / f"{name} data").rglob("logps.npz")) for name in ("dpo", "dpo sp2")]
     assert all(len(found) == 1 for found in caches), caches
