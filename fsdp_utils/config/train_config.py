@@ -58,8 +58,23 @@ SECTIONS = {
 
 
 def _opt(help: str, *, section: str, **extra: Any) -> Any:
+    """A field's metadata: its help, its `--help` section, and (`cli=`) argparse keywords for
+    a flag of another shape than its type gives (an optional value, as lm-eval's flags)."""
     assert section in SECTIONS, section
     return {"help": help, "section": section, **extra}
+
+
+def bool_text(text: str) -> bool:
+    """A flag's optional true/false value (lm-eval's reading: true, 1 or yes is true)."""
+    return text.strip().lower() in ("true", "1", "yes")
+
+
+def bool_or_name(text: str) -> bool | str:
+    """true/false as such, any other word as a name (`--eval_apply_chat_template [NAME]`)."""
+    word = text.strip().lower()
+    if word in ("true", "1", "yes", "false", "0", "no"):
+        return bool_text(word)
+    return text
 
 
 @dataclass
@@ -415,6 +430,53 @@ class TrainConfig:
         default=None,
         metadata=_opt("With --eval_tasks: at most N documents per task.", section="evaluation"),
     )
+    # --- --eval_tasks: lm-eval's prompt and generation options, its names with eval_ before
+    # them (fsdp_utils/lm_harness/scoring.py reads them; docs/evaluate.md) ------------------
+    eval_apply_chat_template: bool | str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --apply_chat_template [TEMPLATE_NAME], the prompts "
+            "written through the final model's chat template. Default: on when the run "
+            "trained on chat data (rows rendered with a chat template), else off; false: off.",
+            section="evaluation",
+            cli={"nargs": "?", "const": True, "type": bool_or_name, "metavar": "TEMPLATE_NAME"},
+        ),
+    )
+    eval_fewshot_as_multiturn: bool | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --fewshot_as_multiturn [BOOL], the few-shot examples "
+            "as chat turns (default: on with the chat template, which it needs).",
+            section="evaluation",
+            cli={"nargs": "?", "const": True, "type": bool_text, "metavar": "BOOL"},
+        ),
+    )
+    eval_system_instruction: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --system_instruction, a system message before every "
+            "prompt.",
+            section="evaluation",
+        ),
+    )
+    eval_gen_kwargs: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --gen_kwargs for every generation task, e.g. "
+            "do_sample=True,temperature=0.7,top_p=0.95 (do_sample, temperature, top_p, top_k, "
+            "until, max_gen_toks).",
+            section="evaluation",
+        ),
+    )
+    eval_seed: int | str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --seed, one number or python,numpy,torch,few-shot "
+            "seeds (default 0,1234,1234,1234); the torch seed seeds sampling.",
+            section="evaluation",
+            cli={"type": str, "metavar": "N|A,B,C,D"},
+        ),
+    )
     num_proc: int | None = field(
         default=None,
         metadata=_opt("Tokenisation worker processes (default: CPUs, max 8).", section="data"),
@@ -737,6 +799,16 @@ def parse_step_range(text: str) -> tuple[int, int]:
     return start, end
 
 
+# lm-eval's options for --eval_tasks (their reading: fsdp_utils/lm_harness/scoring.py).
+EVAL_SCORING_FIELDS = (
+    "eval_apply_chat_template",
+    "eval_fewshot_as_multiturn",
+    "eval_system_instruction",
+    "eval_gen_kwargs",
+    "eval_seed",
+)
+
+
 def validate_config(config: TrainConfig) -> None:
     """Checks that need no model, data or world size (those come in the batch plan)."""
     positive = ["batch_size_per_device", "max_seq_length", "max_training_steps", "log_every"]
@@ -746,6 +818,9 @@ def validate_config(config: TrainConfig) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(config, name)}.")
     if config.eval_limit is not None and not config.eval_tasks:
         raise ValueError("--eval_limit limits --eval_tasks: give --eval_tasks too.")
+    for name in EVAL_SCORING_FIELDS:
+        if getattr(config, name) is not None and not config.eval_tasks:
+            raise ValueError(f"--{name} says how --eval_tasks scores: give --eval_tasks too.")
     for name in ("total_batch_size", "gradient_accumulation_steps", "eval_limit"):
         value = getattr(config, name)
         if value is not None and value < 1:
