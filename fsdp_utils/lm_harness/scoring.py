@@ -33,7 +33,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_utils.config.train_config import bool_or_name, bool_text
+from fsdp_utils.config.options.evaluation import bool_or_name, bool_text
 
 # lm-eval is imported where it is used: this module is read by the training command's
 # preflight and by `python -m fsdp_utils.evaluate` before it has set the offline variables.
