@@ -1,8 +1,8 @@
 """Sequence parallelism (`--sequence_parallel N`, DeepSpeed-Ulysses): each rank's slice of a
 batch, the split attention of every family against the unsplit model, what is refused and how,
 the planner's view; and, in the slow end-to-end tests, real training runs with N = 2 against
-the unsplit run (Llama, Qwen2 with LoRA, Gemma 2 with packed documents; 2 x 2 processes against
-2 data-parallel ones; a resume on another N).
+the unsplit run (Llama, Qwen2 with LoRA, Gemma 2 with packed documents, DPO; 2 x 2 processes
+against 2 data-parallel ones; a resume on another N), all made in three torchruns.
 
 Every rule sequence parallelism rests on (global position ids, labels shifted before the
 split, the loss over the global target count) is broken on purpose in

@@ -182,8 +182,8 @@ def eval_batches(
 IGNORE_INDEX = -100  # labels carrying no loss (padding)
 # A batch's key for labels already shifted (position t's target is token t + 1), as
 # transformers' losses name them: a slice of a sequence under sequence parallelism carries
-# them in place of unshifted labels, whose next token may be on another rank
-# (fsdp_utils/data/sequence_slices.py).
+# them, since its last position's target is on another rank; its `labels` (its slice of the
+# unshifted ones) then only count its tokens (fsdp_utils/data/sequence_slices.py).
 SHIFT_LABELS = "shift_labels"
 
 

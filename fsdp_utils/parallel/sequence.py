@@ -97,15 +97,6 @@ class SequenceParallel:
         """What a forward of this rank's slices passes to the model (nothing when off)."""
         return {FORWARD_KEYWORD: self} if self.enabled else {}
 
-    def describe(self) -> str:
-        if not self.enabled:
-            return "sequence parallelism off"
-        return (
-            f"sequence parallel {self.size}: each sequence in {self.size} slices over "
-            f"{self.size} ranks, {self.data_size} data-parallel group(s) "
-            "(Ulysses all-to-all around attention)"
-        )
-
 
 def init_sequence_parallel(env: DistEnv, size: int) -> SequenceParallel:
     """This rank's SequenceParallel: a (data, sequence) device mesh whose sequence dimension is
