@@ -1,6 +1,9 @@
 """The causal-LM loss, summed over target tokens (normalised by the caller).
 
-Two ways to the same numbers. Unchunked (`token_loss_sum`): the model's forward computes the
+The targets are `data.blocks.next_token_labels`: a whole sequence's labels but the first (position
+t predicts token t + 1), or a sequence-parallel slice's labels shifted before the split.
+
+Two ways to the same numbers. Unchunked (`next_token_loss_sum`): the model's forward computes the
 logits of every position, [tokens, vocabulary], and the cross-entropy reads them. Chunked
 (`chunked_target_nll`, `--loss_chunk_size`, the default): the model's forward stops before its
 output layer, and the output layer, the family's logit transform and the cross-entropy run over
