@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -175,15 +176,23 @@ class _LocalHeads:
 class _WholeSequence:
     """The whole sequence's position ids, and its masks, made once per forward (every layer of
     a forward gets the same position ids tensor; activation checkpointing's recompute too) and
-    kind of mask (sliding window or not, the kernel and dtype they are made for)."""
+    kind of mask (sliding window or not, the kernel and dtype they are made for). Kept until
+    the slice's position ids are freed (after the backward), no longer: a packed sequence's
+    mask is [sequence, sequence]."""
 
     def __init__(self, key: torch.Tensor, positions: torch.Tensor) -> None:
-        self.key = key  # the slice's position ids, held so that their id is not reused
+        self.key = weakref.ref(key)  # the slice's position ids
         self.positions = positions
         self.masks: dict[tuple[Any, ...], torch.Tensor | None] = {}
+        weakref.finalize(key, _forget, self)
 
 
 _last: list[_WholeSequence] = []
+
+
+def _forget(whole: _WholeSequence) -> None:
+    if _last and _last[0] is whole:
+        _last.clear()
 
 
 def _whole_sequence(
@@ -198,7 +207,7 @@ def _whole_sequence(
     for the same layers in the same order) and transformers' mask for them, as the unsplit model
     builds it for this layer's kind (sliding window or not): None for plain causal attention
     under sdpa (its kernel's own causal flag), a boolean or additive tensor otherwise."""
-    if _last and _last[0].key is positions:
+    if _last and _last[0].key() is positions:
         whole = _last[0]
     else:
         batch = positions.shape[0]
