@@ -17,7 +17,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 if TYPE_CHECKING:
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.trainer.trainer import Trainer
 
     AfterSetup = Callable[[Trainer], None]
 
@@ -105,7 +105,12 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
             from fsdp_utils.lm_harness.training import score_final_model
 
             summary["benchmarks"] = score_final_model(
-                trainer.model, config, env, tokenizer_dir=trainer.model_dir, log=trainer.log.info
+                trainer.model,
+                config,
+                env,
+                tokenizer_dir=trainer.data.tokenizer_dir(trainer.model_dir),
+                chat_data=trainer.data.chat_template_source,
+                log=trainer.log.info,
             )
         summary["lora"] = config.lora
         if final is not None and config.merge:
