@@ -26,11 +26,16 @@
 #   NUM_PROC           processes (default: the CPUs Slurm gave the job)
 #   PYTHON             interpreter (python)
 
-eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
-set -uo pipefail
-PYTHON=${PYTHON:-python}
-# No internet on compute nodes: the Hugging Face libraries must know before they are imported.
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+# The environment (SETUP, strict mode, PYTHON, offline mode): slurm/job_env.sh, found from the
+# submit directory, since sbatch runs a spooled copy of this script.
+job_env=${FSDP_UTILS_SLURM_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/slurm}/job_env.sh
+if [ ! -f "$job_env" ]; then
+    echo "error: $job_env not found: submit from the repository root (cd <checkout> && sbatch" \
+        "slurm/...), or set FSDP_UTILS_SLURM_DIR to the checkout's slurm folder." >&2
+    exit 2
+fi
+# shellcheck source=slurm/job_env.sh
+source "$job_env"
 
 args=()
 [ -n "${CONFIG:-}" ] && args+=(--config "$CONFIG")
