@@ -20,6 +20,7 @@ from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import hub_cache_dir
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 
 RESULTS_FOLDER = "lm_eval"
 
@@ -46,7 +47,6 @@ def score_final_model(
     log: Any,
 ) -> dict[str, dict[str, float]] | None:
     """Collective. {task: {metric: value}} on rank 0 (None elsewhere)."""
-    import torch
     from lm_eval import simple_evaluate
     from transformers import AutoTokenizer
 
@@ -67,8 +67,6 @@ def score_final_model(
     folder = Path(tempfile.mkdtemp(prefix="fsdp-utils-lm-eval-tasks-"))
     leaves = offline_tasks(names, cache, folder)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    was_training = inner.training
-    inner.eval()
     lm = ShardedLM(
         inner,
         AutoTokenizer.from_pretrained(tokenizer_dir),
@@ -79,14 +77,13 @@ def score_final_model(
         model_info={"model": config.model, "run_dir": config.output_dir, "final": True},
         log=log if env.is_main else None,
     )
-    with torch.no_grad():
+    with no_grad_pass(inner):
         results = simple_evaluate(
             lm,
             tasks=names,
             limit=config.eval_limit,
             task_manager=task_manager(names, leaves, folder),
         )
-    inner.train(was_training)
     if not env.is_main or results is None:
         return None
     results["fsdp_utils"] = {

@@ -13,11 +13,11 @@ from torch import nn
 from fsdp_utils.data.blocks import TokenBlocks, eval_batches
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.train.loss import LossChunking, count_targets
 from fsdp_utils.train.step import forward_loss_sum
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module,
     blocks: TokenBlocks,
@@ -34,13 +34,12 @@ def evaluate(
     otherwise: `eval_batches`), and the model is back in training mode afterwards."""
     if len(blocks) == 0:
         return None
-    model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
-        batch = blocks.batch(indices)
-        totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking)[1]
-        totals[1] += count_targets(batch["labels"])
-    model.train()
+    with no_grad_pass(model):
+        for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
+            batch = blocks.batch(indices)
+            totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking)[1]
+            totals[1] += count_targets(batch["labels"])
     loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
     if tokens == 0:
         return None

@@ -36,7 +36,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.parallel.parallelize import reshard
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch
 
@@ -72,21 +72,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = was
 
 
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """The reference runs in eval mode (no dropout) and without gradients, every way; then the
-    shard groups it gathered are freed (`parallel.parallelize.reshard`: else the next training
-    step's gradients are wrong for them)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-        reshard(model)
-
-
 @dataclass
 class ForwardSettings:
     chunking: LossChunking
@@ -94,7 +79,8 @@ class ForwardSettings:
     autocast: Callable[[], Any]
 
     def logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        with evaluating(model):
+        """In eval mode (no dropout), without gradients, every way (`no_grad_pass`)."""
+        with no_grad_pass(model):
             return sequence_logps(
                 model, batch, chunking=self.chunking, device=self.device, autocast=self.autocast
             )

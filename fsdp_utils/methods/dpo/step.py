@@ -23,6 +23,7 @@ from fsdp_utils.data.blocks import IGNORE_INDEX, eval_batches
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch, TrainStep, build_train_step
 
@@ -163,7 +164,6 @@ def build_preference_step(
     return step
 
 
-@torch.no_grad()
 def evaluate_pairs(
     model: nn.Module,
     pairs: PreferencePairs,
@@ -177,15 +177,14 @@ def evaluate_pairs(
     None without eval pairs. Every rank runs the same number of forwards (`eval_batches`)."""
     if len(pairs) == 0:
         return None
-    model.eval()
     totals = torch.zeros(len(SUMS) + 2, dtype=torch.float64, device=env.device)
-    for indices in eval_batches(len(pairs), batch_size, env.rank, env.world_size, max_batches):
-        batch = pairs.batch(indices)
-        batch_loss, batch_sums = pair_loss(model, batch)
-        totals[0] += batch_loss.to(torch.float64)
-        totals[1:-1] += batch_sums
-        totals[-1] += pair_count(batch)
-    model.train()
+    with no_grad_pass(model):
+        for indices in eval_batches(len(pairs), batch_size, env.rank, env.world_size, max_batches):
+            batch = pairs.batch(indices)
+            batch_loss, batch_sums = pair_loss(model, batch)
+            totals[0] += batch_loss.to(torch.float64)
+            totals[1:-1] += batch_sums
+            totals[-1] += pair_count(batch)
     reduced = dist_utils.all_reduce_sum(totals).tolist()
     loss_sum, sums, count = reduced[0], reduced[1:-1], reduced[-1]
     if count == 0:
