@@ -215,13 +215,31 @@ def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSo
     return DataSource(files, None, peek_columns(files))
 
 
+class PreparationStopped(Exception):
+    """`prepare_dataset`'s `stop` asked it to stop (a training job's time limit): nothing of the
+    preparation is kept (the cache holds whole preparations only)."""
+
+    def __init__(self, reason: str, done: str) -> None:
+        super().__init__(f"{reason} ({done})")
+        self.reason = reason
+        self.done = done
+
+
+StopCheck = Callable[[], "str | None"]
+
+
 def prepare_dataset(
-    config: TrainConfig, *, assets: ResolvedAssets | None = None, log: Any = print
+    config: TrainConfig,
+    *,
+    assets: ResolvedAssets | None = None,
+    log: Any = print,
+    stop: StopCheck | None = None,
 ) -> Path:
     """Render, tokenise and pack the dataset (`--dataset`, or `--dataset_module`'s rows) for
     `config.model`'s tokenizer; return the cache folder (reused when it already exists).
     `assets`: the run's resolved files (else resolved here, as on the login node's
-    `download_models.py --prepare`)."""
+    `download_models.py --prepare`). `stop`: asked between batches of rows, the reason to stop
+    or None (a training job's time limit): PreparationStopped, with nothing kept."""
     assets = assets or resolve_assets(config)
     model_dir = assets.model_dir
     source = open_source(config, assets, log)
@@ -250,10 +268,10 @@ def prepare_dataset(
     tmp.mkdir(parents=True)
     try:
         if choice.masked:
-            stats = _build_rows(config, source, choice, tokenizer, template, tmp, log)
+            stats = _build_rows(config, source, choice, tokenizer, template, tmp, log, stop)
             _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
         else:
-            stats = _build(config, source, choice, model_dir, tmp, log)
+            stats = _build(config, source, choice, model_dir, tmp, log, stop)
         meta = {"spec": spec, "stats": stats, "seconds": round(time.perf_counter() - started, 2)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
@@ -492,10 +510,11 @@ def _tokenised(
     num_proc: int,
     total: int,
     log: Any,
+    stop: StopCheck | None = None,
 ) -> Iterator[Any]:
     """`work` of every batch, in order: in this process, or in `num_proc` forked ones with at
     most two batches each in flight (the rows are read as they are needed, not ahead). Logs
-    progress every PROGRESS_EVERY_S seconds."""
+    progress every PROGRESS_EVERY_S seconds; asks `stop` after every batch (PreparationStopped)."""
     global _WORK
     started = last = time.monotonic()
     done = 0
@@ -503,6 +522,8 @@ def _tokenised(
     def progress(rows: int) -> None:
         nonlocal done, last
         done += rows
+        if stop is not None and (reason := stop()):
+            raise PreparationStopped(reason, f"tokenised {done:,} of {total:,} rows")
         now = time.monotonic()
         if now - last >= PROGRESS_EVERY_S:
             last = now
@@ -579,6 +600,7 @@ def _build(
     model_dir: Path,
     out: Path,
     log: Any,
+    stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """Chess and text: documents -> their tokens, spilled to disk as they come -> one token
     stream per split, in split order -> full blocks."""
@@ -597,8 +619,9 @@ def _build(
     spill = TokenSpill(out, masked=False)
     num_proc = _num_proc(config, num_rows)
     for flat, lengths in _tokenised(
-        work, _row_batches(source, columns), num_proc=num_proc, total=num_rows, log=log
-    ):
+        work, _row_batches(source, columns), num_proc=num_proc, total=num_rows, log=log,
+        stop=stop,
+    ):  # fmt: skip
         spill.append(flat, lengths)
     rows = spill.close()
     stats: dict[str, Any] = {"eos_token_id": eos, "pad_token_id": pad}
@@ -660,6 +683,7 @@ def _build_rows(
     template: ChatTemplate | None,
     out: Path,
     log: Any,
+    stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """Chat, prompt/completion, alpaca, templates: rows -> (tokens, loss mask), spilled to disk
     as they come -> whole rows packed into blocks, per split. Writes input_ids, lengths,
@@ -725,7 +749,7 @@ def _build_rows(
     dropped_parts, truncated_parts, merged_parts = [], [], []
     for flat, mask, lengths, dropped, truncated, merged in _tokenised(
         _EncodeRows(encoder), numbered(_row_batches(source, columns)),
-        num_proc=_num_proc(config, num_rows), total=num_rows, log=log,
+        num_proc=_num_proc(config, num_rows), total=num_rows, log=log, stop=stop,
     ):  # fmt: skip
         spill.append(flat, lengths, mask)
         if pairs:  # one entry per pair: a pair is kept or dropped whole

@@ -83,7 +83,8 @@ class DPO(Method):
 
     def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> bool:
         """Collective: the reference log-probabilities of every pair (train and eval) into the
-        cache, when it is to be cached and is not yet."""
+        cache, when it is to be cached and is not yet. A stop request between its batches keeps
+        the pairs done (the cache is indexed by row), and the next leg computes the rest."""
         if self.cache is None:
             return True
         if self.cached:
@@ -91,13 +92,12 @@ class DPO(Method):
             return True
         pairs = sum(len(s) for s in self.pairs)
         self.context.log(f"dpo: computing the reference log-probabilities of {pairs:,} pairs")
-        compute_reference_cache(
+        self.cached = compute_reference_cache(
             model, self.pairs, self.cache, env=self.env,
             batch_size=self.context.plan.batch_size_per_device,
-            forward=self._forward(parts), log=self.context.log,
+            forward=self._forward(parts), log=self.context.log, stop=stop,
         )  # fmt: skip
-        self.cached = True
-        return True
+        return self.cached
 
     def _forward(self, parts: StepParts) -> ForwardSettings:
         return ForwardSettings(self.chunking, self.env.device, parts.autocast)
