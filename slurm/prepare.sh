@@ -26,16 +26,11 @@
 #   NUM_PROC           processes (default: the CPUs Slurm gave the job)
 #   PYTHON             interpreter (python)
 
-# The environment (SETUP, strict mode, PYTHON, offline mode): slurm/job_env.sh, found from the
-# submit directory, since sbatch runs a spooled copy of this script.
+# SETUP, strict mode, PYTHON, offline mode: slurm/job_env.sh, found from the submit directory
+# (sbatch runs a spooled copy of this script) or FSDP_UTILS_SLURM_DIR.
 job_env=${FSDP_UTILS_SLURM_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/slurm}/job_env.sh
-if [ ! -f "$job_env" ]; then
-    echo "error: $job_env not found: submit from the repository root (cd <checkout> && sbatch" \
-        "slurm/...), or set FSDP_UTILS_SLURM_DIR to the checkout's slurm folder." >&2
-    exit 2
-fi
-# shellcheck source=slurm/job_env.sh
-source "$job_env"
+[ -f "$job_env" ] || { echo "error: $job_env not found: submit from the repository root." >&2; exit 2; }
+source "$job_env"  # shellcheck source=slurm/job_env.sh
 
 args=()
 [ -n "${CONFIG:-}" ] && args+=(--config "$CONFIG")

@@ -266,7 +266,10 @@ def test_a_spooled_copy_finds_the_shared_environment_from_the_submit_dir(tmp_pat
         ["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, env=elsewhere
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith(f"error: {tmp_path}/slurm/job_env.sh not found: submit from")
+    assert (
+        result.stderr
+        == f"error: {tmp_path}/slurm/job_env.sh not found: submit from the repository root.\n"
+    )
     # ... unless FSDP_UTILS_SLURM_DIR says where it is
     pointed = {**elsewhere, "FSDP_UTILS_SLURM_DIR": str(REPO / "slurm")}
     result = subprocess.run(
