@@ -36,7 +36,7 @@ from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
 from fsdp_utils.data.document_masking import check_document_masking
 from fsdp_utils.data.prepare import PreparedData
 from fsdp_utils.hub.resolve import ResolvedAssets
-from fsdp_utils.methods.base import Examples, Method, MethodContext, StepParts, StopCheck
+from fsdp_utils.methods.base import Examples, Method, MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
 from fsdp_utils.metrics.profile import StepProbes
@@ -191,9 +191,9 @@ class Trainer:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
         parts = StepParts(self.autocast, self.models.frozen_copy)
-        reasons: list[str] = []  # the stop request the method's work met, if any
-        if not self.method.before_first_step(self.model, parts, self._stop_asked(reasons)):
-            raise StoppedBeforeFirstStep(reasons[-1], f"--method {config.method}'s work")
+        stopped = self.method.before_first_step(self.model, parts, self.stop.requested)
+        if stopped is not None:
+            raise StoppedBeforeFirstStep(stopped, f"--method {config.method}'s work")
         self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
@@ -205,16 +205,6 @@ class Trainer:
         )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config(meta)
-
-    def _stop_asked(self, reasons: list[str]) -> StopCheck:
-        """The method's stop check (collective): a request's reason is appended to `reasons`."""
-
-        def asked() -> bool:
-            reason = self.stop.requested()
-            reasons.extend([reason] if reason else [])
-            return reason is not None
-
-        return asked
 
     def _resume(self, info: CheckpointInfo) -> None:
         watch = Stopwatch()

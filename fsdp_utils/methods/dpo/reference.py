@@ -204,15 +204,15 @@ def compute_reference_cache(
     batch_size: int,
     forward: ForwardSettings,
     log: Callable[[str], None],
-    stop: Callable[[], bool] = lambda: False,
-) -> bool:
+    stop: Callable[[], str | None] = lambda: None,
+) -> str | None:
     """Collective: the reference log-probabilities of every pair of `splits`, each rank a share
     of the pairs (every rank the same number of forwards, as FSDP's collectives need), gathered
     and written by rank 0 as one table indexed by dataset row.
 
-    `stop` (collective) is asked before every batch; when it says stop, the pairs done so far
-    join those an earlier stopped pass kept (`partial_cache`), and False is returned. The next
-    pass computes only the pairs still missing. True: the cache is complete."""
+    `stop` (collective) is asked before every batch; when it gives a reason to stop, the pairs
+    done so far join those an earlier stopped pass kept (`partial_cache`), and the reason is
+    returned: the next pass computes only the pairs still missing. None: the cache is whole."""
     # Rank 0's view of the shared file system decides, for every rank.
     kept = dist_utils.broadcast_object(_read_partial(folder) if env.is_main else None)
     assert kept is not None
@@ -224,11 +224,11 @@ def compute_reference_cache(
             f"({partial_cache(folder)}); computing the other {pending:,}"
         )
     rows_parts, value_parts = [done_rows], [done_values]
-    stopped = False
+    stopped: str | None = None
     for pairs in splits:
         todo = np.flatnonzero(~np.isin(pairs.rows, done_rows))
         n = len(todo)
-        if n == 0 or stopped:
+        if n == 0 or stopped is not None:
             continue
         # Every pair once across ranks; the last rank's share padded with repeats so that all
         # ranks run the same number of forwards (the repeats are dropped by np.unique).
@@ -237,8 +237,7 @@ def compute_reference_cache(
             np.minimum(np.arange(env.rank, per_rank * env.world_size, env.world_size), n - 1)
         ]
         for start in range(0, len(mine), batch_size):
-            if stop():
-                stopped = True
+            if (stopped := stop()) is not None:
                 break
             indices = mine[start : start + batch_size]
             batch = pairs.batch(indices)
@@ -252,7 +251,7 @@ def compute_reference_cache(
         rows = np.concatenate([r for r, _ in gathered])
         values = np.concatenate([v for _, v in gathered]).astype(np.float32)
         rows, first = np.unique(rows, return_index=True)  # sorted; repeats dropped
-        if stopped:
+        if stopped is not None:
             _write_partial(folder, rows, values[first])
             total = len(np.unique(np.concatenate([s.rows for s in splits])))
             log(
@@ -263,7 +262,7 @@ def compute_reference_cache(
             _write_cache(folder, rows, values[first], world_size=env.world_size)
             log(f"dpo: reference log-probabilities of {len(rows):,} pairs cached in {folder}")
     dist_utils.barrier()
-    return not stopped
+    return stopped
 
 
 def _write_cache(folder: Path, rows: np.ndarray, values: np.ndarray, *, world_size: int) -> None:
