@@ -16,12 +16,8 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.document_masking import attention_implementation
-from fsdp_utils.data.prepare import (
-    PreparationStopped,
-    PreparedData,
-    prepare_dataset,
-    slow_preparation_advice,
-)
+from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
+from fsdp_utils.data.workers import PreparationStopped
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.model import freeze, lora
 from fsdp_utils.model.build import build_meta_model
