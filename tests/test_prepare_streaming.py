@@ -22,6 +22,7 @@ from fsdp_utils.data.prepare import (
     split_rows,
 )
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder
+from fsdp_utils.data.workers import PreparationStopped, tokenised
 from fsdp_utils.synthetic import random_conversations, save_chat_model, train_chat_tokenizer
 from tests.chat_helpers import write_jsonl
 from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
@@ -74,6 +75,28 @@ def test_preparing_longer_than_the_collective_timeout_still_trains(tiny_assets, 
     assert "Timed out" not in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_tokenising_stops_between_batches_never_after_the_last():
+    """A stopped preparation keeps nothing, so a stop that comes with the last batch (what is
+    left is quick) lets it finish."""
+    batches = [{"text": ["a"] * 4}, {"text": ["b"] * 4}, {"text": ["c"] * 2}]
+    asked = []
+
+    def stop() -> str:
+        asked.append(len(asked))
+        return "time limit"
+
+    def run(parts: list[dict[str, list[str]]]) -> list[int]:
+        total = sum(len(p["text"]) for p in parts)
+        work = tokenised(lambda b: len(b["text"]), iter(parts), num_proc=1, total=total,
+                         log=print, stop=stop)  # fmt: skip
+        return list(work)
+
+    with pytest.raises(PreparationStopped, match=r"time limit \(tokenised 4 of 10 rows\)"):
+        run(batches)
+    assert asked == [0]
+    assert run(batches[2:]) == [2] and asked == [0]  # one batch: the last, never asked
+
+
 @pytest.mark.slow
 def test_a_stop_during_the_preparation_ends_the_leg_and_the_next_prepares(tiny_assets, tmp_path):
     """The time limit's stop file appears while rank 0 prepares (the rows' function writes it,
@@ -87,7 +110,8 @@ def test_a_stop_during_the_preparation_ends_the_leg_and_the_next_prepares(tiny_a
         "    if not first_leg.exists():\n"
         "        first_leg.touch()\n"
         "        Path(os.environ['STOP_FILE_TO_WRITE']).touch()\n"
-        "    return [{'text': f'1.e4 e5 2.Nf3 Nc6 3.Bb5 a6 game {i}'} for i in range(200)]\n"
+        "    return [{'text': f'1.e4 e5 2.Nf3 Nc6 3.Bb5 a6 game {i}'} for i in range(COUNT)]\n"
+        f"\n\nCOUNT = {2 * prepare.ROWS_PER_BATCH + 1}  # three batches: asked after each but the last\n"
     )
     run, cache = tmp_path / "run", tmp_path / "cache"
     args = tiny_args(
@@ -97,7 +121,11 @@ def test_a_stop_during_the_preparation_ends_the_leg_and_the_next_prepares(tiny_a
     env = {"FIRST_LEG_DONE": str(tmp_path / "first"), "STOP_FILE_TO_WRITE": str(run / "STOP")}
     first = run_finetune(2, [str(a) for a in args], env=env)
     check_ok(first)
-    assert "data: preparation stopped (stop file) when it had tokenised" in first.stdout
+    batch = prepare.ROWS_PER_BATCH
+    assert (
+        f"data: preparation stopped (stop file) when it had tokenised {batch:,} of "
+        f"{2 * batch + 1:,} rows" in first.stdout
+    )
     assert "stopping before the first step: stop file during the data preparation" in first.stdout
     status = json.loads((run / "status.json").read_text())
     assert (status["status"], status["reason"], status["step"]) == ("interrupted", "stop file", 0)

@@ -57,7 +57,8 @@ def tokenised(
 ) -> Iterator[Any]:
     """`work` of every batch, in order: in this process, or in `num_proc` forked ones with at
     most two batches each in flight (the rows are read as they are needed, not ahead). Logs
-    progress every PROGRESS_EVERY_S seconds; asks `stop` after every batch (PreparationStopped)."""
+    progress every PROGRESS_EVERY_S seconds; asks `stop` after every batch but the last
+    (PreparationStopped)."""
     global _WORK
     started = last = time.monotonic()
     done = 0
@@ -65,7 +66,9 @@ def tokenised(
     def progress(rows: int) -> None:
         nonlocal done, last
         done += rows
-        if stop is not None and (reason := stop()):
+        # Not after the last batch: what is left (splitting, packing) is quick beside the
+        # tokenising, and a stopped preparation keeps nothing.
+        if stop is not None and done < total and (reason := stop()):
             raise PreparationStopped(reason, f"tokenised {done:,} of {total:,} rows")
         now = time.monotonic()
         if now - last >= PROGRESS_EVERY_S:
