@@ -111,7 +111,7 @@ def test_a_stop_during_the_preparation_ends_the_leg_and_the_next_prepares(tiny_a
         "        first_leg.touch()\n"
         "        Path(os.environ['STOP_FILE_TO_WRITE']).touch()\n"
         "    return [{'text': f'1.e4 e5 2.Nf3 Nc6 3.Bb5 a6 game {i}'} for i in range(COUNT)]\n"
-        f"\n\nCOUNT = {2 * prepare.ROWS_PER_BATCH + 1}  # three batches: asked after each but the last\n"
+        f"\n\nCOUNT = {2 * prepare.ROWS_PER_BATCH + 1}  # three batches\n"
     )
     run, cache = tmp_path / "run", tmp_path / "cache"
     args = tiny_args(
