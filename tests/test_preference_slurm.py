@@ -47,8 +47,10 @@ def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) 
         "--time_limit_margin_minutes", "0.75", "--save_every_minutes", "0",
         cwd=REPO, env=env,
     )  # fmt: skip
-    local_slurm.wait_for_requeue(job, log)
-    info = local_slurm.wait(job, timeout=280)
+    # Leg 2 may have all of it to do (the first may stop before its first step): on a loaded
+    # machine (load 12 on 2 cores) 5 minutes were not enough for the reference pass and 400 steps
+    local_slurm.wait_for_requeue(job, log, then_minutes=10)
+    info = local_slurm.wait(job, timeout=580)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
     assert "requeueing to resume" in text
