@@ -88,7 +88,10 @@ def test_a_config_json_written_before_the_split_reads_the_same():
     identity this code gives it is the one its checkpoint holds, so it resumes."""
     record = json.loads((FIXTURE_RUN / "config.json").read_text())
     config = config_from_dict(record["config"])
-    assert config.to_dict() == record["config"]
+    read, defaults = config.to_dict(), TrainConfig().to_dict()
+    assert {name: read[name] for name in record["config"]} == record["config"]
+    added = set(read) - set(record["config"])  # options added since: their defaults
+    assert {name: read[name] for name in added} == {name: defaults[name] for name in added}
     checkpoint = json.loads(
         (FIXTURE_RUN / "checkpoints" / "step_00000002" / "checkpoint.json").read_text()
     )

@@ -76,7 +76,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     if config.sample_prompts:  # a missing file or a bad line fails before the queue
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
-        check_eval_tasks(config)
+        check_eval_tasks(config, assets.model_dir)
     return plan, assets
 
 
