@@ -251,7 +251,9 @@ def compute_reference_cache(
         rows = np.concatenate([r for r, _ in gathered])
         values = np.concatenate([v for _, v in gathered]).astype(np.float32)
         rows, first = np.unique(rows, return_index=True)  # sorted; repeats dropped
-        if stopped is not None:
+        if stopped is not None and len(rows) == 0:
+            log("dpo: the reference pass stopped before its first pair")
+        elif stopped is not None:
             _write_partial(folder, rows, values[first])
             total = len(np.unique(np.concatenate([s.rows for s in splits])))
             log(
