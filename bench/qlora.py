@@ -21,6 +21,7 @@ RSS when loading starts (imports, data, the meta model). Speed: rank 0's CPU sec
     python bench/qlora.py                # every setting of SETTINGS (~50 min on a loaded 2-core machine)
     python bench/qlora.py --quick        # issue 40's setting only: 2 processes, fp32
     python bench/qlora.py --baseline DIR # also LoRA from another checkout (before a change)
+    python bench/qlora.py --malloc 2     # the fixed mmap threshold's cost, LoRA, 2 pairs
 
 Writes bench/results/qlora.json and prints a markdown table, with the load average.
 """
@@ -150,6 +151,7 @@ def run(
     method: str,
     setting: tuple[int, str, tuple[str, ...]],
     checkout: Path = REPO,
+    env_extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One training run under the sampler: its phases' peaks and its speed."""
     nproc, precision, extra = setting
@@ -171,6 +173,7 @@ def run(
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = str(checkout)
+    env.update(env_extra or {})
     started = time.monotonic()
     proc = subprocess.Popen(
         command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -243,6 +246,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n\nMiB per process (the highest of the ranks)."
 
 
+def malloc_pairs(paths: dict[str, Path], pairs: int) -> str:
+    """LoRA in issue 40's setting with the trainer's fixed mmap threshold (128 KiB,
+    fsdp_utils/run/host_memory.py) against a fixed 32 MiB (glibc's moving threshold at its
+    ceiling, where it ends up after the first steps: blocks below it come from the heaps),
+    interleaved A B B A ...: the training peak and rank 0's CPU seconds per step, pair by pair."""
+    settings = {"128 KiB (the trainer's)": None, "32 MiB": {"MALLOC_MMAP_THRESHOLD_": str(2**25)}}
+    lines = ["| threshold | training peak MiB | CPU s/step | tokens/s |", "|---|---:|---:|---:|"]
+    ratios = []
+    for index in range(pairs):
+        order = list(settings) if index % 2 == 0 else list(reversed(settings))
+        got = {name: run(paths, "LoRA", SETTINGS[0], env_extra=settings[name]) for name in order}
+        for name in order:
+            r = got[name]
+            lines.append(
+                f"| {name} | {r['training']['VmRSS']:,.0f} | {r['cpu_seconds_per_step']:.1f} "
+                f"| {r['tokens_per_s']:.1f} |"
+            )
+        fixed, moving = (got[name]["cpu_seconds_per_step"] for name in settings)
+        ratios.append(fixed / moving)
+    shown = ", ".join(f"{r:.2f}" for r in ratios)
+    return "\n".join(lines) + f"\n\nCPU s/step, 128 KiB over 32 MiB, pair by pair: {shown}"
+
+
 # (processes, precision, extra flags): issue 40's setting first
 SETTINGS = [
     (2, "fp32", ()),
@@ -260,9 +286,17 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="also LoRA from this checkout, in issue 40's setting"
     )
+    parser.add_argument(
+        "--malloc", type=int, metavar="PAIRS", help="only the mmap threshold's cost: PAIRS pairs"
+    )
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     paths = assets()
+    if args.malloc:
+        before = os.getloadavg()
+        print(malloc_pairs(paths, args.malloc))
+        print(f"load average before and after: {before}, {os.getloadavg()}")
+        return
     load = [os.getloadavg()]
     rows = []
     for setting in SETTINGS[:1] if args.quick else SETTINGS:

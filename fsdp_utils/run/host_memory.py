@@ -5,11 +5,13 @@ freed, but each time such a block is freed it raises that threshold to the block
 32 MiB): from then on blocks of that size come from its heaps, and freed ones stay resident
 there as fragments. A training step allocates and frees activation and all-gather buffers of a
 few MiB each by the hundred, so after the first step the process holds them all: on CPU, 284M
-parameters trained with LoRA on 2 processes peaked at 2,551 MiB per process with the moving
-threshold and at 1,435 MiB with it fixed (docs/benchmarks.md#qlora-and-lora-host-memory-per-process),
-the same speed. Fixing it (`mallopt(M_MMAP_THRESHOLD)`, which also turns the raising off) is
-what glibc's `MALLOC_MMAP_THRESHOLD_` does before a process starts; a user's own
-`MALLOC_MMAP_THRESHOLD_` (or another allocator, which has no `mallopt`) is left alone.
+parameters trained with LoRA on 2 processes peaked at 2,443 MiB per process with the moving
+threshold and at 1,432 MiB with it fixed (docs/benchmarks.md#qlora-and-lora-host-memory-per-process).
+The price, on CPU: each such block is mapped and zeroed afresh, 1.1-1.3x the CPU time per step
+(`bench/qlora.py --malloc`). Fixing it (`mallopt(M_MMAP_THRESHOLD)`, which also turns the raising
+off) is what glibc's `MALLOC_MMAP_THRESHOLD_` does before a process starts; a user's own
+`MALLOC_MMAP_THRESHOLD_` (32 MiB: speed over memory; or another allocator, which has no
+`mallopt`) is left alone.
 """
 
 from __future__ import annotations
