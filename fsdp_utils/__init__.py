@@ -12,8 +12,11 @@ checks it: see `.importlinter`):
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
     chess_eval/  did the model learn chess? (python-chess as the referee)
     lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
-    train/       the trainer: train -> train_step (TrainStep) -> forward_backward
-    preference/  DPO beside train/: its loss, step and the reference model's log-probabilities
+    train/       the step machinery every method shares: TrainStep (micro-batches, the loss
+                 normalised by the step's count, clipping, non-finite checks), the chunked loss,
+                 optimizer, time limit
+    methods/     training methods over it: SFT and DPO behind one interface, `--method` registry
+    trainer/     the Trainer: composes the stages and the run's method (train -> train_step)
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
     run/         before a run: preflight, run-folder start, shared paths; opening the Trainer
     slurm/       sbatch/submitit launchers, a local Slurm for tests

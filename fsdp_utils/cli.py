@@ -17,7 +17,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 if TYPE_CHECKING:
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.trainer.trainer import Trainer
 
     AfterSetup = Callable[[Trainer], None]
 

@@ -26,7 +26,7 @@ enable_offline_mode()
 import torch  # noqa: E402
 
 from fsdp_utils import cli  # noqa: E402
-from fsdp_utils.train.trainer import Trainer  # noqa: E402
+from fsdp_utils.trainer.trainer import Trainer  # noqa: E402
 
 POISON_STEP = int(os.environ["POISON_GRADIENT_AT_STEP"])
 

@@ -665,5 +665,6 @@ def test_a_checkpoint_identity_covers_the_data_settings():
     assert set(chess) == {*IDENTITY_FIELDS, "dataset_include", "total_batch_size"}
     chat = run_identity(TrainConfig(train_on_prompt=True, long_examples="truncate"), 32)
     assert chat == {**chess, "train_on_prompt": True, "long_examples": "truncate"}
-    dpo = run_identity(TrainConfig(method="dpo"), 32)
+    # what a training method adds (`Method.identity`: tests/test_methods.py)
+    dpo = run_identity(TrainConfig(method="dpo"), 32, {"method": "dpo"})
     assert dpo == {**chess, "method": "dpo"}

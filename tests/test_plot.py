@@ -167,7 +167,7 @@ DPO_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/
 
 
 def _dpo_metrics(step: int, prefix: str = "") -> dict[str, float]:
-    """TRL's metrics as fsdp_utils.preference.step logs them, a different number per field."""
+    """TRL's metrics as fsdp_utils.methods.dpo.step logs them, a different number per field."""
     chosen, rejected = 0.02 * step, -0.03 * step - (0.01 if prefix else 0.0)
     return {
         f"{prefix}rewards/chosen": chosen,

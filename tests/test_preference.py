@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX
 from fsdp_utils.data.preference import PAIR_ROWS
+from fsdp_utils.methods.dpo.loss import DpoSettings, dpo_loss
 from fsdp_utils.metrics.plot import RunCurves, plot_runs
-from fsdp_utils.preference.loss import DpoSettings, dpo_loss
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests.chat_helpers import write_jsonl
 from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, tiny_args

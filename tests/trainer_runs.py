@@ -95,7 +95,7 @@ def _dpo_step(trainer: Any, out: Path) -> None:
 def _dpo_lora(trainer: Any, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from fsdp_utils.preference.loss import sequence_logps
+    from fsdp_utils.methods.dpo.loss import sequence_logps
 
     step = trainer.train_step
     for s in range(2):

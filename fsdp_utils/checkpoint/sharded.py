@@ -24,7 +24,7 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,13 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used; the message says why and what to do."""
 
 
-def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
+def run_identity(
+    config: TrainConfig, total_batch_size: int, method: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it. `method`: what the training
+    method adds (`Method.identity`: DPO's name, so that an SFT checkpoint is not a DPO run's to
+    continue, nor the reverse; DPO's beta and loss may change on resume, as the learning rate
+    may)."""
     identity = {name: getattr(config, name) for name in IDENTITY_FIELDS}
     identity["dataset_include"] = config.resolved_dataset_include
     identity["total_batch_size"] = total_batch_size
@@ -80,11 +86,7 @@ def run_identity(config: TrainConfig, total_batch_size: int) -> dict[str, Any]:
     identity.update(lora_identity(config))
     identity.update(freeze.identity(config))
     identity.update(data_identity(config))  # masked formats' settings, when not the defaults
-    # DPO runs only: their steps count pairs and their loss is another, so an SFT checkpoint is
-    # not theirs to continue (nor theirs an SFT run's). DPO's beta and loss may change on resume,
-    # as the learning rate may.
-    if config.method != "sft":
-        identity["method"] = config.method
+    identity.update(method or {})
     return identity
 
 

@@ -112,5 +112,5 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
         world_size=world_size,
         gradient_accumulation_steps=derived,
         seq_length=config.max_seq_length,
-        sequences_per_example=2 if config.method == "dpo" else 1,
+        sequences_per_example=2 if config.trains_on_pairs else 1,
     )

@@ -137,14 +137,15 @@ def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
 
 
 def _preference_choice(columns: Sequence[str], config: TrainConfig) -> FormatChoice | None:
-    """--method dpo: the preference format, or the error naming the columns it needs.
-    --method sft on a set of pairs (nothing else to train on): the error naming --method dpo."""
+    """A method on pairs (--method dpo: `TrainConfig.trains_on_pairs`): the preference format,
+    or the error naming the columns it needs. --method sft on a set of pairs (nothing else to
+    train on): the error naming --method dpo."""
     shown = ", ".join(columns)
     pairs = _has("preference", columns, config)
-    if config.method == "dpo":
+    if config.trains_on_pairs:
         if config.data_format not in ("auto", "preference") or not pairs:
             raise ValueError(
-                f"--method dpo trains on preference pairs: it needs the columns `chosen` and "
+                f"--method {config.method} trains on preference pairs: it needs the columns `chosen` and "
                 f"`rejected` (text or message lists, and optionally `prompt`; TRL's preference "
                 f"formats), but the dataset has: {shown}"
                 + (
@@ -154,7 +155,9 @@ def _preference_choice(columns: Sequence[str], config: TrainConfig) -> FormatCho
                 + ". Give a dataset of pairs (docs/preference.md), or fine-tune on answers "
                 "with --method sft (the default)."
             )
-        return FormatChoice("preference", "columns `chosen` and `rejected` (--method dpo)")
+        return FormatChoice(
+            "preference", f"columns `chosen` and `rejected` (--method {config.method})"
+        )
     if config.data_format == "preference" or (
         pairs
         and config.data_format == "auto"

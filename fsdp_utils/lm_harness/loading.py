@@ -2,7 +2,7 @@
 
 `--model` is a hub id in the offline cache, a model folder, a run folder (its final model,
 `<run>/final`) or a PEFT LoRA adapter folder (over the base its `adapter_config.json` names).
-The model then takes the trainer's steps (`fsdp_utils.train.trainer`): built on the meta
+The model then takes the trainer's steps (`fsdp_utils.trainer.trainer`): built on the meta
 device, transformed (the LoRA adapters of an adapter folder, exactly as `--lora_from` continues
 one), sharded with FSDP2 per decoder layer, materialised rank by rank, its weights read slice by
 slice. No rank ever holds the whole model.

@@ -153,7 +153,7 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
 
-# DPO's metrics, TRL's names (fsdp_utils.preference.step): three panels when a run logged them,
+# DPO's metrics, TRL's names (fsdp_utils.methods.dpo.step): three panels when a run logged them,
 # the train split's as lines and the eval split's (`eval_` prefix) as the same line style with
 # dots. An SFT run has none of these fields and keeps its plot.
 DPO_REWARDS, DPO_ACCURACY = "DPO rewards: chosen vs rejected", "DPO reward accuracy"

@@ -41,6 +41,8 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
+from fsdp_utils.methods.base import MethodContext, StepParts
+from fsdp_utils.methods.registry import build_method, method_class
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
 from fsdp_utils.model.transforms import ModelInfo
@@ -54,10 +56,7 @@ from fsdp_utils.plan.extrapolate import (
     why_layers_differ,
 )
 from fsdp_utils.plan.tracking import PARAMETERS, StepMemory, track_train_step, with_resident
-from fsdp_utils.preference.reference import AdaptersOff, ForwardSettings, LiveReference, Reference
-from fsdp_utils.preference.step import build_preference_step
-from fsdp_utils.train.loss import LossChunking
-from fsdp_utils.train.step import Batch, TrainStep, build_train_step
+from fsdp_utils.train.step import Batch, TrainStep
 
 
 @dataclass(frozen=True)
@@ -175,47 +174,24 @@ def _local_bytes(model: Any) -> int:
     return total
 
 
-class _CachedStandIn:
-    """The DPO reference cache in a traced step: a few host numbers per pair, no device memory
-    to plan beyond the step's [sequences] fp32 log-probabilities."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def logps(self, batch: Batch) -> torch.Tensor:
-        return torch.zeros(batch["input_ids"].shape[0], device=self.device)
+def _no_frozen_copy() -> Any:
+    raise AssertionError("the method asked for a frozen copy it did not declare")
 
 
 def traced_step(
-    model: Any, config: TrainConfig, env: DistEnv, reference_model: Any = None
+    model: Any, config: TrainConfig, env: DistEnv, batch: BatchPlan, reference_model: Any = None
 ) -> TrainStep:
-    """The trainer's step on a (fake) model: same optimizer, schedule, loss scaling, router loss,
-    micro-batch loop and gradient sync. No gradient scaler for fp16-mixed: it holds two scalars
-    and unscales in place (no memory to plan), and its inf check would read a fake value and
-    could skip the step. --method dpo: DPO's step, its reference the model with the adapters
-    off (--lora), `reference_model` (--reference live) or the cache (nothing on the device)."""
-    autocast = autocast_context(config, env.device)
-    if config.method == "dpo":
-        chunking = LossChunking.build(config.loss_chunk_size, model.config)
-        forward = ForwardSettings(chunking, env.device, autocast)
-        reference: Reference = _CachedStandIn(env.device)
-        if config.lora:
-            reference = AdaptersOff(model, forward)
-        elif reference_model is not None:
-            reference = LiveReference(reference_model, forward)
-        return build_preference_step(
-            model, config, world_size=env.world_size, device=env.device, hf_config=model.config,
-            chunking=chunking, reference=reference, autocast=autocast, grad_scaler=False,
-        )  # fmt: skip
-    return build_train_step(
-        model,
-        config,
-        world_size=env.world_size,
-        device=env.device,
-        hf_config=model.config,
-        autocast=autocast_context(config, env.device),
-        grad_scaler=False,
-    )
+    """The trainer's step on a (fake) model: the run's method (`Method.planned_step`) with the
+    same optimizer, schedule, loss scaling, router loss, micro-batch loop and gradient sync. No
+    gradient scaler for fp16-mixed: it holds two scalars and unscales in place (no memory to
+    plan), and its inf check would read a fake value and could skip the step.
+    `reference_model`: the frozen copy a method keeps (`Method.needs_frozen_copy`: DPO's
+    --reference live), built and materialised by the caller."""
+    context = MethodContext(env, batch, model.config, Path(), log=lambda line: None)
+    method = build_method(config, context)
+    copy = (lambda: reference_model) if reference_model is not None else _no_frozen_copy
+    parts = StepParts(autocast_context(config, env.device), copy, grad_scaler=False)
+    return method.planned_step(model, parts)
 
 
 @contextlib.contextmanager
@@ -309,7 +285,8 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     """
     started = time.perf_counter()
     check_plannable(config)
-    batch = plan_batch(config, cluster.world_size)  # a clear error before any model work
+    method_class(config.method)  # clear errors before any model work
+    batch = plan_batch(config, cluster.world_size)
     hf_config = load_model_config(model_config_dir(config))
     check_seq_length(hf_config, config.max_seq_length)
     config, stand_in = _attention_to_trace(config)
@@ -381,8 +358,9 @@ def _trace(
     """Materialise `model` (from `build_parallel_model`, on meta) on fake tensors and trace
     one training step of it."""
     reference_model = None
-    if config.method == "dpo" and config.reference == "live" and not config.lora:
-        # DPO's frozen copy: its parameters and its forward (no gradients) are planned too
+    if method_class(config.method).needs_frozen_copy(config):
+        # a method's frozen copy (DPO's --reference live): its parameters and its forward (no
+        # gradients) are planned too
         reference_model, _ = build_parallel_model(hf_config, config, env)
     try:
         with _UnitScalarsFakeMode(allow_non_fake_inputs=True), _transformers_eager_paths():
@@ -391,7 +369,7 @@ def _trace(
             if reference_model is not None:
                 materialize(reference_model, env.device)
                 reference_model.requires_grad_(False)
-            step = traced_step(model, config, env, reference_model)
+            step = traced_step(model, config, env, batch, reference_model)
             # Warm-up: creates the optimizer state, untracked.
             step(placeholder_micro_batches(batch, 1, config.seed), step=1)
             count = traced_micro_batches(batch, config.defer_grad_sync)

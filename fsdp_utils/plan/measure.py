@@ -20,14 +20,14 @@ from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.plan.tracking import StepMemory, track_train_step
 
 if TYPE_CHECKING:
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.trainer.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.config.batch import plan_batch
     from fsdp_utils.hub.resolve import resolve_assets
     from fsdp_utils.parallel import distributed as dist_utils
-    from fsdp_utils.train.trainer import Trainer
+    from fsdp_utils.trainer.trainer import Trainer
 
     parser = build_parser(__doc__)
     parser.add_argument("--out", required=True, type=Path, help="JSON file for rank 0's result.")

@@ -22,6 +22,7 @@ from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
 from fsdp_utils.lm_harness.training import check_eval_tasks
+from fsdp_utils.methods.registry import method_class
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.attention import check_attn_implementation
 from fsdp_utils.model.build import check_seq_length
@@ -55,11 +56,12 @@ def detect_gpu_memory() -> str | None:
 
 
 def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
-    """Trackers, batch arithmetic, the model and data in the offline cache, the sequence length
+    """Trackers, the training method, batch arithmetic, the model and data in the offline cache, the sequence length
     against the model's context, the attention implementation, LoRA's targets and adapter, the
     frozen layers: (batch plan, resolved assets). The trainer's process calls it once and
     passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
+    method_class(config.method)  # registered in this process (fsdp_utils.methods.registry)
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
     hf_config = assets.model_config

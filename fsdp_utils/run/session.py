@@ -9,7 +9,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.run.preflight import check_run
 from fsdp_utils.run.start import start_run
-from fsdp_utils.train.trainer import Trainer
+from fsdp_utils.trainer.trainer import Trainer
 
 
 def open_trainer(config: TrainConfig, env: DistEnv) -> Trainer:

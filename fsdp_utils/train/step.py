@@ -195,7 +195,7 @@ def build_train_step(
     """The step of a run: its optimizer (`optim.build_optimizer`), schedule, gradient scaler
     (fp16-mixed, unless `grad_scaler` is False) and router loss (mixture of experts).
     `step_class` and `step_options`: another TrainStep and its own arguments, or other values of
-    TrainStep's (preference tuning: fsdp_utils/preference/step.py)."""
+    TrainStep's (preference tuning: fsdp_utils/methods/dpo/step.py)."""
     optimizer = build_optimizer(model, config)
     options = {
         "router_loss": RouterLoss.build(config, hf_config),
@@ -304,7 +304,7 @@ class TrainStep:
 
     def local_counts(self, batches: list[Batch]) -> list[float]:
         """What the step's loss is normalised by, and its tokens: `local_counts` (preference
-        tuning counts pairs: fsdp_utils/preference/step.py)."""
+        tuning counts pairs: fsdp_utils/methods/dpo/step.py)."""
         return local_counts(batches)
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:

@@ -119,6 +119,24 @@ class LiveReference:
         return self.forward.logps(self.model, batch)
 
 
+class CachedStandIn:
+    """The cache in the memory planner's traced step: a few host numbers per pair, nothing on
+    the device to plan beyond the step's [sequences] fp32 log-probabilities."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        return torch.zeros(batch["input_ids"].shape[0], device=self.device)
+
+
+class Released:
+    """The reference after `DPO.before_export` let the frozen copy go: nothing may ask it."""
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        raise AssertionError("the DPO reference was released before the final model was written")
+
+
 @dataclass(frozen=True)
 class CachedReference:
     rows: np.ndarray  # (pairs,) sorted dataset rows

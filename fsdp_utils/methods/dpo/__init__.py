@@ -1,4 +1,4 @@
-"""Preference tuning (`--method dpo`): Direct Preference Optimization on the FSDP2 trainer.
+"""Direct Preference Optimization (`--method dpo`) on the FSDP2 trainer.
 
     loss.py       the DPO and IPO losses (TRL's formulas) from sequence log-probabilities,
                   which come from the training loss's chunked path (train/loss.py)
@@ -7,7 +7,7 @@
                   each pair's dataset row, or a frozen sharded copy (`--reference live`)
     step.py       the optimizer step over pairs (a TrainStep whose loss is DPO's) and the
                   evaluation of the held-out pairs
-    run.py        the Trainer's hook: what a DPO run sets up beside a fine-tuning run
+    method.py     the Method the trainer composes (`fsdp_utils.methods.base`)
 
 The data side (TRL's preference formats, pairs kept whole) is fsdp_utils/data/preference.py.
 """

@@ -5,7 +5,9 @@ The Trainer composes the stages: it receives the run's batch plan and resolved a
 once per process: `fsdp_utils.run.preflight.check_run`), builds the model on `meta` (the
 storage check and the checkpoint key map read it there), prepares the data, parallelizes,
 materialises shard by shard and only then fills in the weights. What a step, an evaluation, a
-checkpoint or the final model is lives in their own modules.
+checkpoint or the final model is lives in their own modules; what the run trains on, its loss
+and what it needs before the first step come from its method (`fsdp_utils.methods`, chosen by
+--method), which the Trainer composes without knowing which it is.
 """
 
 from __future__ import annotations
@@ -24,19 +26,18 @@ from fsdp_utils.checkpoint.sharded import (
     Checkpointer,
     CheckpointError,
     CheckpointInfo,
-    list_checkpoints,
     run_identity,
 )
-from fsdp_utils.checkpoint.storage import plan_storage
 from fsdp_utils.chess_eval.training import TrainingChessEval
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import StepSampler, TokenBlocks, describe_epochs, epoch_steps
-from fsdp_utils.data.document_masking import attention_implementation, check_document_masking
-from fsdp_utils.data.preference import PreferencePairs
-from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
+from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
+from fsdp_utils.data.document_masking import check_document_masking
+from fsdp_utils.data.prepare import PreparedData
 from fsdp_utils.hub.resolve import ResolvedAssets
+from fsdp_utils.methods.base import Examples, Method, MethodContext, StepParts
+from fsdp_utils.methods.registry import build_method
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
 from fsdp_utils.metrics.profile import StepProbes
 from fsdp_utils.metrics.records import run_config_record, write_run_config, write_status
@@ -48,24 +49,17 @@ from fsdp_utils.metrics.throughput import (
     training_flops_per_token,
 )
 from fsdp_utils.metrics.trackers import open_trackers
-from fsdp_utils.model import freeze, lora
-from fsdp_utils.model.build import build_meta_model
-from fsdp_utils.model.transforms import MetaModel, transform_model
-from fsdp_utils.model.weights import checkpoint_key_map
+from fsdp_utils.model.transforms import MetaModel
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.parallel.materialize import build_model
 from fsdp_utils.parallel.parallelize import (
     autocast_context,
-    describe_parallelism,
-    fsdp_group_names,
 )
-from fsdp_utils.preference.run import PreferenceRun
-from fsdp_utils.train.evaluate import evaluate
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, TrainStep, build_train_step
+from fsdp_utils.train.step import Batch, TrainStep
 from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
+from fsdp_utils.trainer.parts import RunModel, describe_run, prepare_data
 
 
 @dataclass
@@ -79,8 +73,12 @@ class TrainState:
 
 class Trainer:
     # Set by `setup`, in this order.
+    method: Method  # --method (fsdp_utils/methods/): what it trains on, its step, its evaluation
     chess_eval: TrainingChessEval | None
+    models: RunModel
     data: PreparedData
+    train_blocks: Examples  # the method's examples: blocks, or pairs
+    eval_blocks: Examples
     sampler: StepSampler
     checkpointer: Checkpointer
     model: nn.Module
@@ -93,9 +91,6 @@ class Trainer:
     peak_tflops: float | None
     eval_seconds: float | None = None  # the last evaluation's, for the time-limit estimate
     samples: SamplePrompts | None = None  # --sample_prompts
-    preference: PreferenceRun | None = None  # --method dpo (fsdp_utils/preference/)
-    train_blocks: TokenBlocks | PreferencePairs
-    eval_blocks: TokenBlocks | PreferencePairs
 
     def __init__(
         self, config: TrainConfig, env: DistEnv, *, plan: BatchPlan, assets: ResolvedAssets
@@ -124,16 +119,20 @@ class Trainer:
     def setup(self) -> None:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
-        self._print_header()
+        self.log.info(describe_run(config, self.plan, env, self.layout.root))
+        context = MethodContext(env, self.plan, self.hf_config, self.model_dir, self.log.info)
+        self.method = build_method(config, context)
         self.chess_eval = TrainingChessEval.build(config, env, self.assets, self.log)
         # The model on meta first (no memory): the storage check, the checkpoint key map and
         # the log read it there, and a run that cannot fit on the disk stops before any data work.
-        meta = self._meta_model()
-        self.data = self._prepare_data()
+        self.models = RunModel(config, env, self.assets, self.layout, self.log.info)
+        meta = self.models.meta()
+        self.data = prepare_data(config, self.assets, env, self.log.info)
+        self.train_blocks, self.eval_blocks = self.method.use_data(self.data)
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
         if config.num_epochs is not None:  # the steps follow from the data: before the schedule
             blocks, total = len(self.train_blocks), self.plan.total_batch_size
-            self.config = config = epoch_steps(config, blocks, total)
+            self.config = self.method.config = config = epoch_steps(config, blocks, total)
             self.log.max_steps = config.max_training_steps
             self.log.info(describe_epochs(config, blocks, total))
         self.samples = self._sample_prompts()
@@ -141,38 +140,28 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.layout.checkpoints,
             config,
-            run_identity(config, self.plan.total_batch_size),
+            run_identity(config, self.plan.total_batch_size, self.method.identity()),
             is_main=env.is_main,
             device=env.device,
         )
         resume_from = self.checkpointer.to_resume(warn=self.log.info)
-        if config.method == "dpo":
-            self.preference = PreferenceRun(
-                config, env, data_folder=self.data.folder, model_dir=self.model_dir,
-                hf_config=self.hf_config, log=self.log.info,
-            )  # fmt: skip
-            self.log.info(self.preference.describe())
-        # A DPO reference cache to compute needs the starting weights, even when resuming.
-        starting = self.preference is not None and self.preference.needs_starting_weights
+        if (line := self.method.describe()) is not None:
+            self.log.info(line)
 
         watch = Stopwatch()
-        self.model = self._build_model(meta, load_weights=resume_from is None or starting)
+        # Work before the first step may read the starting weights even when resuming.
+        load = resume_from is None or self.method.needs_starting_weights()
+        self.model = self.models.build(meta, load_weights=load)
+        self.fsdp_groups = self.models.fsdp_groups
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
         if config.document_masking:
             check_document_masking(self.model, batch_size_per_device=config.batch_size_per_device)
         if (router := RouterLoss.describe(config, self.hf_config)) is not None:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
-        if self.preference is not None:
-            self.train_step = self.preference.build_step(
-                self.model, splits=self._pairs(), frozen_copy=self._frozen_copy,
-                autocast=self.autocast, batch_size=self.plan.batch_size_per_device,
-            )  # fmt: skip
-        else:
-            self.train_step = build_train_step(
-                self.model, config, world_size=env.world_size, device=env.device,
-                hf_config=self.hf_config, autocast=self.autocast,
-            )  # fmt: skip
+        parts = StepParts(self.autocast, self.models.frozen_copy)
+        self.method.before_first_step(self.model, parts, lambda: False)
+        self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
         if resume_from is not None:
@@ -186,100 +175,6 @@ class Trainer:
         )
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(env.device)
         self._write_run_config(meta)
-
-    def _print_header(self) -> None:
-        c, p, env = self.config, self.plan, self.env
-        self.log.info(
-            f"run: {c.model} on {c.dataset} -> {self.layout.root}\n"
-            f"world: {env.world_size} process(es) on {env.num_nodes} node(s), "
-            f"device {env.device.type}, backend {env.backend}\n"
-            f"batch: {p.describe()}\n"
-            f"parallel: {describe_parallelism(c)}; precision {c.precision}; "
-            f"optimizer {c.optimizer}, lr {c.learning_rate:g} ({c.lr_schedule}, "
-            + ("warmup: see epochs" if c.num_epochs else f"{c.resolved_warmup_steps} warmup steps")
-            + f"), grad clip {c.grad_clip or 'off'}"
-        )
-
-    def _meta_model(self) -> MetaModel:
-        """The model as it will train, on meta; its checkpoint key map (taken before the
-        transforms rename anything); and, on rank 0, the storage check of its checkpoints."""
-        model = build_meta_model(
-            self.hf_config,
-            self.config.precision,
-            attn_implementation=self.config.attn_implementation,
-        )
-        self._key_map = checkpoint_key_map(model, self.model_dir)
-        meta = transform_model(model, self.config)
-
-        def check_storage() -> str:
-            return plan_storage(
-                meta.model,
-                self.config,
-                self.hf_config,
-                self.model_dir,
-                existing=len(list_checkpoints(self.layout.checkpoints)),
-                world_size=self.env.world_size,
-            ).check()
-
-        line = dist_utils.on_main_rank(check_storage)
-        if line:
-            self.log.info(line)
-        return meta
-
-    def _prepare_data(self) -> PreparedData:
-        # Rank 0 prepares (or finds) the cached data and tells the others where: a
-        # --dataset_module runs once, and every rank reads what rank 0 prepared.
-        # The others wait on the store, not in a collective: preparing may take hours, longer
-        # than --collective_timeout_minutes (`on_main_rank`).
-        config, assets = self.config, self.assets
-        started = time.monotonic()
-        main_folder = dist_utils.on_main_rank(
-            lambda: prepare_dataset(config, assets=assets, log=self.log.info)
-        )
-        advice = slow_preparation_advice(time.monotonic() - started, self.env.world_size)
-        if advice:
-            self.log.info(advice)
-        folder = dist_utils.broadcast_object(main_folder)
-        assert folder is not None  # rank 0 prepared it, or every rank raised
-        prepared = PreparedData.load(folder)
-        self.train_blocks = prepared.split("train", document_masking=config.document_masking)
-        self.eval_blocks = prepared.split("eval", document_masking=config.document_masking)
-        return prepared
-
-    def _build_model(self, meta: MetaModel, *, load_weights: bool) -> nn.Module:
-        model = build_model(
-            meta, self.config, self.env, self.model_dir, self._key_map, load_weights=load_weights
-        )
-        self.fsdp_groups = fsdp_group_names(model)
-        self.log.info(
-            f"model: {meta.info.describe()}; "
-            f"{len(self.fsdp_groups)} FSDP shard group(s); attention "
-            f"{attention_implementation(getattr(model, 'module', model))}"
-            + (f"\nlora: {lora.describe(self.config, model)}" if self.config.lora else "")
-            + (
-                f"\nfreeze: {freeze.describe(self.config, model)}"
-                if self.config.freeze_layers
-                else ""
-            )
-        )
-        return model
-
-    def _pairs(self) -> list[PreferencePairs]:
-        splits = [self.train_blocks, self.eval_blocks]
-        return [s for s in splits if isinstance(s, PreferencePairs)]
-
-    def _frozen_copy(self) -> nn.Module:
-        """The starting model again, built and sharded like the trained one (the DPO reference
-        of --reference live)."""
-        model = build_meta_model(
-            self.hf_config,
-            self.config.precision,
-            attn_implementation=self.config.attn_implementation,
-        )
-        meta = transform_model(model, self.config)
-        return build_model(
-            meta, self.config, self.env, self.model_dir, self._key_map, load_weights=True
-        )
 
     def _resume(self, info: CheckpointInfo) -> None:
         watch = Stopwatch()
@@ -438,25 +333,12 @@ class Trainer:
         return record
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Collective: the held-out loss now (`fsdp_utils.train.evaluate`), logged; and the
-        answers to --sample_prompts (`fsdp_utils.train.samples`)."""
-        if self.preference is not None:
-            assert isinstance(self.eval_blocks, PreferencePairs)
-            metrics = self.preference.evaluate(
-                self.model, self.eval_blocks, batch_size=self.plan.batch_size_per_device,
-                max_batches=self.config.eval_batches,
-            )  # fmt: skip
-        else:
-            assert isinstance(self.eval_blocks, TokenBlocks)
-            metrics = evaluate(
-                self.model,
-                self.eval_blocks,
-                env=self.env,
-                batch_size=self.plan.batch_size_per_device,
-                max_batches=self.config.eval_batches,
-                autocast=self.autocast,
-                chunking=self.train_step.chunking,
-            )
+        """Collective: the held-out loss and metrics now (the method's `evaluate`), logged; and
+        the answers to --sample_prompts (`fsdp_utils.train.samples`)."""
+        metrics = self.method.evaluate(
+            self.model, self.eval_blocks, batch_size=self.plan.batch_size_per_device,
+            max_batches=self.config.eval_batches,
+        )  # fmt: skip
         record = None if metrics is None else {"step": self.state.step, **metrics}
         if record is not None:
             self.log.eval(record)
@@ -543,6 +425,7 @@ class Trainer:
         if self.config.no_final_save:
             return None
         self.train_step.check_weights_finite("writing the final model", self.state.step)
+        self.method.before_export()
         watch = Stopwatch()
         path = save_final_model(
             self.model, self.config, self.hf_config, self.layout,

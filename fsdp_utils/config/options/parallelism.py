@@ -1,0 +1,120 @@
+"""Parallelism, precision and memory: FSDP2 or DDP, sharding, offload, activation
+checkpointing, the loss in chunks, compilation, attention (fsdp_utils/parallel/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .section import Section, check_at_least
+
+SECTION = Section("parallelism", "parallelism, precision and memory")
+_opt = SECTION.option
+
+Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"]
+Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+# transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]
+
+
+@dataclass
+class ParallelismOptions:
+    no_fsdp: bool = field(
+        default=False,
+        metadata=_opt("Plain data parallel (DDP): every device holds everything."),
+    )
+    no_layer_wrap_policy: bool = field(
+        default=False,
+        metadata=_opt("Shard only at the root (one FSDP group for the whole model)."),
+    )
+    sharding: Sharding = field(
+        default="full",
+        metadata=_opt(
+            "full: shard params, grads, optimizer state; shard_grad_op: keep params gathered "
+            "between forward and backward; hybrid: shard within a node, replicate across nodes; "
+            "no_shard: replicate (DDP-like)."
+        ),
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata=_opt("Keep sharded params, grads and optimizer state in host RAM (FSDP2)."),
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata=_opt("Recompute decoder-layer activations in backward."),
+    )
+    checkpoint_every_n_layers: int = field(
+        default=1,
+        metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer."),
+    )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Target tokens per chunk of the loss: the output layer and cross-entropy run over "
+            "chunks of this many tokens, each chunk's logits recomputed in backward, so the "
+            "full [tokens, vocabulary] logits never exist (default: as many tokens as hold "
+            "64 Mi logits, 523 for a 128,256-word vocabulary; 0: the whole batch at once)."
+        ),
+    )
+    defer_grad_sync: bool = field(
+        default=False,
+        metadata=_opt(
+            "Reduce gradients only on the last micro-batch (less communication, but full "
+            "unsharded gradients stay in memory)."
+        ),
+    )
+    precision: Precision = field(
+        default="bf16-mixed",
+        metadata=_opt(
+            "bf16-mixed (fp32 master weights, bf16 compute), fp16-mixed (with a gradient "
+            "scaler), bf16-true (everything bf16: least memory), fp32."
+        ),
+    )
+    device: DeviceName = field(
+        default="auto",
+        metadata=_opt("cuda if available, else cpu (gloo backend)."),
+    )
+    collective_timeout_minutes: float = field(
+        default=30.0,
+        metadata=_opt(
+            "A collective (all-reduce, barrier, ...) that waits longer than this for a rank "
+            "fails the run instead of hanging: a dead or frozen node ends the job. Raise it if "
+            "the final save of a very large model takes longer (ranks wait for rank 0)."
+        ),
+    )
+    attn_implementation: AttnImplementation = field(
+        default="sdpa",
+        metadata=_opt(
+            "transformers' attention implementation (llama-recipes' use_fast_kernels): sdpa "
+            "(eager for models without it, as transformers does), eager, flash_attention_2 "
+            "(CUDA and the flash-attn package), flex_attention. Checked before the job waits."
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=_opt(
+            "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
+            "as torchtitan does; the first step is slower while it compiles."
+        ),
+    )
+
+
+def check(options: ParallelismOptions) -> None:
+    check_at_least(options, ("checkpoint_every_n_layers",))
+    if options.loss_chunk_size is not None and options.loss_chunk_size < 0:
+        raise ValueError(
+            f"--loss_chunk_size must be >= 0 (0: unchunked), got {options.loss_chunk_size}."
+        )
+    if options.collective_timeout_minutes <= 0:
+        raise ValueError(
+            "--collective_timeout_minutes must be positive, got "
+            f"{options.collective_timeout_minutes}."
+        )
+    if options.no_fsdp and (options.no_layer_wrap_policy or options.cpu_offload):
+        raise ValueError(
+            "--no_fsdp (DDP) cannot be combined with --no_layer_wrap_policy or --cpu_offload, "
+            "which are FSDP options."
+        )
+    if options.no_fsdp and options.sharding != "full":
+        raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
