@@ -493,6 +493,16 @@ class Kit:
                 code = 124
         return code, log.read_text(errors="replace"), time.perf_counter() - started
 
+    def write_weights(
+        self, folder: Path, shape: str, tokenizer_dir: Path, seq: int, timeout: float
+    ) -> tuple[int, str]:
+        """A model's random weights, written by a process of its own (see parse_args)."""
+        command = [sys.executable, str(Path(__file__).resolve()), "--probe-write", str(folder)]
+        command += ["--probe-shape", shape, "--probe-data", str(tokenizer_dir)]
+        command += ["--probe-seq", str(seq), "--probe-device", self.device]
+        code, log, _ = self.run(command, self.logs / f"{folder.name}-weights.log", timeout)
+        return code, log
+
     def plan(self, model: Path, data: Path, row: Row) -> dict[str, Any] | None:
         """The planner's prediction for exactly this configuration, on the CPU (the GPU stays the
         run's alone: CUDA_VISIBLE_DEVICES is empty). None if it cannot plan."""
@@ -820,6 +830,20 @@ def check_versions(output: Path, env: dict[str, str]) -> tuple[int, str]:
     return result.returncode, text
 
 
+def cuda_devices() -> tuple[int, str, str]:
+    """(count, name, memory of the first) of the visible GPUs, from nvidia-smi where it answers:
+    asking torch would start a CUDA context in this process, which nvidia-smi would then count
+    in every run's memory."""
+    lines = _smi("--query-gpu=name,memory.total").strip().splitlines()
+    if lines:
+        name, mib = (c.strip() for c in lines[0].split(","))
+        return len(lines), name, f"{mib}MiB"
+    import torch
+
+    properties = torch.cuda.get_device_properties(0)
+    return torch.cuda.device_count(), properties.name, f"{properties.total_memory}B"
+
+
 def environment(device: str) -> dict[str, Any]:
     import torch
     import transformers
@@ -858,7 +882,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu-memory", default=None, help="for the planner (default: detected)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (tests only)")
-    for name in ("masking", "model", "data", "seq", "device"):  # the probe's own process
+    # The probes' own processes (the masking check; writing a model's random weights): whatever
+    # they hold on the GPU goes with them, so nvidia-smi sees each run's memory alone.
+    for name in ("masking", "write", "shape", "model", "data", "seq", "device"):
         parser.add_argument(f"--probe-{name}", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -871,6 +897,15 @@ def main(argv: list[str] | None = None) -> int:
             args.probe_device,
         )  # fmt: skip
         Path(args.probe_masking).write_text(json.dumps(probe, indent=2))
+        return 0
+    if args.probe_write:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.probe_data)
+        shape = SHAPES[args.probe_shape]
+        write_model(
+            Path(args.probe_write), shape, tokenizer, int(args.probe_seq), args.probe_device
+        )
         return 0
     if args.wheels:
         install_wheels(args)  # does not return: runs this script again
@@ -889,9 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if torch.cuda.is_available():
-        device, gpus = "cuda", torch.cuda.device_count()
-        gpu_name = torch.cuda.get_device_name(0)
-        args.gpu_memory = args.gpu_memory or f"{torch.cuda.get_device_properties(0).total_memory}B"
+        device, gpus, gpu_name, memory = "cuda", *cuda_devices()
+        args.gpu_memory = args.gpu_memory or memory
     elif args.allow_cpu:
         device, gpus, gpu_name = "cpu", 1, "cpu"
         args.gpu_memory = args.gpu_memory or "80GiB"
@@ -957,6 +991,7 @@ def run_rows(
         if row.kind == "train":
             kit.plan_later(configs[row.role], kit.data, row)
     models: dict[str, Path] = {}
+    unwritten: set[str] = set()
     for row in rows:
         entry: dict[str, Any] = {
             "name": row.name,
@@ -971,6 +1006,8 @@ def run_rows(
         report.result["rows"].append(entry)
         weights_s = LARGE_WEIGHTS_S if row.role not in models and row.role == "large" else 0.0
         skip = skip_reason(row, device=device, left=budget - elapsed(), extra_s=weights_s)
+        if row.role in unwritten:
+            skip = f"the {shapes[row.role]} shape's weights could not be written (above)"
         if skip:
             entry.update(status="skipped", reason=skip)
             print(f"gpu-check: {row.name}: skipped ({skip})", flush=True)
@@ -981,11 +1018,19 @@ def run_rows(
         )
         if row.role not in models:
             t = time.perf_counter()
-            models[row.role] = write_model(
-                kit.work / f"model-{row.role}", SHAPES[shapes[row.role]], tokenizer,
-                longest[row.role], device,
+            folder = kit.work / f"model-{row.role}"
+            code, log = kit.write_weights(
+                folder, shapes[row.role], configs[row.role], longest[row.role],
+                timeout=min(600.0, budget - elapsed()),
             )  # fmt: skip
             entry["weights_written_s"] = time.perf_counter() - t
+            if code != 0:
+                entry.update(failure(code, log, "writing the weights"))
+                unwritten.add(row.role)
+                print(f"  {describe_row(entry)}", flush=True)
+                report.write(started)
+                continue
+            models[row.role] = folder
         timeout = min(max(3 * row.estimate_s, 60.0), budget - elapsed())
         model = models[row.role]
         if row.kind == "train":
