@@ -357,6 +357,11 @@ def margin_suggestion(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
+def parameters(count: float) -> str:
+    """1.10B, 0.14M: the table's model sizes."""
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+
+
 def render_table(result: dict[str, Any]) -> str:
     """The markdown to paste into docs/gpu-check.md: the training rows against the planner, then
     one line for each other row."""
@@ -386,7 +391,7 @@ def render_table(result: dict[str, Any]) -> str:
             others.append(f"- {row['name']}: {row.get('summary', 'ok')}")
             continue
         lines.append(
-            f"| {row['name']} | {row['shape']} ({row['parameters'] / 1e9:.2f}B) "
+            f"| {row['name']} | {row['shape']} ({parameters(row['parameters'])}) "
             f"| {row['seq']} x {row['batch']} "
             f"| {fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(row.get('mfu_pct'), '.1f')} "
             f"| {fmt(row.get('peak_allocated_gib'), '.2f')} "
@@ -988,7 +993,7 @@ def run_rows(
         for role, name in shapes.items()
     }
     for row in rows:
-        if row.kind == "train":
+        if row.kind == "train" and row.name in {r.name for r in runnable}:
             kit.plan_later(configs[row.role], kit.data, row)
     models: dict[str, Path] = {}
     unwritten: set[str] = set()
@@ -1031,7 +1036,9 @@ def run_rows(
                 report.write(started)
                 continue
             models[row.role] = folder
-        timeout = min(max(3 * row.estimate_s, 60.0), budget - elapsed())
+        # Three times its estimate on a GPU, within the budget; without a budget (--budget 0, the
+        # CPU dry run on a loaded machine) only a stop for a hung command.
+        timeout = min(max(3 * row.estimate_s, 60.0), budget - elapsed()) if args.budget else 1800.0
         model = models[row.role]
         if row.kind == "train":
             outcome = kit.train_row(model, kit.data, row, timeout)

@@ -296,8 +296,9 @@ def test_the_whole_flow_runs_on_cpu(tmp_path: Path) -> None:
          "--games", "200", "--output", str(out), "--work", str(tmp_path / "work")],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
+    outcomes = [(r["name"], r["status"], r.get("reason")) for r in report["rows"]]
+    assert result.returncode == 0, (outcomes, result.stdout[-3000:], result.stderr[-3000:])
     rows = {r["name"]: r for r in report["rows"]}
     train = rows["1b-bf16"]
     assert train["status"] == "ok" and train["steps_logged"] == 12
