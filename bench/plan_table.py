@@ -12,6 +12,8 @@ takes, and how the fast planner agrees with the full trace.
     python bench/plan_table.py --agreement       # only fast vs full trace, tiny 20-layer models
     python bench/plan_table.py --long_context    # only Llama-3-8B/Gemma-2-9B shapes at 8k and
                                                  #   32k on 8 GPUs, chunked loss or not (--full too)
+    python bench/plan_table.py --sequence_parallel  # only --sequence_parallel 1-8: Llama-3-8B
+                                                 #   at 32k-128k on 8 GPUs, 70B at 32k on 32 (--full too)
 
 Each row is one `plan_memory` (fake-tensor traces of the trainer's step, extrapolated from
 shallow copies of the model); with --full it is checked against the full trace of every layer
@@ -100,6 +102,15 @@ GEMMA_2_9B = {
     "eos_token_id": 1,
     "pad_token_id": 0,
     "torch_dtype": "bfloat16",
+}
+# meta-llama/Meta-Llama-3-70B's shapes, for sequence parallelism across nodes.
+LLAMA_3_70B = {
+    **LLAMA_3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
 }
 LONG_CONTEXT_MODELS: dict[str, dict[str, Any]] = {
     "Llama-3-8B-shaped": LLAMA_3_8B,
@@ -281,6 +292,54 @@ def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
     return "\n".join(rows)
 
 
+# (name, shape, lengths, nodes, total batch) of the sequence-parallel rows: 8 GPUs per node.
+SEQUENCE_PARALLEL_ROWS = [
+    ("Llama-3-8B-shaped", LLAMA_3_8B, (32768, 65536, 131072), 1, 8),
+    ("Llama-3-70B-shaped", LLAMA_3_70B, (32768,), 4, 32),
+]
+
+
+def sequence_parallel() -> str:
+    """--sequence_parallel N = 1, 2, 4, 8 (within a node) for the Llama-3-8B shape at 32k, 64k
+    and 128k tokens on 8 x 80 GB, and the Llama-3-70B shape at 32k on 4 nodes of 8: batch 1 per
+    GPU, activation checkpointing, bf16-mixed, the loss in chunks (docs/long-context.md)."""
+    rows = [
+        "| model | GPUs | tokens | N | tokens per GPU | params | grads | optimizer "
+        "| activations | temporaries | peak | peak in | + margin | fits 80 GB? | plan (wall / CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
+    ]
+    for name, shape, lengths, nodes, total in SEQUENCE_PARALLEL_ROWS:
+        model = RESULTS / "configs" / name.lower()
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        for seq in lengths:
+            for size in (1, 2, 4, 8):
+                config = TrainConfig(
+                    model=str(model), max_seq_length=seq, total_batch_size=total,
+                    batch_size_per_device=1, gradient_checkpointing=True, sequence_parallel=size,
+                )  # fmt: skip
+                wall, cpu = time.perf_counter(), time.process_time()
+                plan = plan_memory(
+                    config, nodes=nodes, gpus_per_node=8, gpu_memory_bytes=GPU.memory_bytes,
+                    gpu_name=GPU.name, suggest_fixes=False,
+                )  # fmt: skip
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                phase = "optimizer" if plan.peak_in_optimizer_step else "fwd/bwd"
+                rows.append(
+                    f"| {name} | {nodes * 8} | {seq:,} | {size} | {seq // size:,} "
+                    f"| {' | '.join(plan.parts_gib())} | {phase} "
+                    f"| {plan.required_bytes / GIB:.1f} | {'yes' if plan.fits else '**no**'} "
+                    f"| {wall:.0f} s / {cpu:.0f} s |"
+                )
+                print(rows[-1], flush=True)
+    rows += [
+        "",
+        "GiB per GPU at the peak (its parts sum to it); 1 sequence per GPU per micro-batch "
+        "(8B: total batch 8; 70B: 32), sequence-parallel groups within a node.",
+    ]
+    return "\n".join(rows)
+
+
 AGREEMENT_SETTINGS: list[dict[str, Any]] = [
     {},
     {"gradient_checkpointing": True},
@@ -340,6 +399,11 @@ def main() -> None:
     parser.add_argument(
         "--long_context", action="store_true", help="only the 8k/32k rows, chunked loss or not"
     )
+    parser.add_argument(
+        "--sequence_parallel",
+        action="store_true",
+        help="only the --sequence_parallel rows: Llama-3-8B at 32k-128k, 70B at 32k on 4 nodes",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole command")
     parser.add_argument(
         "--baseline", type=Path, help="another checkout, whose command alternates with this one's"
@@ -355,12 +419,16 @@ def main() -> None:
     if args.long_context:
         print(f"\n{long_context()}")
         return
+    if args.sequence_parallel:
+        print(f"\n{sequence_parallel()}")
+        return
     if not args.timings:
         print(f"\n{table(args.model, full_trace=args.full)}")
     print(timings(full_trace))
     print(command_timings(args.repeats, args.baseline))
     if args.full:
         print(f"\n{long_context()}")
+        print(f"\n{sequence_parallel()}")
         print(f"\n{agreement()}")
 
 

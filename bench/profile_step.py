@@ -36,7 +36,10 @@ CATEGORIES = {
     "forward": lambda f, fn: f.endswith("modeling_llama.py") and fn == "forward",
     # ours: fsdp_utils.train.loss (unchunked, or the chunks' forward); the bare loop: transformers' loss, inside the model's forward
     "loss": lambda f, fn: (
-        (f.endswith("fsdp_utils/train/loss.py") and fn in ("token_loss_sum", "chunked_target_nll"))
+        (
+            f.endswith("fsdp_utils/train/loss.py")
+            and fn in ("next_token_loss_sum", "chunked_target_nll")
+        )
         or (f.endswith("loss_utils.py") and fn == "ForCausalLMLoss")
     ),
     "backward": lambda f, fn: fn == "<method 'run_backward' of 'torch._C._EngineBase' objects>",

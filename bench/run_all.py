@@ -31,6 +31,7 @@ BENCHMARKS = [
     ("LoRA", "lora.py", True),
     ("LoRA memory plans", "lora_plan_table.py", False),
     ("long sequences", "long_context.py", True),
+    ("sequence parallelism", "sequence_parallel.py", True),
 ]
 
 

@@ -7,7 +7,8 @@ checks it: see `.importlinter`):
     hub/         the offline asset cache: download (login node), resolve (compute nodes)
     data/        dataset files -> rows -> tokens (+ loss masks) -> packed blocks -> batches
     model/       meta build, decoder layers, sliced weight loading, LoRA
-    parallel/    process groups, activation checkpointing, torch.compile, FSDP2/DDP
+    parallel/    process groups, sequence parallelism, activation checkpointing, torch.compile,
+                 FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
     chess_eval/  did the model learn chess? (python-chess as the referee)

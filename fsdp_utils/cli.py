@@ -105,7 +105,12 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
             from fsdp_utils.lm_harness.training import score_final_model
 
             summary["benchmarks"] = score_final_model(
-                trainer.model, config, env, tokenizer_dir=trainer.model_dir, log=trainer.log.info
+                trainer.model,
+                config,
+                env,
+                tokenizer_dir=trainer.data.tokenizer_dir(trainer.model_dir),
+                chat_data=trainer.data.chat_template_source,
+                log=trainer.log.info,
             )
         summary["lora"] = config.lora
         summary["output_dir"] = str(trainer.layout.root)

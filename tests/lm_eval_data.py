@@ -136,14 +136,16 @@ def _wikitext(rng: random.Random, n: int) -> list[dict[str, Any]]:
     return pages
 
 
-def build_task_repos(seed: int = 0) -> dict[str, dict[str, bytes]]:
-    """repo id -> {path in the repo: bytes}: every repo the tests' tasks read."""
+def build_task_repos(seed: int = 0, scale: int = 1) -> dict[str, dict[str, bytes]]:
+    """repo id -> {path in the repo: bytes}: every repo the tests' tasks read; `scale` times
+    as many documents in each split (bench/chat_template_scores.py takes more)."""
     rng = random.Random(seed)
-    arc = {s: _arc(rng, n) for s, n in (("train", 4), ("validation", 4), ("test", 8))}
-    swag = {s: _hellaswag(rng, n, s) for s, n in (("train", 4), ("validation", 8), ("test", 2))}
-    gsm = {s: _gsm8k(rng, n) for s, n in (("train", 6), ("test", 6))}
-    mmlu = {s: _mmlu(rng, n) for s, n in (("dev", 5), ("validation", 3), ("test", 8))}
-    wiki = {s: _wikitext(rng, n) for s, n in (("train", 2), ("validation", 2), ("test", 5))}
+    k = scale
+    arc = {s: _arc(rng, n * k) for s, n in (("train", 4), ("validation", 4), ("test", 8))}
+    swag = {s: _hellaswag(rng, n * k, s) for s, n in (("train", 4), ("validation", 8), ("test", 2))}
+    gsm = {s: _gsm8k(rng, n * k) for s, n in (("train", 6), ("test", 6))}
+    mmlu = {s: _mmlu(rng, n * k) for s, n in (("dev", 5), ("validation", 3), ("test", 8))}
+    wiki = {s: _wikitext(rng, n * k) for s, n in (("train", 2), ("validation", 2), ("test", 5))}
     return {
         "allenai/ai2_arc": _files("ARC-Easy", arc)
         | {"README.md": _readme({"ARC-Easy": ("ARC-Easy", list(arc))})},
@@ -157,10 +159,10 @@ def build_task_repos(seed: int = 0) -> dict[str, dict[str, bytes]]:
     }
 
 
-def write_task_folders(root: Path, seed: int = 0) -> dict[str, Path]:
+def write_task_folders(root: Path, seed: int = 0, scale: int = 1) -> dict[str, Path]:
     """Each repo as a plain folder under `root`; repo id -> folder."""
     folders = {}
-    for repo_id, files in build_task_repos(seed).items():
+    for repo_id, files in build_task_repos(seed, scale).items():
         folder = root / repo_id.replace("/", "--")
         for rel, data in files.items():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@ trained with --chat_template FILE on conversations whose prompts are random and 
 is always the same. The loss on the answers falls near zero; the exported model, asked a new
 question through its chat template, gives the answer and stops at the end-of-turn token. With
 --train_on_prompt the random prompts are trained too, and the loss stays high. The step count
-comes from --num_epochs, and a resumed run keeps it."""
+comes from --num_epochs, and a resumed run keeps it. The benchmarks at the end of the run
+(--eval_tasks) score through the chat template the final model carries, by default on chat
+data, and say so."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 from fsdp_utils.synthetic import CHATML_TEMPLATE, random_conversations, save_chat_model
 from tests.chat_helpers import write_jsonl
+from tests.lm_eval_data import cache_task_data
 from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -34,6 +37,7 @@ def setup(tmp_path_factory) -> dict[str, Any]:
         {"messages": [{"role": "user", "content": question}]},  # through the chat template
         {"prompt": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"},  # as text
     ]
+    cache_task_data(root / "hub", ["arc_easy"])  # for the benchmarks at the end
     return {
         "root": root,
         "model": save_chat_model(root / "model", "plain"),  # no chat template of its own
@@ -57,8 +61,9 @@ def _args(setup: dict[str, Any], name: str, **overrides: Any) -> list[str]:
 @pytest.fixture(scope="module")
 def answers_run(setup) -> dict[str, Any]:
     """Two legs: stopped after 10 steps, then resumed to the end (where the final evaluation
-    answers --sample_prompts)."""
+    answers --sample_prompts, and the final model is scored on arc_easy)."""
     samples = {"sample_prompts": setup["samples"], "sample_max_new_tokens": 12}
+    samples |= {"eval_tasks": "arc_easy", "eval_limit": 4, "cache_dir": setup["root"] / "hub"}
     first = run_finetune(2, _args(setup, "answers", stop_after_steps=10, **samples))
     check_ok(first)
     second = run_finetune(2, _args(setup, "answers", **samples))
@@ -142,3 +147,44 @@ def test_with_train_on_prompt_the_loss_stays_high(prompt_run, answers_run):
     final = prompt_run["train"][-1]
     assert final["step"] == answers_run["train"][-1]["step"]
     assert final["loss"] > 1.0, [r["loss"] for r in prompt_run["train"]]
+
+
+def test_the_benchmarks_at_the_end_score_through_the_chat_template(answers_run, setup):
+    """A run on chat data is scored with the template its final model carries (here only
+    through --chat_template: the model has none of its own), as lm-eval's HFLM scores that
+    final model with apply_chat_template; the log and the results file say so."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_utils.lm_harness.tasks import offline_tasks, task_manager
+
+    _first, second = answers_run["legs"]
+    assert (
+        "scoring: with the chat template, few-shot examples as turns (the default for a run "
+        f"on chat data, rendered with --chat_template {setup['template']}; "
+        "--eval_apply_chat_template false scores plain text)" in second.stdout
+    )
+    (results_file,) = (answers_run["out"] / "lm_eval").glob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["chat_template"] == setup["template"].read_text()
+    assert results["fewshot_as_multiturn"] is True
+    assert results["fsdp_utils"]["scoring"].startswith("with the chat template")
+    ours = results["results"]["arc_easy"]
+    assert f"arc_easy: acc {ours['acc,none']:.4f}" in second.stdout  # the end-of-run summary
+
+    final = answers_run["out"] / "final"
+    include = setup["root"] / "reference-tasks"
+    leaves = offline_tasks(["arc_easy"], setup["root"] / "hub", include)
+    hflm = HFLM(
+        pretrained=AutoModelForCausalLM.from_pretrained(final, dtype="float32").eval(),
+        tokenizer=AutoTokenizer.from_pretrained(final), batch_size=4, device="cpu",
+    )  # fmt: skip
+    theirs = simple_evaluate(
+        hflm, tasks=["arc_easy"], limit=4, bootstrap_iters=100_000, apply_chat_template=True,
+        task_manager=task_manager(["arc_easy"], leaves, include),
+    )["results"]["arc_easy"]  # fmt: skip
+    assert (ours["acc,none"], ours["acc_norm,none"]) == (
+        theirs["acc,none"],
+        theirs["acc_norm,none"],
+    )

@@ -26,6 +26,13 @@ import pytest
 from fsdp_utils.lm_harness.tasks import offline_tasks
 from tests.conftest import REPO_ROOT
 from tests.hf_mirror import HubMirror, hub_mirror_fixture  # noqa: F401
+from tests.lm_eval_checks import (
+    RTOL,
+    assert_same_answers,
+    assert_same_metrics,
+    evaluate_in_process,
+    responses,
+)
 from tests.lm_eval_data import (
     TASK_DATASETS,
     TASK_YAMLS,
@@ -40,7 +47,6 @@ TASKS = ["arc_easy", "hellaswag", "mmlu_abstract_algebra", "wikitext", "gsm8k"]
 LIMIT = 4
 MAX_LENGTH = 64
 GEN_KWARGS = "max_gen_toks=24"
-RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -121,48 +127,8 @@ def _evaluate(
     return results
 
 
-def _responses(samples: list[dict[str, Any]]) -> list[tuple[int, list[Any]]]:
-    return sorted((s["doc_id"], [r[0] for r in s["resps"]]) for s in samples)
-
-
-def assert_same_answers(
-    ours: dict[str, Any], theirs: dict[str, Any], tasks: list[str] = TASKS
-) -> int:
-    """Every request's answer the same (log-likelihoods within RTOL), every metric equal.
-    Returns how many requests were compared."""
-    compared = 0
-    for task in tasks:
-        for (doc, mine), (doc_ref, ref) in zip(
-            _responses(ours[task]), _responses(theirs[task]), strict=True
-        ):
-            assert doc == doc_ref
-            for a, b in zip(mine, ref, strict=True):
-                compared += 1
-                if isinstance(b, str):
-                    assert a == b, (task, doc)
-                    continue
-                value, greedy = (a, None) if isinstance(b, float) else a
-                value_ref, greedy_ref = (b, None) if isinstance(b, float) else b
-                assert greedy == greedy_ref, (task, doc)
-                assert value == pytest.approx(value_ref, rel=RTOL), (task, doc)
-    return compared
-
-
 def metrics(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {task: results["results"][task] for task in TASKS}
-
-
-def assert_same_metrics(
-    ours: dict[str, Any], theirs: dict[str, Any], tasks: list[str] = TASKS
-) -> None:
-    for task in tasks:
-        mine, ref = ours[task], theirs[task]
-        assert mine.keys() == ref.keys()
-        for key, value in ref.items():
-            if isinstance(value, float):
-                assert mine[key] == pytest.approx(value, rel=RTOL), (task, key)
-            else:
-                assert mine[key] == value, (task, key)
 
 
 # --- pieces ---------------------------------------------------------------------------------
@@ -310,9 +276,9 @@ def test_one_process_equals_hflm_request_by_request(
         max_length=MAX_LENGTH,
     )
     ours = _evaluate(ours_lm, include, bootstrap_iters=0)
-    compared = assert_same_answers(ours["samples"], theirs["samples"])
-    assert compared > 3 * LIMIT  # arc_easy's 4 choices per document, wikitext, gsm8k
-    assert_same_metrics(metrics(ours), metrics(theirs))
+    compared = assert_same_answers(ours["samples"], theirs["samples"], TASKS)
+    assert compared.requests > 3 * LIMIT  # arc_easy's 4 choices per document, wikitext, gsm8k
+    assert_same_metrics(metrics(ours), metrics(theirs), TASKS)
     # Documents that share their context are one forward each: fewer rows than requests.
     assert ours_lm.forward_passes > 0
 
@@ -388,8 +354,8 @@ def test_two_processes_offline_equal_hflm_from_the_download(
     include = tmp_path / "reference-tasks"
     offline_tasks(TASKS, cache, include)
     theirs = reference(eval_model, include)
-    assert_same_answers(samples, theirs["samples"])
-    assert_same_metrics(metrics(ours), metrics(theirs))
+    assert_same_answers(samples, theirs["samples"], TASKS)
+    assert_same_metrics(metrics(ours), metrics(theirs), TASKS)
 
     # At the end of a training run, on the model in memory, sharded: the same scores as HFLM
     # gives the final model the run saved.
@@ -484,21 +450,6 @@ def lora_run_over_a_cached_base(
     return {"cache": cache, "snapshot": snapshot, "run": root / "run"}
 
 
-def evaluate_in_process(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
-    """`python -m fsdp_utils.evaluate ARGV` in this process (one rank: the interpreter, torch
-    and lm-eval are already loaded); the address it sets for its process group is undone."""
-    import socket
-
-    from fsdp_utils.lm_harness.cli import main
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    assert main(list(argv)) == 0
-
-
 @pytest.mark.slow
 def test_a_run_folder_a_lora_adapter_and_a_hub_id_equal_hflm(
     lora_run_over_a_cached_base: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -515,8 +466,9 @@ def test_a_run_folder_a_lora_adapter_and_a_hub_id_equal_hflm(
     assert adapter["base_model_name_or_path"] == HUB_ID
     common = ["--tasks", "arc_easy", "--limit", str(LIMIT), "--max_length", str(MAX_LENGTH),
               "--cache_dir", str(cache), "--log_samples", "--bootstrap_iters", "0"]  # fmt: skip
-    evaluate_in_process(monkeypatch, "--model", str(run), *common)
-    evaluate_in_process(monkeypatch, "--model", HUB_ID, *common, "--output_dir", str(tmp_path))
+    assert evaluate_in_process(monkeypatch, "--model", str(run), *common) == 0
+    out = ["--output_dir", str(tmp_path)]
+    assert evaluate_in_process(monkeypatch, "--model", HUB_ID, *common, *out) == 0
 
     def read(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         (results,) = folder.glob("results_*.json")
@@ -549,7 +501,7 @@ def test_a_run_folder_a_lora_adapter_and_a_hub_id_equal_hflm(
         assert_same_metrics(ours["results"], theirs["results"], ["arc_easy"])
     changed = [
         abs(a[0] - b[0]) / abs(b[0])
-        for s, t in zip(_responses(tuned_samples), _responses(base_samples), strict=True)
+        for s, t in zip(responses(tuned_samples), responses(base_samples), strict=True)
         for a, b in zip(s[1], t[1], strict=True)
     ]
     assert max(changed) > 100 * RTOL  # the adapter moved the scores

@@ -25,7 +25,7 @@ from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.parallel.generate import continue_prompts, top1_hits
+from fsdp_utils.parallel.generate import Sampling, continue_prompts, top1_hits
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -261,7 +261,8 @@ class ChessEvaluator:
         generated = continue_prompts(
             model, prompts, pad_token_id=self.pad, eos_token_id=self.eos,
             max_new_tokens=self.max_new_tokens, is_done=is_done, device=self.device,
-            temperature=self.temperature, seeds=[p.index for p in rows], autocast=autocast,
+            sampling=Sampling(self.temperature) if self.temperature > 0 else None,
+            seeds=[p.index for p in rows], autocast=autocast,
         )  # fmt: skip
         for b, prefix in enumerate(batch):
             if prefix is None:

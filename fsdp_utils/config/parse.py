@@ -61,7 +61,9 @@ def add_config_arguments(
         help_text = f.metadata.get("help", "").replace("%", "%%")
         default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text + default_note}
-        if tp is bool:
+        if "cli" in f.metadata:  # a flag of its own shape (an optional value, as lm-eval's)
+            kwargs.update(f.metadata["cli"])
+        elif tp is bool:
             kwargs["action"] = "store_true"
             kwargs["help"] = help_text
         elif typing.get_origin(tp) is Literal:
@@ -116,8 +118,9 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
         elif tp is float and isinstance(value, int) and not isinstance(value, bool):
             checked[name] = float(value)
         elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            kind = getattr(tp, "__name__", str(tp))  # `bool | str`: no __name__
             raise ValueError(
-                f"{source}: {name} must be {tp.__name__}, got {value!r} ({type(value).__name__})."
+                f"{source}: {name} must be {kind}, got {value!r} ({type(value).__name__})."
             )
         else:
             checked[name] = value

@@ -180,3 +180,16 @@ def eval_batches(
 
 
 IGNORE_INDEX = -100  # labels carrying no loss (padding)
+# A batch's key for labels already shifted (position t's target is token t + 1), as
+# transformers' losses name them: a slice of a sequence under sequence parallelism carries
+# them, since its last position's target is on another rank; its `labels` (its slice of the
+# unshifted ones) then only count its tokens (fsdp_utils/data/sequence_slices.py).
+SHIFT_LABELS = "shift_labels"
+
+
+def next_token_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[rows, positions]: the token each position of the batch predicts, IGNORE_INDEX where
+    none. A whole sequence's last position predicts nothing and is left out ([rows, seq - 1]);
+    a slice's shifted labels cover all its positions."""
+    shifted = batch.get(SHIFT_LABELS)
+    return shifted if shifted is not None else batch["labels"][:, 1:]

@@ -34,6 +34,10 @@ import torch
 # Implementations whose transformers mask code turns packed position ids into a
 # block-diagonal mask for any batch size.
 HONOURS_PACKING = ("sdpa", "eager", "flex_attention")
+# Split attention (sequence parallelism: fsdp_utils/parallel/ulysses.py) is registered as this
+# prefix + the kernel it runs inside, and builds that kernel's masks on the whole sequence from
+# its position ids: it keeps packed documents apart exactly when its inner kernel does.
+SPLIT_PREFIX = "sequence_parallel_"
 # Model types whose transformers forward builds its masks without the position ids, so that
 # packed documents see each other whatever the implementation (5.23: gpt-oss's GptOssModel
 # calls create_causal_mask without them). tests/test_document_masking.py checks both ways.
@@ -86,6 +90,7 @@ def check_document_masking(model: Any, *, batch_size_per_device: int) -> None:
 
 def isolates_documents(implementation: str, *, batch_size_per_device: int) -> bool:
     """Whether `--document_masking` keeps packed documents apart under `implementation`."""
+    implementation = implementation.removeprefix(SPLIT_PREFIX)
     if implementation in HONOURS_PACKING:
         return True
     return implementation.startswith("flash_attention") and batch_size_per_device == 1

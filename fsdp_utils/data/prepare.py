@@ -173,6 +173,14 @@ class PreparedData:
         eos = self.meta["stats"]["eos_token_id"] if restart else None
         return TokenBlocks.load(self.folder, name, document_eos=eos)
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """Where the chat template the rows were rendered with came from ("the chat template
+        of MODEL", "--chat_template FILE"); None when the data is not chat (no row was a
+        message list)."""
+        source = self.meta["stats"].get("chat_template")
+        return str(source) if source else None
+
     def tokenizer_dir(self, model_dir: Path) -> Path:
         """Where the final model's tokenizer files come from: the model's own, or with
         --chat_template the copy that carries the template the data was rendered with."""

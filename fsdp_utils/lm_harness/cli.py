@@ -7,6 +7,9 @@ base). The tasks' datasets come from the offline cache (`download_models.py --ev
 nothing is fetched. lm-eval's results JSON (and with --log_samples its per-sample files) go to
 --output_dir (default: <run>/lm_eval for a run folder, else ./lm_eval_results), its table to the
 log; --compare BASE_RESULTS prints the base model's scores against these.
+
+lm-eval's prompt and generation options keep its names and meanings: --apply_chat_template
+[TEMPLATE_NAME], --fewshot_as_multiturn, --system_instruction, --gen_kwargs, --seed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_utils.lm_harness.scoring import Scoring
 
 EXIT_USAGE = 2
 PEER_EXIT_DELAY_S = 2.0
@@ -34,6 +40,8 @@ RESULTS_FOLDER = "lm_eval"  # inside a run folder
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fsdp_utils.lm_harness.scoring import add_scoring_arguments
+
     p = argparse.ArgumentParser(
         prog="python -m fsdp_utils.evaluate",
         description=__doc__,
@@ -83,11 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=100_000,
         help="bootstrap resamples for the standard errors of non-mean metrics (lm-eval's default)",
     )
-    p.add_argument(
-        "--gen_kwargs",
-        metavar="K=V,...",
-        help="generation settings for every generation task (lm-eval's), e.g. max_gen_toks=64",
-    )
+    add_scoring_arguments(p)
     return p
 
 
@@ -125,13 +129,14 @@ def evaluate(
 
     from fsdp_utils.hub.cache import hub_cache_dir
     from fsdp_utils.hub.resolve import load_model_config
-    from fsdp_utils.lm_harness.compare import comparison_table, load_results
+    from fsdp_utils.lm_harness.compare import check_same_way, comparison_table, load_results
     from fsdp_utils.lm_harness.loading import (
         default_precision,
         eval_config,
         load_sharded_model,
         resolve_model_source,
     )
+    from fsdp_utils.lm_harness.scoring import Scoring, template_name_for
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.lm_harness.task_cache import use_cached_nltk
     from fsdp_utils.lm_harness.tasks import (
@@ -147,6 +152,13 @@ def evaluate(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    scoring = Scoring.resolve(
+        apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=args.fewshot_as_multiturn,
+        system_instruction=args.system_instruction,
+        gen_kwargs=args.gen_kwargs,
+        seed=args.seed,
+    )
     batch_size, token_budget = args.batch_size, None
     if args.batch_size == AUTO:
         cuda = dist_utils.device_type(args.device) == "cuda"
@@ -166,19 +178,32 @@ def evaluate(
         user = TaskManager(include_path=args.include_path, include_defaults=False)
         user_tasks = set(user.all_tasks)
 
-    def prepare() -> tuple[Any, list[LeafTask], Path]:
+    def prepare() -> tuple[Any, list[LeafTask], Path, str | None]:
+        # A wrong path or another way of scoring fails now, not after the evaluation.
         if args.compare:
-            load_results(args.compare)  # a wrong path fails now, not after the evaluation
+            check_same_way(load_results(args.compare), scoring.way, base_name=args.compare)
         source = resolve_model_source(args.model, args.cache_dir)
+        template = None
+        if scoring.apply_chat_template:
+            fix = (
+                "Score it as plain text (without --apply_chat_template), or give the tokenizer "
+                "the template the model was trained with: a chat_template.jinja beside its "
+                "tokenizer_config.json (a run trained with --chat_template FILE saves it in "
+                "final/)."
+            )
+            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+            template = template_name_for(
+                tokenizer, scoring.apply_chat_template, folder=source.tokenizer_dir, fix=fix
+            )
         leaves = offline_tasks([n for n in names if n not in user_tasks], cache, overrides)
         out = output_folder(args, source.run_dir)
         out.mkdir(parents=True, exist_ok=True)
-        return source, leaves, out
+        return source, leaves, out, template
 
     # Rank 0 checks (one message for a mistake); every rank then writes its own task files
     # (the temporary folder is per process).
     checked = dist_utils.on_main_rank(prepare)
-    source, leaves, out = dist_utils.broadcast_object(checked)  # type: ignore[misc]
+    source, leaves, out, template_name = dist_utils.broadcast_object(checked)  # type: ignore[misc]
     if not env.is_main:
         prepare()
     hf_config = load_model_config(source.weights_dir)
@@ -201,13 +226,16 @@ def evaluate(
         batch_size=batch_size,
         token_budget=token_budget,
         max_length=args.max_length,
+        template_name=template_name,
+        seed=scoring.sampling_seed,
         model_info=identity,
         log=log if env.is_main else None,
     )
+    if env.is_main:
+        log(scoring_line(scoring, lm, template_name))
     manager = task_manager(
         names, leaves, overrides, [args.include_path] if args.include_path else None
     )
-    # lm-eval's default seeds, as its own command uses them: the same few-shot examples.
     with torch.no_grad():
         results = simple_evaluate(
             lm,
@@ -217,18 +245,51 @@ def evaluate(
             log_samples=args.log_samples,
             bootstrap_iters=args.bootstrap_iters,
             task_manager=manager,
-            gen_kwargs=args.gen_kwargs,
+            **scoring.evaluate_kwargs(),
         )
+    record = scoring_record(scoring, lm)
     del lm, model
     gc.collect()
     if not env.is_main or results is None:
         return None
     results["config"]["model"] = source.requested
-    results["fsdp_utils"] = {"model": identity, "datasets": provenance(leaves)}
+    results.update(record)
+    results["fsdp_utils"] = {
+        "model": identity,
+        "datasets": provenance(leaves),
+        "scoring": scoring.way.describe(),
+    }
     write_results(results, out, log_samples=args.log_samples, log=log)
     if args.compare:
         log(comparison_table(load_results(args.compare), results, base_name=args.compare))
     return results
+
+
+def scoring_line(scoring: Scoring, lm: Any, template_name: str | None, why: str = "") -> str:
+    """The log's line on how the prompts are written, and `why` (the end of training says it);
+    without a template and a why, whether the model has one chat models are scored with."""
+    line = f"scoring: {scoring.way.describe()}{why}"
+    if scoring.apply_chat_template:
+        chosen = f" {template_name!r}" if template_name else ""
+        line += f"; the tokenizer's chat template{chosen} ({lm.tokenizer_name})"
+        if isinstance(scoring.apply_chat_template, str) and not template_name:
+            name = scoring.apply_chat_template
+            line += f", its only one: the name {name!r} is ignored, as lm-eval ignores it"
+    elif not why and getattr(lm.tokenizer, "chat_template", None):
+        line += (
+            "; the model has a chat template: chat models are usually scored with it "
+            "(--apply_chat_template, docs/evaluate.md)"
+        )
+    return line
+
+
+def scoring_record(scoring: Scoring, lm: Any) -> dict[str, Any]:
+    """lm-eval's record of the prompt format (its keys), with the template's text as lm-eval
+    picks it."""
+    template = (
+        lm.chat_template(scoring.apply_chat_template) if scoring.apply_chat_template else None
+    )
+    return scoring.record(template)
 
 
 def planned_budget(args: argparse.Namespace, planner: Planner, log: Any) -> int:
@@ -288,9 +349,11 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     except dist_utils.PeerFailure as err:
         time.sleep(PEER_EXIT_DELAY_S)
         return EXIT_USAGE if err.user_error else 1
-    except ValueError as err:
+    except ValueError as err:  # found by every rank (the options): rank 0 says it
         if int(os.environ.get("RANK", "0")) == 0:
             dist_utils.report_error(str(err))
+        else:  # after rank 0, so that torchrun does not stop it before its message is out
+            time.sleep(PEER_EXIT_DELAY_S)
         return EXIT_USAGE
     finally:
         gc.collect()

@@ -7,6 +7,13 @@ metric by metric, with lm-eval's standard errors.
 `se` is the change over the combined standard error sqrt(se_base^2 + se_this^2) (the two runs
 scored the same documents, so this overstates the noise of the difference: a paired test would be
 tighter). Rows that either side lacks are left out.
+
+Two results scored different ways (one with the chat template, one as plain text; few-shot
+examples as turns in one only; another system instruction) are refused (`check_same_way`):
+their difference measures the prompt format as much as the model (a chat model's scores move
+by more than a fine-tune's usual gain when its template is dropped), so the table would
+mislead. The message names the options that score both alike. The way is read from lm-eval's
+own keys in the results files (`fsdp_utils.lm_harness.scoring.ScoredWay`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fsdp_utils.lm_harness.scoring import ScoredWay
 
 
 def load_results(path: str | Path, *, flag: str = "--compare") -> dict[str, Any]:
@@ -34,6 +43,21 @@ def load_results(path: str | Path, *, flag: str = "--compare") -> dict[str, Any]
     if not isinstance(results, dict) or "results" not in results:
         raise ValueError(f"{flag} {path}: no `results` in it; is it lm-eval's results JSON?")
     return results
+
+
+def check_same_way(
+    base: dict[str, Any], this: ScoredWay, *, base_name: str, this_name: str = "this evaluation"
+) -> None:
+    """ValueError when the base results were scored another way than `this` (see above)."""
+    theirs = ScoredWay.of(base)
+    if theirs == this:
+        return
+    raise ValueError(
+        f"--compare {base_name}: the two results were scored different ways, so their "
+        "difference would measure the prompt format as much as the models: the base "
+        f"{theirs.describe()}, {this_name} {this.describe()}. Score both the same way: rerun "
+        f"the base {this.options()}, or score this model as the base was, {theirs.options()}."
+    )
 
 
 def _number(value: Any) -> float | None:

@@ -4,6 +4,8 @@ report it down the side, the base model's bar and this one's beside each other w
 standard error as an error bar (none where lm-eval gives none); the panel's title says whether
 higher is better (lm-eval's own `higher_is_better`). The drawn numbers go to a CSV beside the PNG
 (task, metric, base, base_se, this, this_se). Headless (matplotlib's Agg): no display needed.
+Two results scored different ways (chat template or not, ...) are refused, as `--compare`
+refuses them (`fsdp_utils.lm_harness.compare.check_same_way`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils.lm_harness.compare import Compared, compared_metrics, higher_is_better, load_results
+from fsdp_utils.lm_harness.compare import (
+    Compared,
+    check_same_way,
+    compared_metrics,
+    higher_is_better,
+    load_results,
+)
+from fsdp_utils.lm_harness.scoring import ScoredWay
 
 EXIT_USAGE = 2
 BASE_COLOR, THIS_COLOR = "0.6", "C0"
@@ -133,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         base, new = load_results(args.compare), load_results(args.results, flag="RESULTS")
+        check_same_way(
+            base, ScoredWay.of(new), base_name=str(args.compare), this_name=str(args.results)
+        )
         labels = (model_label(base, "base"), model_label(new, "this"))
         fig, panels = plot_comparison(base, new, labels=labels, title=args.title)
         args.output.parent.mkdir(parents=True, exist_ok=True)

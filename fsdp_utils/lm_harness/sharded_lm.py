@@ -21,22 +21,32 @@ request's log-likelihood is HFLM's within floating-point rounding:
 - loglikelihood_rolling: lm-eval's own rolling windows (`get_rolling_token_windows`,
   `make_disjoint_window`, context length 1, prefix token = BOS or EOS), scored as above;
 - generate_until: prompts tokenised as HFLM's batch encoding does, left-truncated to
-  `max_length - max_gen_toks`, greedy decoding through `fsdp_utils.parallel.generate`
-  (KV cache; a batch decodes until every row on every rank is done), decoded without special
-  tokens and cut at the first stop sequence (lm-eval's `postprocess_generated_text`).
+  `max_length - max_gen_toks`, decoded through `fsdp_utils.parallel.generate` (KV cache; a
+  batch decodes until every row on every rank is done), greedy, or sampled as transformers'
+  `generate` samples (temperature, then top-k, then top-p; those a task or `--gen_kwargs`
+  leaves out come from the model's generation_config, else transformers' defaults: top-k 50),
+  each request drawing from a generator seeded by (`seed`, its task, document and repeat), so
+  that any number of ranks samples the same text; decoded without special tokens and cut at
+  the first stop sequence (lm-eval's `postprocess_generated_text`);
+- chat templates (`apply_chat_template`, `chat_template`, `tokenizer_name`): HFLM's hooks, the
+  tokenizer's template rendering lm-eval's turns, a template's system turn dropped when the
+  template refuses one (as HFLM retries); a named template (`--apply_chat_template NAME`) is
+  the one rendered, where HFLM records the name but renders the tokenizer's default.
 
-One difference, on purpose: log-softmax runs in float32 on the continuation's positions only
+And on purpose: log-softmax runs in float32 on the continuation's positions only
 (HFLM: in the model's dtype over every position). On an fp32 model the two are the same; on a
 bf16 model this one is the more exact.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import jinja2
 import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
@@ -51,13 +61,15 @@ from lm_eval.models.utils import (
 )
 from torch import nn
 
+from fsdp_utils.lm_harness.scoring import check_gen_kwargs
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.parallel.generate import continue_prompts
+from fsdp_utils.parallel.generate import Sampling, continue_prompts, row_seed
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's max_gen_toks
+TRANSFORMERS_TOP_K = 50  # transformers' top_k when neither the settings nor the model give one
 # A rolling window or a (context, continuation) pair, as token ids.
 TokenPair = tuple[list[int], list[int]]
 
@@ -161,9 +173,14 @@ class ShardedLM(TemplateLM):
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
+        template_name: str | None = None,
+        seed: int | None = 1234,
         model_info: dict[str, Any] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
+        """`template_name`: which of the tokenizer's named chat templates renders the prompts
+        (None: its default), when lm-eval applies one. `seed`: what sampled generation draws
+        from (lm-eval's torch seed; None: a seed drawn afresh, the same on every rank)."""
         super().__init__()  # rank 0 of 1, as lm-eval sees it
         if batch_size < 1:
             raise ValueError(f"--batch_size must be at least 1, not {batch_size}.")
@@ -180,6 +197,8 @@ class ShardedLM(TemplateLM):
         self._max_length = max_length
         self._max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
+        self.template_name = template_name
+        self.seed = seed
         self.model_info = dict(model_info or {})
         self.log = log if log is not None else (lambda _line: None)
         self.forward_passes = 0  # this rank's, for the tests and the log
@@ -216,14 +235,25 @@ class ShardedLM(TemplateLM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
-                chat_history,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt,
+        """HFLM's: the tokenizer's template (the named one, if any) over lm-eval's turns; a
+        template that refuses a system turn (Gemma's) gets the turns without it."""
+        named = {"chat_template": self.template_name} if self.template_name else {}
+
+        def render(history: list[dict[str, str]]) -> str:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    history,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                    **named,
+                )
             )
-        )
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def tok_encode(
         self,
@@ -357,16 +387,23 @@ class ShardedLM(TemplateLM):
     # --- generation ----------------------------------------------------------------------------
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, grouped by generation settings (one group's batches have the
-        same settings on every rank, so that their decoding loops meet)."""
+        """Continuations, grouped by generation settings (one group's batches have the same
+        settings on every rank, so that their decoding loops meet). A request samples from a
+        generator of its own, seeded by (seed, its task, document, answer index and repeat):
+        the same on any number of ranks, in any batch, beside any other tasks."""
         groups: dict[str, list[int]] = {}
         for index, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(index)
         answers: list[str] = [""] * len(requests)
         started = time.monotonic()
+        seed = self.seed
+        if seed is None and any(_sampling_kwargs(r.args[1]) for r in requests):
+            seed = dist_utils.broadcast_object(random.SystemRandom().randrange(2**63))
+        names = _request_names(requests)
         for indices in groups.values():
             gen_kwargs = requests[indices[0]].args[1]
-            texts = self._generate_group([requests[i].args[0] for i in indices], gen_kwargs)
+            seeds = [row_seed(seed, *names[i]) for i in indices] if seed is not None else None
+            texts = self._generate_group([requests[i].args[0] for i in indices], gen_kwargs, seeds)
             for i, text in zip(indices, texts, strict=True):
                 answers[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -376,16 +413,15 @@ class ShardedLM(TemplateLM):
         )
         return answers
 
-    def _generate_group(self, contexts: list[str], gen_kwargs: dict[str, Any]) -> list[str]:
+    def _generate_group(
+        self, contexts: list[str], gen_kwargs: dict[str, Any], seeds: list[int] | None
+    ) -> list[str]:
+        check_gen_kwargs(gen_kwargs, where=f"generation settings {gen_kwargs}")
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         eos_text = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
         max_new = int(kwargs.pop("max_gen_toks"))
-        if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-            raise ValueError(
-                "This evaluation decodes greedily (as every standard generation task asks); a "
-                f"task asked for sampling ({gen_kwargs}). Run it with lm-eval's own HFLM."
-            )
+        sampling = self._sampling(kwargs)
         max_context = self.max_length - max_new
         if max_context <= 0:
             raise ValueError(
@@ -396,10 +432,11 @@ class ShardedLM(TemplateLM):
         prompts = [
             list(self.tokenizer(text, **special)["input_ids"])[-max_context:] for text in contexts
         ]
+        row_seeds = seeds if seeds is not None else [0] * len(prompts)
         stop_ids = set(_eos_ids(self.config)) | {self.eot_token_id}
         window = max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in until) + 2
 
-        def work(batch: list[list[int]]) -> list[str]:
+        def work(batch: list[tuple[list[int], int]]) -> list[str]:
             def stopped(row: int, tokens: list[int]) -> bool:
                 if tokens[-1] in stop_ids:
                     return True
@@ -408,12 +445,14 @@ class ShardedLM(TemplateLM):
 
             generated = continue_prompts(
                 self.model,
-                batch,
+                [prompt for prompt, _ in batch],
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.eot_token_id,
                 max_new_tokens=max_new,
                 is_done=stopped,
                 device=self.device,
+                sampling=sampling,
+                seeds=[seed for _, seed in batch],
             )
             self.forward_passes += 1
             return [
@@ -424,7 +463,45 @@ class ShardedLM(TemplateLM):
             ]
 
         # A row's memory is its prompt and everything it may generate.
-        return self._sharded(prompts, lambda prompt: len(prompt) + max_new, work)
+        items = list(zip(prompts, row_seeds, strict=True))
+        return self._sharded(items, lambda item: len(item[0]) + max_new, work)
+
+    def _sampling(self, kwargs: dict[str, Any]) -> Sampling | None:
+        """Greedy (None) unless the settings sample; then the filters transformers' `generate`
+        would apply: the settings', else the model's generation_config's, else its defaults."""
+        if not _sampling_kwargs(kwargs):
+            return None
+        defaults = getattr(self.model, "generation_config", None)
+        top_k = kwargs.get("top_k", getattr(defaults, "top_k", None))
+        top_p = kwargs.get("top_p", getattr(defaults, "top_p", None))
+        return Sampling(
+            float(kwargs["temperature"]),
+            top_k=int(TRANSFORMERS_TOP_K if top_k is None else top_k),
+            top_p=float(1.0 if top_p is None else top_p),
+        )
+
+
+def _request_names(requests: list[Any]) -> list[tuple[object, ...]]:
+    """What names each request whatever else the run holds: (task, document, answer index,
+    repeat), the repeat counting lm-eval's copies of one request (a task's `repeats`); the
+    request's place for one without a task (built by hand)."""
+    seen: dict[tuple[object, ...], int] = {}
+    names: list[tuple[object, ...]] = []
+    for index, req in enumerate(requests):
+        doc = getattr(req, "doc_id", None)
+        key = (req.task_name, doc, req.idx) if doc is not None else ("request", index)
+        names.append((*key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return names
+
+
+def _sampling_kwargs(kwargs: dict[str, Any]) -> bool:
+    """Whether generation settings sample, as lm-eval's `normalize_gen_kwargs` reads them:
+    do_sample if given, else a temperature above 0."""
+    do_sample = kwargs.get("do_sample")
+    if do_sample is None:
+        return float(kwargs.get("temperature") or 0.0) > 0.0
+    return bool(do_sample)
 
 
 def _accepts(model: nn.Module, name: str) -> bool:

@@ -38,6 +38,7 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import PreparedData
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.step import Batch, TrainStep
 
 
@@ -51,15 +52,17 @@ class Examples(Protocol):
 
 @dataclass(frozen=True)
 class MethodContext:
-    """What a method is built with besides the config: this process's place in the run, the
-    batch plan and the model's config. The planner builds methods too, on a fake world
-    (`model_dir` may hold only a config.json there)."""
+    """What a method is built with besides the config: this process's place in the run (and
+    in its data x sequence mesh: --sequence_parallel; None: off), the batch plan and the model's
+    config. The planner builds methods too, on a fake world (`model_dir` may hold only a
+    config.json there)."""
 
     env: DistEnv
     plan: BatchPlan
     hf_config: Any
     model_dir: Path
     log: Callable[[str], None]
+    sequence_parallel: SequenceParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Method:
         self.config = config
         self.context = context
         self.env = context.env
+        # Its step's and evaluation's forwards split attention over this group, and the
+        # evaluation reads the data-parallel rank's share (fsdp_utils/parallel/sequence.py).
+        self.sequence_parallel = context.sequence_parallel or SequenceParallel.off(context.env)
 
     # --- data -----------------------------------------------------------------------------
 

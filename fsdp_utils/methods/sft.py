@@ -34,7 +34,7 @@ class SFT(Method):
         self.step = build_train_step(
             model, self.config, world_size=self.env.world_size, device=self.env.device,
             hf_config=self.context.hf_config, autocast=parts.autocast,
-            grad_scaler=parts.grad_scaler,
+            grad_scaler=parts.grad_scaler, sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
         return self.step
 
@@ -45,4 +45,5 @@ class SFT(Method):
         return evaluate(
             model, examples, env=self.env, batch_size=batch_size, max_batches=max_batches,
             autocast=self.step.autocast, chunking=self.step.chunking,
+            sequence_parallel=self.sequence_parallel,
         )  # fmt: skip

@@ -5,11 +5,20 @@ all ranks must run the same number of forwards. Callers give every rank the same
 batches of the same size (padding with dummy rows); here, a batch decodes until every row on
 *every* rank is done (one tiny all-reduce per token), so the forward counts match. No rank
 ever holds more than FSDP's one gathered layer at a time.
+
+Sampling (`Sampling`: temperature, then top-k, then top-p, as transformers' `generate` filters
+the logits) draws each row's tokens from a generator of the row's own, seeded by the caller per
+item (`row_seed`): one uniform number per token, from that generator alone. An item samples the
+same tokens whichever batch, place or rank it lands in, so a run on one process and one on two
+agree token for token (up to the rounding of the logits themselves: a forward of another batch
+shape may differ in the last bits, which changes a token only when a draw falls within that
+distance of a boundary between two tokens' probabilities).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,16 +56,64 @@ def _everyone_done(done: bool, device: torch.device) -> bool:
     return bool(dist_utils.all_reduce_min(flag).item() > 0)
 
 
-def _pick(logits: torch.Tensor, temperature: float, seeds: Sequence[int], step: int) -> list[int]:
-    if temperature <= 0:
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
-    # One generator per row and token, seeded by the row's item: the same item samples the
-    # same tokens whatever batch or rank it lands in.
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding as transformers' `generate(do_sample=True, ...)` does it: the logits
+    divided by `temperature`, then only the `top_k` most likely tokens kept (0: all), then only
+    the smallest set whose probabilities reach `top_p` (1.0: all), then one token drawn."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(
+                f"Sampling needs a temperature above 0, not {self.temperature} (0 is greedy "
+                "decoding: leave sampling off)."
+            )
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"Sampling needs top_k >= 0 (0: off) and 0 < top_p <= 1, not top_k={self.top_k}, "
+                f"top_p={self.top_p}."
+            )
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(rows, vocab) logits -> (rows, vocab) float64 probabilities after the filters, on
+        the CPU (where the draws are)."""
+        scores = logits.double().cpu() / self.temperature
+        if self.top_k:
+            k = min(self.top_k, scores.shape[-1])
+            kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            # transformers' TopPLogitsWarper: drop the least likely tokens whose summed
+            # probability stays within 1 - top_p; the most likely token always stays.
+            ascending, order = torch.sort(scores, dim=-1)
+            cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative <= 1 - self.top_p
+            drop[..., -1] = False
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return scores.softmax(dim=-1)
+
+
+def row_seed(seed: int, *item: object) -> int:
+    """The seed of the item named `item` (an index, or a task, document and repeat) in a run
+    seeded `seed`: a hash of both, so that neighbouring items (and seeds) get unrelated
+    streams."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *item))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: any torch seed
+
+
+def _draw(probabilities: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row by inverse transform: the row's uniform draw against its cumulative
+    probabilities (one number per token from the row's generator, whatever the others do)."""
     picked = []
-    for row, seed in enumerate(seeds):
-        generator = torch.Generator().manual_seed(seed * 100_003 + step)
-        picked.append(int(torch.multinomial(probs[row], 1, generator=generator)))
+    for row, generator in enumerate(generators):
+        cumulative = probabilities[row].cumsum(dim=0)
+        u = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
+        token = int(torch.searchsorted(cumulative, u, right=True))
+        picked.append(min(token, probabilities.shape[-1] - 1))
     return picked
 
 
@@ -70,13 +127,14 @@ def continue_prompts(
     max_new_tokens: int,
     is_done: Callable[[int, list[int]], bool],
     device: torch.device,
-    temperature: float = 0.0,
+    sampling: Sampling | None = None,
     seeds: Sequence[int] | None = None,
     autocast: Callable[[], Any] | None = None,
 ) -> list[Generated]:
-    """Continue each prompt token by token (greedy, or sampled with `temperature`), with a KV
-    cache. Row b stops at EOS, when `is_done(b, tokens)` says its verdict is known, or after
-    `max_new_tokens`. Collective under FSDP: every rank must call it equally often."""
+    """Continue each prompt token by token (greedy, or drawn as `sampling` says from a
+    generator per row seeded with `seeds[b]`), with a KV cache. Row b stops at EOS, when
+    `is_done(b, tokens)` says its verdict is known, or after `max_new_tokens`. Collective under
+    FSDP: every rank must call it equally often."""
     rows = len(prompts)
     length = max(len(p) for p in prompts)
     input_ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
@@ -97,9 +155,17 @@ def continue_prompts(
     next_position = position_ids[:, -1:] + 1
     results = [Generated([], False) for _ in range(rows)]
     done = [False] * rows
-    row_seeds = list(seeds) if seeds is not None else list(range(rows))
+    generators = []
+    if sampling is not None:
+        row_seeds = list(seeds) if seeds is not None else list(range(rows))
+        assert len(row_seeds) == rows, "one seed per row"
+        generators = [torch.Generator().manual_seed(seed) for seed in row_seeds]
     for step in range(max_new_tokens):
-        picked = _pick(out.logits[:, -1, :], temperature, row_seeds, step)
+        last = out.logits[:, -1, :]
+        if sampling is None:
+            picked = [int(t) for t in last.argmax(dim=-1).tolist()]
+        else:
+            picked = _draw(sampling.probabilities(last), generators)
         for b, token in enumerate(picked):
             if done[b]:
                 continue

@@ -1,5 +1,7 @@
 """Apply activation checkpointing and FSDP2 (or DDP) to a model, in torchtitan's fixed order:
 
+0. split attention (`--sequence_parallel`: fsdp_utils/parallel/ulysses.py), registered with
+   transformers and named in the model's config, so that the layers below call it;
 1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked);
 2. `torch.compile` on each decoder layer (`--compile`): identical layers share one compiled
    graph, and FSDP2's hooks stay outside it;
@@ -38,6 +40,7 @@ from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.model.build import build_meta_model, compute_dtype
 from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
+from fsdp_utils.parallel.ulysses import use_split_attention
 
 
 def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
@@ -91,11 +94,14 @@ def compile_layers(layers: list[nn.Module]) -> None:
 def parallelize(
     model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh | None, config: TrainConfig
 ) -> nn.Module:
-    """Activation checkpointing, then FSDP2 per decoder layer, then the root (or DDP).
+    """Split attention, activation checkpointing, then FSDP2 per decoder layer, then the root
+    (or DDP). FSDP2's mesh is every rank, with or without sequence parallelism.
 
     For DDP (`--no_fsdp`) only checkpointing is applied here; `wrap_ddp` runs after the
     weights are loaded, because DDP needs real parameters.
     """
+    if config.sequence_parallel > 1:
+        use_split_attention(model)
     if config.gradient_checkpointing:
         layers = apply_activation_checkpointing(model, layers, config.checkpoint_every_n_layers)
     if config.compile:
@@ -159,6 +165,8 @@ def describe_parallelism(config: TrainConfig) -> str:
     else:
         kind = f"FSDP2 ({config.sharding}) per decoder layer"
     extras = []
+    if config.sequence_parallel > 1:
+        extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
     if config.gradient_checkpointing:
         every = config.checkpoint_every_n_layers
         extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))

@@ -40,6 +40,7 @@ from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.data.preference import PreferencePairs
+from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
 from fsdp_utils.methods.base import MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method, method_class
@@ -48,6 +49,11 @@ from fsdp_utils.model.build import check_seq_length, materialize
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
+from fsdp_utils.parallel.sequence import (
+    SequenceParallel,
+    check_splittable,
+    init_sequence_parallel,
+)
 from fsdp_utils.plan.extrapolate import (
     extrapolate_memory,
     layer_counts,
@@ -143,9 +149,12 @@ def _transformers_eager_paths() -> Iterator[None]:
         import_utils.is_fake_tensor = original
 
 
-def placeholder_micro_batches(plan: BatchPlan, count: int, seed: int) -> list[Batch]:
+def placeholder_micro_batches(
+    plan: BatchPlan, count: int, seed: int, sequence_parallel: SequenceParallel | None = None
+) -> list[Batch]:
     """Rank 0's `count` micro-batches of full-length sequences, through the trainer's own batch
-    code (TokenBlocks, StepSampler): packed data, every block full, every position a target."""
+    code (TokenBlocks, StepSampler, and with `sequence_parallel` its slice of them): packed
+    data, every block full, every position a target."""
     step_plan = dataclasses.replace(
         plan,
         gradient_accumulation_steps=count,
@@ -162,7 +171,11 @@ def placeholder_micro_batches(plan: BatchPlan, count: int, seed: int) -> list[Ba
         tokens if plan.sequences_per_example == 1 else PreferencePairs(tokens, np.arange(blocks))
     )
     sampler = StepSampler(blocks, step_plan, seed)
-    return [source.batch(indices) for indices in sampler.micro_batches(0, rank=0)]
+    sp = sequence_parallel or SequenceParallel()
+    return [
+        slice_batch(source.batch(indices), rank=sp.rank, size=sp.size)
+        for indices in sampler.micro_batches(0, rank=0)
+    ]
 
 
 def _local_bytes(model: Any) -> int:
@@ -179,15 +192,24 @@ def _no_frozen_copy() -> Any:
 
 
 def traced_step(
-    model: Any, config: TrainConfig, env: DistEnv, batch: BatchPlan, reference_model: Any = None
+    model: Any,
+    config: TrainConfig,
+    env: DistEnv,
+    batch: BatchPlan,
+    reference_model: Any = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> TrainStep:
     """The trainer's step on a (fake) model: the run's method (`Method.planned_step`) with the
     same optimizer, schedule, loss scaling, router loss, micro-batch loop and gradient sync. No
     gradient scaler for fp16-mixed: it holds two scalars and unscales in place (no memory to
     plan), and its inf check would read a fake value and could skip the step.
     `reference_model`: the frozen copy a method keeps (`Method.needs_frozen_copy`: DPO's
-    --reference live), built and materialised by the caller."""
-    context = MethodContext(env, batch, model.config, Path(), log=lambda line: None)
+    --reference live), built and materialised by the caller. `sequence_parallel`: rank 0's
+    place in the data x sequence mesh (--sequence_parallel)."""
+    context = MethodContext(
+        env, batch, model.config, Path(), log=lambda line: None,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
     method = build_method(config, context)
     copy = (lambda: reference_model) if reference_model is not None else _no_frozen_copy
     parts = StepParts(autocast_context(config, env.device), copy, grad_scaler=False)
@@ -289,17 +311,22 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     batch = plan_batch(config, cluster.world_size)
     hf_config = load_model_config(model_config_dir(config))
     check_seq_length(hf_config, config.max_seq_length)
+    check_splittable(
+        hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
+        max_seq_length=config.max_seq_length, world_size=cluster.world_size,
+    )  # fmt: skip
     config, stand_in = _attention_to_trace(config)
 
     with fake_world(cluster) as env:
-        # The device mesh is built in here, outside FakeTensorMode, or it fails.
+        # The device meshes are built in here, outside FakeTensorMode, or it fails.
+        sp = init_sequence_parallel(env, config.sequence_parallel)
         model, facts = build_parallel_model(hf_config, config, env)
         memory, method = None, "--full_trace"
         if not full_trace:
-            memory, method = _extrapolated(model, facts, hf_config, config, env, batch)
+            memory, method = _extrapolated(model, facts, hf_config, config, env, batch, sp)
         if memory is None:
             method = f"all {facts.decoder_layers} layers traced ({method})"
-            memory = _trace(model, hf_config, config, env, batch)
+            memory = _trace(model, hf_config, config, env, batch, sp)
     return Estimate(memory, facts, batch, time.perf_counter() - started, method + stand_in)
 
 
@@ -323,6 +350,7 @@ def _extrapolated(
     config: TrainConfig,
     env: DistEnv,
     batch: BatchPlan,
+    sp: SequenceParallel,
 ) -> tuple[StepMemory | None, str]:
     """The step memory extrapolated from shallow copies of `model` and how; or None and why
     the model must be traced whole."""
@@ -344,7 +372,7 @@ def _extrapolated(
                 shallow, shallow_facts = build_parallel_model(shallow_config, config, env)
                 if shallow_facts.decoder_layers != depth:
                     return None, "its config does not set the number of layers"
-                traced[depth] = _trace(shallow, shallow_config, config, env, batch)
+                traced[depth] = _trace(shallow, shallow_config, config, env, batch, sp)
         memory = extrapolate_memory(counts, [traced[d] for d in counts.depths], every_n)
         if memory is not None:
             return memory, counts.describe() + repeats
@@ -353,10 +381,16 @@ def _extrapolated(
 
 
 def _trace(
-    model: Any, hf_config: Any, config: TrainConfig, env: DistEnv, batch: BatchPlan
+    model: Any,
+    hf_config: Any,
+    config: TrainConfig,
+    env: DistEnv,
+    batch: BatchPlan,
+    sp: SequenceParallel,
 ) -> StepMemory:
     """Materialise `model` (from `build_parallel_model`, on meta) on fake tensors and trace
-    one training step of it."""
+    one training step of it (with `sp`, of rank 0's slices: its activations, and the buffers of
+    the all-to-alls around attention)."""
     reference_model = None
     if method_class(config.method).needs_frozen_copy(config):
         # a method's frozen copy (DPO's --reference live): its parameters and its forward (no
@@ -369,12 +403,12 @@ def _trace(
             if reference_model is not None:
                 materialize(reference_model, env.device)
                 reference_model.requires_grad_(False)
-            step = traced_step(model, config, env, batch, reference_model)
+            step = traced_step(model, config, env, batch, reference_model, sp)
             # Warm-up: creates the optimizer state, untracked.
-            step(placeholder_micro_batches(batch, 1, config.seed), step=1)
+            step(placeholder_micro_batches(batch, 1, config.seed, sp), step=1)
             count = traced_micro_batches(batch, config.defer_grad_sync)
             memory = track_train_step(
-                step, lambda: placeholder_micro_batches(batch, count, config.seed), step=2
+                step, lambda: placeholder_micro_batches(batch, count, config.seed, sp), step=2
             )
             if reference_model is not None:
                 memory = with_resident(memory, PARAMETERS[0], _local_bytes(reference_model))

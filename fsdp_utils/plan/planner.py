@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from fsdp_utils.config.batch import divisors
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.hardware import Gpu
@@ -212,6 +213,7 @@ def _fixes(plan: MemoryPlan, progress: Progress, full_trace: bool) -> list[Fix]:
             "recomputes each layer's forward in backward: about 1/3 more compute",
             config.replace(gradient_checkpointing=True),
         )
+    _sequence_parallel(config, cluster, attempt)
     _more_gpus(config, cluster, attempt)
     if config.optimizer == "adamw":
         attempt(
@@ -226,6 +228,21 @@ def _fixes(plan: MemoryPlan, progress: Progress, full_trace: bool) -> list[Fix]:
             config.replace(cpu_offload=True),
         )
     return sorted(fixes, key=lambda f: not f.fits)  # stable: cheapest first among each kind
+
+
+def _sequence_parallel(config: TrainConfig, cluster: Cluster, attempt: Callable[..., bool]) -> None:
+    """The smallest --sequence_parallel above the run's that fits: each GPU holds 1/N of every
+    sequence's activations. N must divide the GPUs and the attention heads (a plan that cannot
+    split says why and the next N is tried)."""
+    for size in divisors(cluster.world_size):
+        if size <= config.sequence_parallel:
+            continue
+        cost = (
+            f"each sequence split over {size} GPUs: two all-to-alls around every attention, "
+            f"{size}x the accumulation steps of 1/{size} of a sequence each"
+        )
+        if attempt(f"--sequence_parallel {size}", cost, config.replace(sequence_parallel=size)):
+            return
 
 
 def _more_gpus(config: TrainConfig, cluster: Cluster, attempt: Callable[..., bool]) -> None:

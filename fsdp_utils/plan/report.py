@@ -9,6 +9,7 @@ from typing import Any
 
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.sequence_slices import padded_length
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
@@ -210,6 +211,8 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
     else:
         wrap = f"FSDP2 ({config.sharding}) per decoder layer"
     extras: list[str] = [config.precision, config.optimizer]
+    if config.sequence_parallel > 1:
+        extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
     if config.lora:
         extras.append(f"LoRA r={config.lora_r} (frozen base)")
     if config.gradient_checkpointing:
@@ -220,6 +223,19 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
     if config.defer_grad_sync:
         extras.append("grad sync on the last micro-batch")
     return f"{cluster.describe()}; {wrap}; {', '.join(extras)}"
+
+
+def _ranks(batch: BatchPlan) -> str:
+    if batch.sequence_parallel == 1:
+        return f"{batch.world_size} devices"
+    return f"{batch.world_size} data-parallel groups of {batch.sequence_parallel} devices"
+
+
+def _slices(batch: BatchPlan) -> str:
+    if batch.sequence_parallel == 1:
+        return ""
+    n = batch.sequence_parallel
+    return f", each split into {n} slices of {padded_length(batch.seq_length, n) // n} tokens"
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -239,9 +255,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"Memory plan: {plan.config.model} ({m.model_type}, {m.parameters / 1e9:.2f}B parameters, "
         f"{m.decoder_layers} x {m.decoder_layer_class})",
         f"  {describe_setup(plan.config, plan.cluster)}",
-        f"  batch: {b.batch_size_per_device} per device x {b.world_size} devices x "
+        f"  batch: {b.batch_size_per_device} per device x {_ranks(b)} x "
         f"{b.gradient_accumulation_steps} accumulation = {b.total_batch_size} {b.example_name} of "
-        f"{b.seq_length} tokens",
+        f"{b.seq_length} tokens" + _slices(b),
         "",
         f"per GPU, at the predicted peak (in {where}):",
         f"  parameters       {_gib(plan.parameter_bytes)}   {held}",

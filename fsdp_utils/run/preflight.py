@@ -30,6 +30,7 @@ from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.lora import check_target_modules
 from fsdp_utils.model.weights import check_not_quantized
 from fsdp_utils.parallel.distributed import device_type
+from fsdp_utils.parallel.sequence import check_splittable
 from fsdp_utils.run.start import storage_preflight
 from fsdp_utils.train.router_loss import resolve_coefficient
 from fsdp_utils.train.samples import read_sample_prompts
@@ -56,9 +57,10 @@ def detect_gpu_memory() -> str | None:
 
 
 def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
-    """Trackers, the training method, batch arithmetic, the model and data in the offline cache, the sequence length
-    against the model's context, the attention implementation, LoRA's targets and adapter, the
-    frozen layers: (batch plan, resolved assets). The trainer's process calls it once and
+    """Trackers, the training method, batch arithmetic, the model and data in the offline
+    cache, the sequence length against the model's context, the attention implementation, what
+    sequence parallelism splits, LoRA's targets and adapter, the frozen layers: (batch plan,
+    resolved assets). The trainer's process calls it once and
     passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
     method_class(config.method)  # registered in this process (fsdp_utils.methods.registry)
@@ -68,6 +70,10 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     check_seq_length(hf_config, config.max_seq_length)
     check_not_quantized(hf_config, assets.model_dir)
     check_attn_implementation(hf_config, config, device_type=device_type(config.device))
+    check_splittable(
+        hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
+        max_seq_length=config.max_seq_length, world_size=world_size,
+    )  # fmt: skip
     resolve_coefficient(config, hf_config)  # --router_aux_loss_coef on a model with routers
     if config.lora:  # a wrong target or adapter fails here, before any data work
         check_target_modules(hf_config, config)
@@ -76,7 +82,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     if config.sample_prompts:  # a missing file or a bad line fails before the queue
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
-        check_eval_tasks(config)
+        check_eval_tasks(config, assets.model_dir)
     return plan, assets
 
 

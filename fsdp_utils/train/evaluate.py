@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from fsdp_utils.data.blocks import TokenBlocks, eval_batches
+from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.train.loss import LossChunking, count_targets
+from fsdp_utils.parallel.sequence import SequenceParallel
+from fsdp_utils.train.loss import LossChunking, batch_targets
 from fsdp_utils.train.step import forward_loss_sum
 
 
@@ -27,19 +29,23 @@ def evaluate(
     max_batches: int,
     autocast: Callable[[], Any],
     chunking: LossChunking,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> dict[str, Any] | None:
     """Collective. The eval loss, perplexity and target tokens; None without eval data.
 
     Every rank runs the same number of forward passes (FSDP's collectives would hang
-    otherwise: `eval_batches`), and the model is back in training mode afterwards."""
+    otherwise: `eval_batches`), and the model is back in training mode afterwards. With
+    `sequence_parallel` the split is the data-parallel ranks', and each rank runs its slices."""
     if len(blocks) == 0:
         return None
+    sp = sequence_parallel or SequenceParallel.off(env)
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for indices in eval_batches(len(blocks), batch_size, env.rank, env.world_size, max_batches):
-        batch = blocks.batch(indices)
-        totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking)[1]
-        totals[1] += count_targets(batch["labels"])
+    for indices in eval_batches(len(blocks), batch_size, sp.data_rank, sp.data_size, max_batches):
+        batch = slice_batch(blocks.batch(indices), rank=sp.rank, size=sp.size)
+        extra = sp.forward_kwargs()
+        totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking, **extra)[1]
+        totals[1] += batch_targets(batch)
     model.train()
     loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
     if tokens == 0:

@@ -1,6 +1,9 @@
 """The causal-LM loss, summed over target tokens (normalised by the caller).
 
-Two ways to the same numbers. Unchunked (`token_loss_sum`): the model's forward computes the
+The targets are `data.blocks.next_token_labels`: a whole sequence's labels but the first (position
+t predicts token t + 1), or a sequence-parallel slice's labels shifted before the split.
+
+Two ways to the same numbers. Unchunked (`next_token_loss_sum`): the model's forward computes the
 logits of every position, [tokens, vocabulary], and the cross-entropy reads them. Chunked
 (`chunked_target_nll`, `--loss_chunk_size`, the default): the model's forward stops before its
 output layer, and the output layer, the family's logit transform and the cross-entropy run over
@@ -35,25 +38,38 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_utils.data.blocks import IGNORE_INDEX
+from fsdp_utils.data.blocks import IGNORE_INDEX, next_token_labels
 
 LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies: position t predicts labels[t + 1]. In fp32, whatever
-    the compute dtype, so that bf16 logits do not cost accuracy in the loss."""
+    """Sum of next-token cross-entropies of whole sequences: position t predicts labels[t + 1]."""
+    return next_token_loss_sum(logits, labels[:, 1:])
+
+
+def next_token_loss_sum(logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropies of `following` ([rows, positions]: the token each position
+    predicts, `data.blocks.next_token_labels`: a whole sequence's all but its last, a
+    sequence-parallel slice's all) given the logits of those positions. In fp32, whatever the
+    compute dtype, so that bf16 logits do not cost accuracy in the loss."""
     return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        labels[:, 1:].flatten(),
+        logits[:, : following.shape[1]].flatten(0, 1).float(),
+        following.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
 
 
 def count_targets(labels: torch.Tensor) -> int:
-    """Target tokens in a batch of labels, as `token_loss_sum` counts them."""
+    """Target tokens in a batch of whole sequences' labels, as `token_loss_sum` counts them."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def batch_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Target tokens of a batch, of whole sequences or of sequence-parallel slices (each target
+    on the one rank whose position predicts it)."""
+    return int((next_token_labels(batch) != IGNORE_INDEX).sum())
 
 
 # --- what each family's forward does to the output layer's result -------------------------
@@ -149,22 +165,25 @@ def output_layer(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class Targets:
     """The positions with a next-token target, found on the host (no device sync): `rows` index
-    the [batch x seq] hidden states, `shifted` the [batch x (seq - 1)] predicting positions."""
+    the [batch x positions] hidden states, `shifted` the [batch x predicting positions] of
+    `next_token_labels` (a whole sequence's all but the last, a slice's all)."""
 
     rows: torch.Tensor
     shifted: torch.Tensor
     tokens: torch.Tensor
 
     @classmethod
-    def of(cls, labels: torch.Tensor) -> Targets:
-        following = labels[:, 1:]
-        batch, seq = labels.shape
-        if is_fake(labels):  # the memory planner's trace: no values, so every position (the most)
-            b = torch.arange(batch).repeat_interleave(seq - 1)
-            t = torch.arange(seq - 1).repeat(batch)
+    def of(cls, following: torch.Tensor, positions: int) -> Targets:
+        """`following`: `next_token_labels` of a batch whose hidden states have `positions`."""
+        batch, predicting = following.shape
+        if is_fake(
+            following
+        ):  # the memory planner's trace: no values, so every position (the most)
+            b = torch.arange(batch).repeat_interleave(predicting)
+            t = torch.arange(predicting).repeat(batch)
         else:
             b, t = (following != IGNORE_INDEX).nonzero(as_tuple=True)
-        return cls(rows=b * seq + t, shifted=b * (seq - 1) + t, tokens=following[b, t])
+        return cls(rows=b * positions + t, shifted=b * predicting + t, tokens=following[b, t])
 
     def to(self, device: torch.device) -> Targets:
         moved = (x.to(device, non_blocking=True) for x in (self.rows, self.shifted, self.tokens))
@@ -282,16 +301,17 @@ def fused_applies(head: nn.Module, transform: LogitTransform | None, hidden: tor
     )
 
 
-def scatter_logprobs(nll: torch.Tensor, targets: Targets, labels_shape: torch.Size) -> torch.Tensor:
-    """[batch, seq - 1] log-probabilities of each next token, 0 where the label is ignored."""
-    batch, seq = labels_shape
-    out = nll.new_zeros(batch * (seq - 1))
-    return out.index_put((targets.shifted,), -nll).view(batch, seq - 1)
+def scatter_logprobs(nll: torch.Tensor, targets: Targets, shape: torch.Size) -> torch.Tensor:
+    """[batch, predicting positions] (`shape`, that of `next_token_labels`) log-probabilities of
+    each next token, 0 where the label is ignored."""
+    batch, predicting = shape
+    out = nll.new_zeros(batch * predicting)
+    return out.index_put((targets.shifted,), -nll).view(batch, predicting)
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The unchunked counterpart of `scatter_logprobs(chunked_target_nll(...))`."""
-    following = labels[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def logprobs_from_logits(logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    """The unchunked counterpart of `scatter_logprobs(chunked_target_nll(...))`; `following` as
+    for `next_token_loss_sum`."""
+    logp = torch.log_softmax(logits[:, : following.shape[1]].float(), dim=-1)
     picked = logp.gather(-1, following.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return picked.masked_fill(following == IGNORE_INDEX, 0.0)

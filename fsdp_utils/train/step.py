@@ -22,18 +22,19 @@ import torch
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids
+from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids, next_token_labels
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.parallelize import gradient_sync_context
+from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import (
     LossChunking,
     Targets,
+    batch_targets,
     chunked_target_nll,
-    count_targets,
     logprobs_from_logits,
+    next_token_loss_sum,
     output_layer,
     scatter_logprobs,
-    token_loss_sum,
 )
 from fsdp_utils.train.optim import (
     apply_settings,
@@ -62,7 +63,8 @@ def model_forward(
     """The model's outputs for a batch, as training and evaluation call it: with the batch's
     per-document position ids when it has them, and never an attention mask or a KV cache
     (either makes transformers ignore the position ids for packing: data/document_masking.py).
-    `extra`: keyword arguments of the forward (`output_router_logits` for the router loss)."""
+    `extra`: keyword arguments of the forward (`output_router_logits` for the router loss, a
+    sequence-parallel slice's `sequence_parallel`: fsdp_utils/parallel/sequence.py)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     with autocast():
         return model(
@@ -92,7 +94,7 @@ def forward_target_nll(
     layer's among them) gathered, and the result joins the outputs (as `loss`: -log p of each
     target), on which FSDP hangs its pre-backward hook that gathers them again for the chunks'
     recompute."""
-    targets = Targets.of(batch["labels"]).to(device)
+    targets = Targets.of(next_token_labels(batch), batch["input_ids"].shape[1]).to(device)
     head = output_layer(model)
     hidden: list[torch.Tensor] = []
 
@@ -139,8 +141,8 @@ def forward_loss_sum(
         )
         return outputs, total
     outputs = model_forward(model, batch, device, autocast, **extra)
-    labels = batch["labels"].to(device, non_blocking=True)
-    return outputs, token_loss_sum(outputs.logits, labels)
+    following = next_token_labels(batch).to(device, non_blocking=True)
+    return outputs, next_token_loss_sum(outputs.logits, following)
 
 
 def token_logprobs(
@@ -150,20 +152,23 @@ def token_logprobs(
     chunking: LossChunking,
     device: torch.device,
     autocast: Callable[[], Any] = contextlib.nullcontext,
+    **extra: Any,
 ) -> torch.Tensor:
-    """[batch, seq - 1] fp32: log p(labels[:, t + 1]) given the tokens up to t, 0 where the label
-    is ignored (-100), through the same forward and chunks as the training loss; differentiable
-    (preference tuning) unless called under torch.no_grad (evaluation)."""
+    """[batch, seq - 1] fp32 (a sequence-parallel slice: [batch, slice]): log p(labels[:, t + 1])
+    given the tokens up to t, 0 where the label is ignored (-100), through the same forward and
+    chunks as the training loss; differentiable (preference tuning) unless called under
+    torch.no_grad (evaluation). `extra`: keyword arguments of the forward."""
+    following = next_token_labels(batch)
     if chunking.chunk_size:
-        _, nll, targets = forward_target_nll(model, batch, device, autocast, chunking)
-        return scatter_logprobs(nll, targets, batch["labels"].shape)
-    logits = model_forward(model, batch, device, autocast).logits
-    return logprobs_from_logits(logits, batch["labels"].to(device))
+        _, nll, targets = forward_target_nll(model, batch, device, autocast, chunking, **extra)
+        return scatter_logprobs(nll, targets, following.shape)
+    logits = model_forward(model, batch, device, autocast, **extra).logits
+    return logprobs_from_logits(logits, following.to(device))
 
 
 def local_counts(batches: list[Batch]) -> list[float]:
     """[target tokens, non-pad tokens] of this rank's micro-batches (host tensors: no sync)."""
-    targets = sum(count_targets(b["labels"]) for b in batches)
+    targets = sum(batch_targets(b) for b in batches)
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     return [float(targets), float(tokens)]
 
@@ -236,6 +241,7 @@ class TrainStep:
         autocast: Callable[[], Any] = contextlib.nullcontext,
         router_loss: RouterLoss | None = None,
         chunking: LossChunking | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -248,6 +254,9 @@ class TrainStep:
         self.router_loss = router_loss  # mixture of experts: load balancing (train/router_loss.py)
         # The loss in chunks of target tokens (train/loss.py); unchunked unless given.
         self.chunking = chunking or LossChunking(0)
+        # Micro-batches of sequence-parallel slices split their attention over this group; the
+        # loss needs nothing else: each target token is on one rank, counted in global_targets.
+        self.sequence_parallel = sequence_parallel or SequenceParallel()
         # Step (1-based) of the first non-finite gradient norm among the steps not checked on
         # the host, as a 0-d float64 tensor on the device (inf: none); None before any such step.
         self._nonfinite_step: torch.Tensor | None = None
@@ -310,13 +319,16 @@ class TrainStep:
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed token loss (detached)."""
         router = self.router_loss
-        extra = router.forward_kwargs if router is not None else {}
+        extra = {
+            **(router.forward_kwargs if router is not None else {}),
+            **self.sequence_parallel.forward_kwargs(),
+        }
         outputs, loss_sum = forward_loss_sum(
             self.model, batch, self.device, self.autocast, self.chunking, **extra
         )
         objective = loss_sum
         if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)
-            objective = loss_sum + router.objective_term(outputs, count_targets(batch["labels"]))
+            objective = loss_sum + router.objective_term(outputs, batch_targets(batch))
         # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
         # average into the sum over all ranks' tokens, divided by the global token count.
         loss = objective * (self.world_size / max(global_targets, 1.0))

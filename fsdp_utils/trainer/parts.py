@@ -17,6 +17,7 @@ from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.document_masking import attention_implementation
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
+from fsdp_utils.data.sequence_slices import describe_padding
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.model import freeze, lora
 from fsdp_utils.model.build import build_meta_model
@@ -34,6 +35,7 @@ def describe_run(config: TrainConfig, plan: BatchPlan, env: DistEnv, root: Path)
     """The log's first lines: what trains on what, where, with which batch and settings."""
     c = config
     warmup = "warmup: see epochs" if c.num_epochs else f"{c.resolved_warmup_steps} warmup steps"
+    padding = describe_padding(c.max_seq_length, c.sequence_parallel)
     return (
         f"run: {c.model} on {c.dataset} -> {root}\n"
         f"world: {env.world_size} process(es) on {env.num_nodes} node(s), "
@@ -41,7 +43,7 @@ def describe_run(config: TrainConfig, plan: BatchPlan, env: DistEnv, root: Path)
         f"batch: {plan.describe()}\n"
         f"parallel: {describe_parallelism(c)}; precision {c.precision}; "
         f"optimizer {c.optimizer}, lr {c.learning_rate:g} ({c.lr_schedule}, {warmup}), "
-        f"grad clip {c.grad_clip or 'off'}"
+        f"grad clip {c.grad_clip or 'off'}" + (f"\n{padding}" if padding else "")
     )
 
 

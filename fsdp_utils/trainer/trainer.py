@@ -35,6 +35,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, describe_epochs, epoch_steps
 from fsdp_utils.data.document_masking import check_document_masking
 from fsdp_utils.data.prepare import PreparedData
+from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.methods.base import Examples, Method, MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method
@@ -55,6 +56,7 @@ from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import (
     autocast_context,
 )
+from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_parallel
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
 from fsdp_utils.train.step import Batch, TrainStep
@@ -73,6 +75,7 @@ class TrainState:
 
 class Trainer:
     # Set by `setup`, in this order.
+    sequence_parallel: SequenceParallel  # which sequences this rank reads, which slice of them
     method: Method  # --method (fsdp_utils/methods/): what it trains on, its step, its evaluation
     chess_eval: TrainingChessEval | None
     models: RunModel
@@ -120,7 +123,10 @@ class Trainer:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
         self.log.info(describe_run(config, self.plan, env, self.layout.root))
-        context = MethodContext(env, self.plan, self.hf_config, self.model_dir, self.log.info)
+        self.sequence_parallel = sp = init_sequence_parallel(env, config.sequence_parallel)
+        context = MethodContext(
+            env, self.plan, self.hf_config, self.model_dir, self.log.info, sequence_parallel=sp
+        )
         self.method = build_method(config, context)
         self.chess_eval = TrainingChessEval.build(config, env, self.assets, self.log)
         # The model on meta first (no memory): the storage check, the checkpoint key map and
@@ -221,9 +227,11 @@ class Trainer:
         return self.config.save_every_steps > 0 or self.config.save_every_minutes > 0
 
     def step_batches(self, step: int) -> list[Batch]:
-        """This rank's micro-batches of optimizer step `step` (counted from 0), on the host."""
-        micro = self.sampler.micro_batches(step, self.env.rank)
-        return [self.train_blocks.batch(indices) for indices in micro]
+        """This rank's micro-batches of optimizer step `step` (counted from 0), on the host: its
+        data-parallel rank's examples, its slice of their sequences (--sequence_parallel)."""
+        sp = self.sequence_parallel
+        micro = self.sampler.micro_batches(step, sp.data_rank)
+        return [slice_batch(self.train_blocks.batch(i), rank=sp.rank, size=sp.size) for i in micro]
 
     def train(self) -> dict[str, Any]:
         """Steps until max_training_steps, or until a stop (time limit, signal, stop file):

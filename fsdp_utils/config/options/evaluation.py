@@ -9,6 +9,27 @@ from .section import Section, check_at_least
 
 SECTION = Section("evaluation", "evaluation")
 _opt = SECTION.option
+# lm-eval's options for --eval_tasks (their reading: fsdp_utils/lm_harness/scoring.py).
+EVAL_SCORING_FIELDS = (
+    "eval_apply_chat_template",
+    "eval_fewshot_as_multiturn",
+    "eval_system_instruction",
+    "eval_gen_kwargs",
+    "eval_seed",
+)
+
+
+def bool_text(text: str) -> bool:
+    """A flag's optional true/false value (lm-eval's reading: true, 1 or yes is true)."""
+    return text.strip().lower() in ("true", "1", "yes")
+
+
+def bool_or_name(text: str) -> bool | str:
+    """true/false as such, any other word as a name (`--eval_apply_chat_template [NAME]`)."""
+    word = text.strip().lower()
+    if word in ("true", "1", "yes", "false", "0", "no"):
+        return bool_text(word)
+    return text
 
 
 @dataclass
@@ -36,6 +57,48 @@ class EvaluationOptions:
     eval_limit: int | None = field(
         default=None,
         metadata=_opt("With --eval_tasks: at most N documents per task."),
+    )
+    # --- --eval_tasks: lm-eval's prompt and generation options, its names with eval_ before
+    # them (fsdp_utils/lm_harness/scoring.py reads them; docs/evaluate.md) ------------------
+    eval_apply_chat_template: bool | str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --apply_chat_template [TEMPLATE_NAME], the prompts "
+            "written through the final model's chat template. Default: on when the run "
+            "trained on chat data (rows rendered with a chat template), else off; false: off.",
+            cli={"nargs": "?", "const": True, "type": bool_or_name, "metavar": "TEMPLATE_NAME"},
+        ),
+    )
+    eval_fewshot_as_multiturn: bool | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --fewshot_as_multiturn [BOOL], the few-shot examples "
+            "as chat turns (default: on with the chat template, which it needs).",
+            cli={"nargs": "?", "const": True, "type": bool_text, "metavar": "BOOL"},
+        ),
+    )
+    eval_system_instruction: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --system_instruction, a system message before every "
+            "prompt."
+        ),
+    )
+    eval_gen_kwargs: str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --gen_kwargs for every generation task, e.g. "
+            "do_sample=True,temperature=0.7,top_p=0.95 (do_sample, temperature, top_p, top_k, "
+            "until, max_gen_toks)."
+        ),
+    )
+    eval_seed: int | str | None = field(
+        default=None,
+        metadata=_opt(
+            "With --eval_tasks: lm-eval's --seed, one number or python,numpy,torch,few-shot "
+            "seeds (default 0,1234,1234,1234); the torch seed seeds sampling.",
+            cli={"type": str, "metavar": "N|A,B,C,D"},
+        ),
     )
     chess_eval_every: int = field(
         default=0,
@@ -81,6 +144,9 @@ def check(options: EvaluationOptions) -> None:
     check_at_least(options, ("sample_max_new_tokens",))
     if options.eval_limit is not None and not options.eval_tasks:
         raise ValueError("--eval_limit limits --eval_tasks: give --eval_tasks too.")
+    for name in EVAL_SCORING_FIELDS:
+        if getattr(options, name) is not None and not options.eval_tasks:
+            raise ValueError(f"--{name} says how --eval_tasks scores: give --eval_tasks too.")
     check_at_least(options, ("eval_limit",))
     if options.chess_eval_plies < 1:
         raise ValueError(

@@ -1,5 +1,6 @@
 """Parallelism, precision and memory: FSDP2 or DDP, sharding, offload, activation
-checkpointing, the loss in chunks, compilation, attention (fsdp_utils/parallel/)."""
+checkpointing, sequence parallelism, the loss in chunks, compilation, attention
+(fsdp_utils/parallel/)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ class ParallelismOptions:
     checkpoint_every_n_layers: int = field(
         default=1,
         metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer."),
+    )
+    sequence_parallel: int = field(
+        default=1,
+        metadata=_opt(
+            "Split each sequence into N contiguous slices over N ranks (DeepSpeed-Ulysses: an "
+            "all-to-all around attention), so that a GPU holds 1/N of its activations: for "
+            "sequences longer than one GPU holds. N divides the processes and the attention "
+            "heads; the N ranks of a group read the same sequences (docs/long-context.md)."
+        ),
     )
     loss_chunk_size: int | None = field(
         default=None,
@@ -101,7 +111,7 @@ class ParallelismOptions:
 
 
 def check(options: ParallelismOptions) -> None:
-    check_at_least(options, ("checkpoint_every_n_layers",))
+    check_at_least(options, ("checkpoint_every_n_layers", "sequence_parallel"))
     if options.loss_chunk_size is not None and options.loss_chunk_size < 0:
         raise ValueError(
             f"--loss_chunk_size must be >= 0 (0: unchunked), got {options.loss_chunk_size}."

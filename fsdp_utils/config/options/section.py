@@ -12,7 +12,8 @@ class Section:
     title: str  # the `--help` section's title
 
     def option(self, help: str, **extra: Any) -> dict[str, Any]:
-        """A field's metadata: its help text, and this section."""
+        """A field's metadata: its help text, and this section; `cli=`: argparse keywords for
+        a flag of another shape than its type gives (an optional value, as lm-eval's flags)."""
         return {"help": help, "section": self.name, **extra}
 
 

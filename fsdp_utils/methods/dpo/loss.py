@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.data.blocks import IGNORE_INDEX
+from fsdp_utils.data.blocks import IGNORE_INDEX, next_token_labels
+from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch, token_logprobs
 
@@ -68,9 +69,11 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
-def answer_tokens(batch: Batch) -> torch.Tensor:
-    """[sequences] the tokens each sequence's log-probability sums (its answer's)."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+def answer_tokens(batch: Batch, sequence_parallel: SequenceParallel | None = None) -> torch.Tensor:
+    """[sequences] the tokens each sequence's log-probability sums (its answer's): of the
+    whole sequences, also when the batch holds sequence-parallel slices of them."""
+    sp = sequence_parallel or SequenceParallel()
+    return sp.sum_over_slices((next_token_labels(batch) != IGNORE_INDEX).sum(dim=1))
 
 
 def sequence_logps(
@@ -81,12 +84,19 @@ def sequence_logps(
     device: torch.device,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     averaged: bool = False,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """[sequences] fp32: the summed log-probabilities of each sequence's answer tokens (the
     loss mask's), through the training loss's forward (train/loss.py: in chunks of target
-    tokens, the output layer's logits never whole); `averaged`: divided by their number."""
-    logps = token_logprobs(model, batch, chunking=chunking, device=device, autocast=autocast)
-    summed = logps.sum(dim=1)
+    tokens, the output layer's logits never whole); `averaged`: divided by their number.
+    `sequence_parallel`: the batch holds this rank's slices; every rank of the group gets the
+    whole sequences' sums (`SequenceParallel.sum_over_slices`: a loss made from them belongs on
+    the group's leader)."""
+    sp = sequence_parallel or SequenceParallel()
+    logps = token_logprobs(
+        model, batch, chunking=chunking, device=device, autocast=autocast, **sp.forward_kwargs()
+    )
+    summed = sp.sum_over_slices(logps.sum(dim=1))
     if averaged:
-        summed = summed / answer_tokens(batch).to(device).clamp_min(1)
+        summed = summed / answer_tokens(batch, sp).to(device).clamp_min(1)
     return summed

@@ -100,7 +100,9 @@ class DPO(Method):
         return True
 
     def _forward(self, parts: StepParts) -> ForwardSettings:
-        return ForwardSettings(self.chunking, self.env.device, parts.autocast)
+        return ForwardSettings(
+            self.chunking, self.env.device, parts.autocast, self.sequence_parallel
+        )
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
         forward = self._forward(parts)
@@ -127,6 +129,7 @@ class DPO(Method):
             model, self.config, world_size=self.env.world_size, device=self.env.device,
             hf_config=self.context.hf_config, chunking=self.chunking, reference=reference,
             autocast=parts.autocast, grad_scaler=parts.grad_scaler,
+            sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
         return self.step
 

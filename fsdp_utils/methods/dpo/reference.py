@@ -34,9 +34,11 @@ from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
+from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import reshard
+from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch
 
@@ -92,12 +94,15 @@ class ForwardSettings:
     chunking: LossChunking
     device: torch.device
     autocast: Callable[[], Any]
+    # The batches hold this rank's slices of their sequences (--sequence_parallel).
+    sequence_parallel: SequenceParallel | None = None
 
     def logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         with evaluating(model):
             return sequence_logps(
-                model, batch, chunking=self.chunking, device=self.device, autocast=self.autocast
-            )
+                model, batch, chunking=self.chunking, device=self.device,
+                autocast=self.autocast, sequence_parallel=self.sequence_parallel,
+            )  # fmt: skip
 
 
 @dataclass
@@ -200,7 +205,10 @@ def compute_reference_cache(
 ) -> None:
     """Collective: the reference log-probabilities of every pair of `splits`, each rank a share
     of the pairs (every rank the same number of forwards, as FSDP's collectives need), gathered
-    and written by rank 0 as one table indexed by dataset row."""
+    and written by rank 0 as one table indexed by dataset row. With sequence parallelism each
+    data-parallel group takes a share, each of its ranks the slices (all get the whole values:
+    the table drops the repeats)."""
+    sp = forward.sequence_parallel or SequenceParallel.off(env)
     rows_parts, value_parts = [], []
     for pairs in splits:
         n = len(pairs)
@@ -208,11 +216,11 @@ def compute_reference_cache(
             continue
         # Every pair once across ranks; the last rank's share padded with repeats so that all
         # ranks run the same number of forwards (the repeats are dropped by np.unique).
-        per_rank = -(-n // env.world_size)
-        mine = np.minimum(np.arange(env.rank, per_rank * env.world_size, env.world_size), n - 1)
+        per_rank = -(-n // sp.data_size)
+        mine = np.minimum(np.arange(sp.data_rank, per_rank * sp.data_size, sp.data_size), n - 1)
         for start in range(0, len(mine), batch_size):
             indices = mine[start : start + batch_size]
-            batch = pairs.batch(indices)
+            batch = slice_batch(pairs.batch(indices), rank=sp.rank, size=sp.size)
             both = forward.logps(model, batch).float().cpu().numpy()
             rows_parts.append(batch[PAIR_ROWS].numpy())
             value_parts.append(np.stack([both[: len(indices)], both[len(indices) :]], axis=1))
