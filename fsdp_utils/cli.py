@@ -96,7 +96,7 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     try:
         trainer = open_trainer(config, env)
         trainer.setup()
-        if after_setup is not None:
+        if after_setup is not None and trainer.stopped_early is None:
             after_setup(trainer)
         summary = trainer.train()
         final = trainer.save_final_model() if summary["status"] == "completed" else None

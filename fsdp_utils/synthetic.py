@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -116,7 +117,33 @@ def train_chess_tokenizer(texts: list[str], vocab_size: int = 512) -> Any:
     )
     tokenizer.model = models.BPE(unk_token=SPECIAL_TOKENS["unk_token"], end_of_word_suffix="</w>")
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer = Tokenizer.from_str(canonical_ids(tokenizer.to_str(), suffix="</w>"))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+def canonical_ids(spec: str, *, suffix: str) -> str:
+    """A trained BPE tokenizer (tokenizer.json's text) with its ids in an order that follows
+    from its tokens and merges alone: the special tokens, the alphabet (plain characters, then
+    the word-final ones, `x</w>`, each sorted), then each merge's token in merge order.
+
+    tokenizers' BpeTrainer numbers the word-final characters as it meets them while walking a
+    hash map of the words, whose order is random in each process: the same texts gave another
+    id to `1</w>`, `b</w>`, ... in every process, so a seeded tiny model (its embedding rows
+    taken by index) learned from a differently permuted vocabulary each time, and a test's
+    held-out loss moved by more than its margin between runs."""
+    data = json.loads(spec)
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges = [m.split(" ") if isinstance(m, str) else m for m in data["model"]["merges"]]
+    special = sorted((t["id"], t["content"]) for t in data["added_tokens"])
+    products = list(dict.fromkeys(a + b for a, b in merges))
+    taken = {token for _, token in special} | set(products)
+    alphabet = sorted((t for t in vocab if t not in taken), key=lambda t: (t.endswith(suffix), t))
+    order = [token for _, token in special] + alphabet + products
+    assert sorted(order) == sorted(vocab), "every token once"
+    data["model"]["vocab"] = {token: i for i, token in enumerate(order)}
+    for added in data["added_tokens"]:
+        added["id"] = data["model"]["vocab"][added["content"]]
+    return json.dumps(data)
 
 
 # --- models --------------------------------------------------------------------------------

@@ -40,6 +40,8 @@
 #   RDZV_HOST, RDZV_PORT   rendezvous address for multi-node jobs (default: the first node,
 #                          port 20000 + job id % 10000)
 #   PYTHON, TRAIN_SCRIPT   interpreter (python) and entry point (chess_finetune.py)
+#   FSDP_UTILS_SLURM_DIR   where slurm/job_env.sh is (default: the submit directory's slurm/;
+#                          every job script here sources it: SETUP, PYTHON, offline mode)
 #
 # Cluster network settings are site specific: set what your admins recommend in SETUP, e.g.
 #   NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0  interface for bootstrap and socket traffic
@@ -69,20 +71,17 @@ on_time_limit() {
 trap on_time_limit USR1
 
 # --- environment -----------------------------------------------------------------------------
-# Before `set -u`: activation scripts (conda's in particular) read unset variables.
-eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
-set -uo pipefail
-PYTHON=${PYTHON:-python}
+# SETUP, strict mode, PYTHON, offline mode: slurm/job_env.sh, found from the submit directory
+# (sbatch runs a spooled copy of this script) or FSDP_UTILS_SLURM_DIR.
+job_env=${FSDP_UTILS_SLURM_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/slurm}/job_env.sh
+[ -f "$job_env" ] || { echo "error: $job_env not found: submit from the repository root." >&2; exit 2; }
+source "$job_env"  # shellcheck source=slurm/job_env.sh
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-chess_finetune.py}
 if [ ! -f "$TRAIN_SCRIPT" ]; then
     echo "error: $TRAIN_SCRIPT not found in $PWD: submit from the repository root" \
         "(cd <checkout> && sbatch slurm/finetune.sh)." >&2
     exit 2
 fi
-
-# Compute nodes have no internet: the Hugging Face libraries must know before Python imports
-# them, or they wait for network timeouts. Models and data come from download_models.py's cache.
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
 train_args=()
 [ -n "${CONFIG:-}" ] && train_args+=(--config "$CONFIG")

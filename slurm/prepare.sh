@@ -26,11 +26,11 @@
 #   NUM_PROC           processes (default: the CPUs Slurm gave the job)
 #   PYTHON             interpreter (python)
 
-eval "${SETUP:-}" || { echo "error: SETUP failed: ${SETUP}" >&2; exit 2; }
-set -uo pipefail
-PYTHON=${PYTHON:-python}
-# No internet on compute nodes: the Hugging Face libraries must know before they are imported.
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+# SETUP, strict mode, PYTHON, offline mode: slurm/job_env.sh, found from the submit directory
+# (sbatch runs a spooled copy of this script) or FSDP_UTILS_SLURM_DIR.
+job_env=${FSDP_UTILS_SLURM_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/slurm}/job_env.sh
+[ -f "$job_env" ] || { echo "error: $job_env not found: submit from the repository root." >&2; exit 2; }
+source "$job_env"  # shellcheck source=slurm/job_env.sh
 
 args=()
 [ -n "${CONFIG:-}" ] && args+=(--config "$CONFIG")

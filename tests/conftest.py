@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _process_group_address_stays_with_its_test() -> Iterator[None]:
+    """A run in the test's own process (`cli.main`, `cli.run`) picks a free port for its
+    process group and sets MASTER_ADDR/MASTER_PORT in os.environ; left there, every later
+    plain-process run of the same pytest worker inherited that port, and failed with
+    EADDRINUSE once something else held it. Restored after each test."""
+    names = ("MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

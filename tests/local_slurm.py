@@ -151,16 +151,18 @@ class LocalSlurm:
         """Poll until the job reaches one of `states` (default: finished)."""
         return self.wait_until(job_id, lambda info: info.get("JobState") in states, timeout)
 
-    def wait_for_requeue(self, job_id: str, log: Path, timeout: float = 150) -> dict[str, str]:
+    def wait_for_requeue(
+        self, job_id: str, log: Path, timeout: float = 150, *, then_minutes: int = 5
+    ) -> dict[str, str]:
         """Wait for the job's first leg to end in a requeue (failing with the job's log if it
-        finished instead), then give the second leg 5 minutes so it can complete."""
+        finished instead), then give the second leg `then_minutes` so it can complete."""
         requeued = self.wait_until(
             job_id,
             lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINISHED_STATES,
             timeout,
         )
         assert requeued.get("Restarts") == "1", (requeued, log.read_text())
-        self.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=5")
+        self.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={then_minutes}")
         return requeued
 
 

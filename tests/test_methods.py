@@ -88,12 +88,12 @@ def test_a_config_json_written_before_the_split_reads_the_same():
     identity this code gives it is the one its checkpoint holds, so it resumes."""
     record = json.loads((FIXTURE_RUN / "config.json").read_text())
     config = config_from_dict(record["config"])
-    now = config.to_dict()
-    assert {key: now[key] for key in record["config"]} == record["config"]
-    # Options added since (--sequence_parallel, lm-eval's chat scoring: eval_apply_chat_template,
-    # ...) read as their defaults.
-    added = {key: now[key] for key in now.keys() - record["config"].keys()}
-    assert added == {key: TrainConfig().to_dict()[key] for key in added}
+    read, defaults = config.to_dict(), TrainConfig().to_dict()
+    assert {name: read[name] for name in record["config"]} == record["config"]
+    added = set(read) - set(
+        record["config"]
+    )  # options added since (--sequence_parallel, eval_apply_chat_template, ...): their defaults
+    assert {name: read[name] for name in added} == {name: defaults[name] for name in added}
     checkpoint = json.loads(
         (FIXTURE_RUN / "checkpoints" / "step_00000002" / "checkpoint.json").read_text()
     )

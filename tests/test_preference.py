@@ -132,7 +132,7 @@ def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
     return tiny_args(assets, out, assets["root"] / "data_cache", **options)
 
 
-def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> None:
+def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> subprocess.CompletedProcess:
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps(runs, default=str))
     command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
@@ -142,6 +142,7 @@ def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     check_ok(result)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +282,41 @@ def test_a_cache_written_on_4_processes_reads_on_2_and_equals_the_live_reference
     assert json.loads(next((root / "data").glob("*/reference/*/meta.json")).read_text()) == {
         "pairs": 300, "world_size": 1
     }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_stop_in_the_reference_pass_keeps_its_pairs_and_the_next_leg_goes_on(pref_assets):
+    """The time limit's stop file comes after 2 reference batches on each of 2 ranks (written
+    by the test's hook, whatever the machine's load): the leg ends before its first step,
+    "interrupted" (the sbatch script requeues such a leg), its 8 pairs kept. The next leg
+    computes only the other 292, and trains as a run whose cache was computed in one go."""
+    root = pref_assets["root"] / "stop"
+    steps = {"max_training_steps": 3, "log_every": 1}
+    split = _args(pref_assets, root / "split", data_cache_dir=root / "data", **steps)
+    whole = _args(pref_assets, root / "whole", data_cache_dir=root / "whole_data", **steps)
+    runs = [{"args": split, "stop_after_reference_batches": 2}, {"args": split}, {"args": whole}]
+    out = _torchrun(2, runs, root / "w2").stdout
+    assert "dpo: the reference pass stopped at 8 of 300 pairs; they are kept" in out
+    assert "stopping before the first step: stop file during --method dpo's work" in out
+    assert "dpo: 8 pairs' reference log-probabilities kept by an earlier leg" in out
+    assert "computing the other 292" in out
+    records = read_metrics(root / "split", None)
+    kinds = [r["kind"] for r in records if r["kind"] in ("stopping", "start", "train")]
+    assert kinds == ["stopping", "start", "train", "train", "train"]
+    assert records[[r["kind"] for r in records].index("stopping")]["reason"] == "stop file"
+    tables = []
+    for data in ("data", "whole_data"):
+        (cache,) = (root / data).glob("*/reference/*/logps.npz")
+        with np.load(cache) as saved:
+            tables.append((saved["rows"], saved["logps"]))
+        assert not list((root / data).glob("*/reference/*.partial.npz"))
+    np.testing.assert_array_equal(tables[0][0], tables[1][0])
+    np.testing.assert_allclose(tables[0][1], tables[1][1], rtol=0, atol=1e-5)
+    resumed, whole_run = read_metrics(root / "split"), read_metrics(root / "whole")
+    assert [r["batch_id"] for r in resumed] == [r["batch_id"] for r in whole_run]
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed], [r["loss"] for r in whole_run], rtol=0, atol=1e-6
+    )
 
 
 @pytest.mark.slow

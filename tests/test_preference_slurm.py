@@ -1,6 +1,9 @@
 """`sbatch slurm/finetune.sh --method dpo` on the real one-node Slurm (tiny chat model, CPU,
 2 processes with gloo): the first leg reaches its time limit, saves and requeues; the second
-resumes its checkpoint, reuses the reference cache, and completes."""
+resumes its checkpoint, reuses the reference cache, and completes. On a loaded machine the
+time limit can come while the first leg still computes the reference log-probabilities: it then
+keeps the pairs done and requeues before its first step, and the second leg computes the rest
+(tests/test_preference.py checks that path at a chosen batch)."""
 
 from __future__ import annotations
 
@@ -44,16 +47,22 @@ def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) 
         "--time_limit_margin_minutes", "0.75", "--save_every_minutes", "0",
         cwd=REPO, env=env,
     )  # fmt: skip
-    local_slurm.wait_for_requeue(job, log)
-    info = local_slurm.wait(job, timeout=280)
+    # Leg 2 may have all of it to do (the first may stop before its first step): on a loaded
+    # machine (load 12 on 2 cores) 5 minutes were not enough for the reference pass and 400 steps
+    local_slurm.wait_for_requeue(job, log, then_minutes=10)
+    info = local_slurm.wait(job, timeout=580)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
     assert "requeueing to resume" in text
-    assert "dpo: computing the reference log-probabilities" in text  # leg 1
-    assert "dpo: reference log-probabilities from" in text  # leg 2: the cache reused
+    # Leg 1 stopped after steps and a checkpoint, or before its first step (what it finished
+    # kept); which of the two depends on the machine's load, and both must requeue and finish.
+    early = "stopping before the first step" in text
+    assert "dpo: computing the reference log-probabilities" in text  # leg 1, or leg 2
+    if not early:  # leg 2 reuses the whole cache
+        assert "dpo: reference log-probabilities from" in text
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     done = [r["step"] for r in records if r.get("kind") == "train"]
     assert done.count(1) == 1 and max(done) == steps and len(set(done)) == len(done)
-    assert any(r.get("kind") == "resumed" for r in records)
+    assert early or any(r.get("kind") == "resumed" for r in records)
     assert "rewards/accuracies" in next(r for r in records if r.get("kind") == "train")
     assert (run_dir / "final" / "config.json").is_file()

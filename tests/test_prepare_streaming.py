@@ -22,9 +22,10 @@ from fsdp_utils.data.prepare import (
     split_rows,
 )
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder
+from fsdp_utils.data.workers import PreparationStopped, tokenised
 from fsdp_utils.synthetic import random_conversations, save_chat_model, train_chat_tokenizer
 from tests.chat_helpers import write_jsonl
-from tests.train_helpers import check_ok, run_finetune, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
 
 
 def _write_rows(path: Path, count: int, *, bad_line: int | None = None) -> Path:
@@ -72,6 +73,69 @@ def test_preparing_longer_than_the_collective_timeout_still_trains(tiny_assets, 
     assert "data: preparing" in result.stdout + result.stderr
     assert "done in" in result.stdout
     assert "Timed out" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_tokenising_stops_between_batches_never_after_the_last():
+    """A stopped preparation keeps nothing, so a stop that comes with the last batch (what is
+    left is quick) lets it finish."""
+    batches = [{"text": ["a"] * 4}, {"text": ["b"] * 4}, {"text": ["c"] * 2}]
+    asked = []
+
+    def stop() -> str:
+        asked.append(len(asked))
+        return "time limit"
+
+    def run(parts: list[dict[str, list[str]]]) -> list[int]:
+        total = sum(len(p["text"]) for p in parts)
+        work = tokenised(lambda b: len(b["text"]), iter(parts), num_proc=1, total=total,
+                         log=print, stop=stop)  # fmt: skip
+        return list(work)
+
+    with pytest.raises(PreparationStopped, match=r"time limit \(tokenised 4 of 10 rows\)"):
+        run(batches)
+    assert asked == [0]
+    assert run(batches[2:]) == [2] and asked == [0]  # one batch: the last, never asked
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_preparation_ends_the_leg_and_the_next_prepares(tiny_assets, tmp_path):
+    """The time limit's stop file appears while rank 0 prepares (the rows' function writes it,
+    in the first leg only, whatever the machine's speed): both ranks end the leg before the
+    first step, "interrupted" (the sbatch script requeues such a leg), with the stop file
+    consumed and nothing half-prepared in the cache; the same command then prepares and trains."""
+    module = tmp_path / "rows_then_time_limit.py"
+    module.write_text(
+        "import os\nfrom pathlib import Path\n\n\ndef rows():\n"
+        "    first_leg = Path(os.environ['FIRST_LEG_DONE'])\n"
+        "    if not first_leg.exists():\n"
+        "        first_leg.touch()\n"
+        "        Path(os.environ['STOP_FILE_TO_WRITE']).touch()\n"
+        "    return [{'text': f'1.e4 e5 2.Nf3 Nc6 3.Bb5 a6 game {i}'} for i in range(COUNT)]\n"
+        f"\n\nCOUNT = {2 * prepare.ROWS_PER_BATCH + 1}  # three batches\n"
+    )
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    args = tiny_args(
+        tiny_assets, run, cache, dataset=None, dataset_module=f"{module}:rows",
+        max_training_steps=2, eval_examples=10,
+    )  # fmt: skip
+    env = {"FIRST_LEG_DONE": str(tmp_path / "first"), "STOP_FILE_TO_WRITE": str(run / "STOP")}
+    first = run_finetune(2, [str(a) for a in args], env=env)
+    check_ok(first)
+    batch = prepare.ROWS_PER_BATCH
+    assert (
+        f"data: preparation stopped (stop file) when it had tokenised {batch:,} of "
+        f"{2 * batch + 1:,} rows" in first.stdout
+    )
+    assert "stopping before the first step: stop file during the data preparation" in first.stdout
+    status = json.loads((run / "status.json").read_text())
+    assert (status["status"], status["reason"], status["step"]) == ("interrupted", "stop file", 0)
+    assert not (run / "STOP").exists() and not list(cache.glob("*/meta.json"))
+    assert not read_metrics(run)
+    second = run_finetune(2, [str(a) for a in args], env=env)
+    check_ok(second)
+    assert "data: preparing" in second.stdout and "done in" in second.stdout
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert json.loads((run / "status.json").read_text())["status"] == "completed"
 
 
 def test_a_slow_preparation_in_the_job_says_how_to_prepare_before_it():

@@ -205,15 +205,74 @@ def test_a_user_mistake_is_the_last_thing_after_run_prints(tmp_path: Path) -> No
     assert "error:" not in run_launch("after-run", str(tmp_path), "1", env={}).stderr
 
 
+JOB_ENV = REPO / "slurm" / "job_env.sh"
+
+
 def assert_offline_before_python(script: Path) -> None:
-    """`script` exports every offline variable before it first runs Python, and parses."""
-    text = script.read_text()
-    offline_line = next(line for line in text.splitlines() if "HF_HUB_OFFLINE=1" in line)
+    """`script` sources slurm/job_env.sh, which exports every offline variable, before it first
+    runs Python; both parse."""
+    shared = JOB_ENV.read_text()
+    offline_line = next(line for line in shared.splitlines() if "HF_HUB_OFFLINE=1" in line)
     for name, value in OFFLINE_VARIABLES.items():
         assert f"{name}={value}" in offline_line
-    assert text.index("HF_HUB_OFFLINE=1") < text.index('"$PYTHON"')
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert '"$PYTHON"' not in shared
+    text = script.read_text()
+    assert "HF_HUB_OFFLINE" not in text  # one home: the shared file
+    assert text.index('source "$job_env"') < text.index('"$PYTHON"')
+    for path in (script, JOB_ENV):
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
 
 
 def test_finetune_sh_exports_offline_mode_before_python() -> None:
     assert_offline_before_python(FINETUNE_SH)
+
+
+def test_prepare_sh_exports_offline_mode_before_python() -> None:
+    assert_offline_before_python(REPO / "slurm" / "prepare.sh")
+
+
+def _spooled_copy(tmp_path: Path, name: str) -> Path:
+    """The job script as sbatch runs it: a copy in another folder (Slurm's spool)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    copy = spool / "slurm_script"
+    copy.write_text((REPO / "slurm" / name).read_text())
+    return copy
+
+
+def test_a_spooled_copy_finds_the_shared_environment_from_the_submit_dir(tmp_path) -> None:
+    """sbatch runs a copy of prepare.sh from its spool folder: slurm/job_env.sh is found from
+    SLURM_SUBMIT_DIR (not beside the copy), SETUP runs first, and Python starts offline."""
+    script = _spooled_copy(tmp_path, "prepare.sh")
+    python = tmp_path / "python"  # a stand-in that shows what Python would have been given
+    python.write_text(
+        '#!/bin/bash\necho "HF_HUB_OFFLINE=$HF_HUB_OFFLINE SETUP_RAN=$SETUP_RAN $*"\n'
+    )
+    python.chmod(0o755)
+    env = {
+        "PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(REPO), "PYTHON": str(python),
+        "SETUP": "export SETUP_RAN=yes", "NUM_PROC": "3",
+    }  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(script), "--model", "m"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        "HF_HUB_OFFLINE=1 SETUP_RAN=yes -m fsdp_utils.data --num_proc 3 --model m"
+    )
+    # Submitted from elsewhere, and no FSDP_UTILS_SLURM_DIR: one paragraph, exit 2
+    elsewhere = {**env, "SLURM_SUBMIT_DIR": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, env=elsewhere
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert (
+        result.stderr
+        == f"error: {tmp_path}/slurm/job_env.sh not found: submit from the repository root.\n"
+    )
+    # ... unless FSDP_UTILS_SLURM_DIR says where it is
+    pointed = {**elsewhere, "FSDP_UTILS_SLURM_DIR": str(REPO / "slurm")}
+    result = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, env=pointed
+    )
+    assert result.returncode == 0 and "HF_HUB_OFFLINE=1" in result.stdout

@@ -98,8 +98,9 @@ def worker_pids(parent: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
-    """The run's records of one kind, in the order written (fsdp_utils.metrics' reader)."""
+def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str, Any]]:
+    """The run's records of one kind (None: every kind), in the order written (the reader of
+    fsdp_utils.metrics)."""
     return metrics.read_metrics(output_dir, kind)
 
 

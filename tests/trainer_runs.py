@@ -14,14 +14,19 @@ backward only, and rank 0 saves that step's loss, the gathered gradients, the ga
 before it and every rank's micro-batches (the test recomputes them in one process, eagerly);
 "lora" runs two real steps, then rank 0 saves the reference's log-probabilities of a few
 held-out pairs (the adapters off), the policy's, and those of the base model loaded by
-transformers in this process, without FSDP.
+transformers in this process, without FSDP. With "stop_after_reference_batches": K, the stop
+file is written on rank 0 after its K-th batch of the DPO reference pass, as slurm/finetune.sh
+writes it when Slurm signals the time limit: the pass asks before every batch, so it stops
+after K batches on every rank, whatever the machine's load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +120,32 @@ def _dpo_lora(trainer: Any, out: Path) -> None:
         torch.save({"reference": reference, "policy": policy, "base": eager}, out)
 
 
+@contextlib.contextmanager
+def _stop_in_reference_pass(batches: int | None, config: Any, rank: int) -> Iterator[None]:
+    from fsdp_utils.config.layout import RunLayout
+    from fsdp_utils.methods.dpo import reference
+
+    if batches is None:
+        yield
+        return
+    original = reference.ForwardSettings.logps
+    done = 0
+
+    def counted(self: Any, model: Any, batch: Any) -> Any:
+        nonlocal done
+        result = original(self, model, batch)
+        done += 1
+        if done == batches and rank == 0:
+            RunLayout.of(config.output_dir).stop_file(config.stop_file).touch()
+        return result
+
+    reference.ForwardSettings.logps = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        reference.ForwardSettings.logps = original  # type: ignore[method-assign]
+
+
 def main() -> int:
     from fsdp_utils.config.parse import build_parser, parse_config
     from fsdp_utils.parallel import distributed as dist_utils
@@ -128,7 +159,8 @@ def main() -> int:
             config, _ = parse_config(run["args"], build_parser())
             env = env or dist_utils.init_distributed(config.device)
             trainer = open_trainer(config, env)
-            trainer.setup()
+            with _stop_in_reference_pass(run.get("stop_after_reference_batches"), config, env.rank):
+                trainer.setup()
             if run.get("measure"):
                 _measure(trainer, Path(run["measure"]))
             elif run.get("dpo_probe"):  # tests/test_preference.py

@@ -26,6 +26,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.generate import Sampling, continue_prompts, top1_hits
+from fsdp_utils.parallel.parallelize import no_grad_pass
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -207,17 +208,13 @@ class ChessEvaluator:
         """Collective. Returns the metrics (same on every rank) and, under "examples", the
         continuations of this rank's first batch."""
         started = time.perf_counter()
-        was_training = model.training
-        model.eval()
         tally = _Tally()
         examples: list[Example] = []
-        try:
+        with no_grad_pass(model):
             for batch in self._batches(self.prefixes):
                 self._play(model, batch, tally, examples, autocast)
             for batch in self._batches(list(range(len(self.games)))):
                 self._teacher_forced(model, batch, tally, autocast)
-        finally:
-            model.train(was_training)
         counts = torch.tensor(
             [tally.counts[k] for k in COUNTS], dtype=torch.float64, device=self.device
         )

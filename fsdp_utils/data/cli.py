@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.data")
     try:
         config, _ = parse_config(sys.argv[1:] if argv is None else argv, parser)
-        from fsdp_utils.data.prepare import available_cpus, prepare_dataset
+        from fsdp_utils.data.prepare import prepare_dataset
+        from fsdp_utils.data.workers import available_cpus
 
         if config.num_proc is None:
             config = config.replace(num_proc=available_cpus())

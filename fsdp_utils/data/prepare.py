@@ -16,7 +16,8 @@ order), and nothing beside the prepared arrays is left on disk.
    closing every document; chat, prompt/completion, alpaca and templates become tokens and a
    loss mask (`fsdp_utils.data.rows`: the answers only, unless --train_on_prompt), too-long
    rows and rows with nothing to train dropped and counted. With `--num_proc` N, N forked
-   processes take a batch each (two each in flight at most). Each batch's tokens are appended
+   processes take a batch each (two each in flight at most: `fsdp_utils.data.workers`, which
+   also asks a training job's time limit after every batch). Each batch's tokens are appended
    to spill files as it comes (`fsdp_utils.data.token_files`), with progress in the log;
 3. split: rows are shuffled by seed; the first `eval_examples` are held out (`split_rows`);
 4. blocks, per split in split order, written a chunk of blocks at a time: chess and text as one
@@ -40,8 +41,7 @@ import json
 import os
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
 from fsdp_utils.data.streaming import Batch, count_rows, dataset_batches, row_batches
 from fsdp_utils.data.token_files import TokenSpill, write_packed, write_padded, write_stream
+from fsdp_utils.data.workers import StopCheck, available_cpus, tokenised
 from fsdp_utils.hub.resolve import (
     ResolvedAssets,
     describe_dataset_files,
@@ -224,12 +225,17 @@ def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSo
 
 
 def prepare_dataset(
-    config: TrainConfig, *, assets: ResolvedAssets | None = None, log: Any = print
+    config: TrainConfig,
+    *,
+    assets: ResolvedAssets | None = None,
+    log: Any = print,
+    stop: StopCheck | None = None,
 ) -> Path:
     """Render, tokenise and pack the dataset (`--dataset`, or `--dataset_module`'s rows) for
     `config.model`'s tokenizer; return the cache folder (reused when it already exists).
     `assets`: the run's resolved files (else resolved here, as on the login node's
-    `download_models.py --prepare`)."""
+    `download_models.py --prepare`). `stop`: asked between batches of rows, the reason to stop
+    or None (a training job's time limit): PreparationStopped, with nothing kept."""
     assets = assets or resolve_assets(config)
     model_dir = assets.model_dir
     source = open_source(config, assets, log)
@@ -258,10 +264,10 @@ def prepare_dataset(
     tmp.mkdir(parents=True)
     try:
         if choice.masked:
-            stats = _build_rows(config, source, choice, tokenizer, template, tmp, log)
+            stats = _build_rows(config, source, choice, tokenizer, template, tmp, log, stop)
             _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
         else:
-            stats = _build(config, source, choice, model_dir, tmp, log)
+            stats = _build(config, source, choice, model_dir, tmp, log, stop)
         meta = {"spec": spec, "stats": stats, "seconds": round(time.perf_counter() - started, 2)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
@@ -382,7 +388,6 @@ def _describe(stats: dict[str, Any]) -> str:
 
 # Rows read, tokenised and handed to the workers at a time: memory holds a few such batches.
 ROWS_PER_BATCH = 1024
-PROGRESS_EVERY_S = 30.0
 
 
 def _row_batches(source: DataSource, columns: list[str] | None) -> Iterator[Batch]:
@@ -475,83 +480,6 @@ def _num_proc(config: TrainConfig, num_docs: int) -> int:
     return 1 if num_docs < 20_000 else min(8, available_cpus())
 
 
-def available_cpus() -> int:
-    """The CPUs this process may use: a Slurm allocation's, not the node's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-# The work of the pool's processes, set before they are forked (they inherit it: the tokenizer
-# and the chat encoder are not pickled for every batch).
-_WORK: Callable[[Batch], Any] | None = None
-
-
-def _do_work(batch: Batch) -> Any:
-    assert _WORK is not None
-    return _WORK(batch)
-
-
-def _tokenised(
-    work: Callable[[Batch], Any],
-    batches: Iterator[Batch],
-    *,
-    num_proc: int,
-    total: int,
-    log: Any,
-) -> Iterator[Any]:
-    """`work` of every batch, in order: in this process, or in `num_proc` forked ones with at
-    most two batches each in flight (the rows are read as they are needed, not ahead). Logs
-    progress every PROGRESS_EVERY_S seconds."""
-    global _WORK
-    started = last = time.monotonic()
-    done = 0
-
-    def progress(rows: int) -> None:
-        nonlocal done, last
-        done += rows
-        now = time.monotonic()
-        if now - last >= PROGRESS_EVERY_S:
-            last = now
-            rate = done / max(now - started, 1e-9)
-            log(
-                f"data: tokenised {done:,} of {total:,} rows ({rate:,.0f} rows/s, "
-                f"{num_proc} process(es)); about {(total - done) / max(rate, 1e-9) / 60:.1f} "
-                "min left"
-            )
-
-    if num_proc <= 1:
-        for batch in batches:
-            result = work(batch)
-            progress(len(next(iter(batch.values()))))
-            yield result
-        return
-    import multiprocessing
-
-    # The parent's tokenizer ran threads already; in forked workers the Rust library would turn
-    # them off with a warning per worker. One thread per worker is what we want anyway.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORK = work
-    pending: deque[tuple[int, Any]] = deque()
-    try:
-        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
-            for batch in batches:
-                pending.append(
-                    (len(next(iter(batch.values()))), pool.apply_async(_do_work, (batch,)))
-                )
-                if len(pending) >= 2 * num_proc:
-                    rows, result = pending.popleft()
-                    yield result.get()
-                    progress(rows)
-            while pending:
-                rows, result = pending.popleft()
-                yield result.get()
-                progress(rows)
-    finally:
-        _WORK = None
-
-
 @dataclass
 class _EncodeDocuments:
     """Chess and text rows -> their tokens, an EOS closing every document."""
@@ -587,6 +515,7 @@ def _build(
     model_dir: Path,
     out: Path,
     log: Any,
+    stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """Chess and text: documents -> their tokens, spilled to disk as they come -> one token
     stream per split, in split order -> full blocks."""
@@ -604,9 +533,10 @@ def _build(
     columns = list(CHESS_COLUMNS) if chess else [config.text_field]
     spill = TokenSpill(out, masked=False)
     num_proc = _num_proc(config, num_rows)
-    for flat, lengths in _tokenised(
-        work, _row_batches(source, columns), num_proc=num_proc, total=num_rows, log=log
-    ):
+    for flat, lengths in tokenised(
+        work, _row_batches(source, columns), num_proc=num_proc, total=num_rows, log=log,
+        stop=stop,
+    ):  # fmt: skip
         spill.append(flat, lengths)
     rows = spill.close()
     stats: dict[str, Any] = {"eos_token_id": eos, "pad_token_id": pad}
@@ -668,6 +598,7 @@ def _build_rows(
     template: ChatTemplate | None,
     out: Path,
     log: Any,
+    stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """Chat, prompt/completion, alpaca, templates: rows -> (tokens, loss mask), spilled to disk
     as they come -> whole rows packed into blocks, per split. Writes input_ids, lengths,
@@ -731,9 +662,9 @@ def _build_rows(
     spill = TokenSpill(out, masked=True)
     causes: dict[str, int] = {"": 0}
     dropped_parts, truncated_parts, merged_parts = [], [], []
-    for flat, mask, lengths, dropped, truncated, merged in _tokenised(
+    for flat, mask, lengths, dropped, truncated, merged in tokenised(
         _EncodeRows(encoder), numbered(_row_batches(source, columns)),
-        num_proc=_num_proc(config, num_rows), total=num_rows, log=log,
+        num_proc=_num_proc(config, num_rows), total=num_rows, log=log, stop=stop,
     ):  # fmt: skip
         spill.append(flat, lengths, mask)
         if pairs:  # one entry per pair: a pair is kept or dropped whole

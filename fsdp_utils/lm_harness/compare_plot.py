@@ -11,10 +11,9 @@ refuses them (`fsdp_utils.lm_harness.compare.check_same_way`).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from fsdp_utils.lm_harness.compare import (
     load_results,
 )
 from fsdp_utils.lm_harness.scoring import ScoredWay
+from fsdp_utils.metrics.figure import save_png_and_csv
 
 EXIT_USAGE = 2
 BASE_COLOR, THIS_COLOR = "0.6", "C0"
@@ -117,13 +117,13 @@ def _end(row: Compared) -> float:
     return max(row.base + (row.base_se or 0.0), row.this + (row.this_se or 0.0))
 
 
-def write_csv(panels: dict[str, list[Compared]], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["task", "metric", "base", "base_se", "this", "this_se"])
-        for rows in panels.values():
-            for r in rows:
-                out.writerow([r.task, r.metric, r.base, r.base_se, r.this, r.this_se])
+CSV_HEADER = ("task", "metric", "base", "base_se", "this", "this_se")
+
+
+def csv_rows(panels: dict[str, list[Compared]]) -> Iterator[list[Any]]:
+    for rows in panels.values():
+        for r in rows:
+            yield [r.task, r.metric, r.base, r.base_se, r.this, r.this_se]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,16 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         labels = (model_label(base, "base"), model_label(new, "this"))
         fig, panels = plot_comparison(base, new, labels=labels, title=args.title)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.output, dpi=110)
+        rows = sum(len(r) for r in panels.values())
+        detail = f"{rows} task/metric pair(s) in {len(panels)} panel(s)"
+        save_png_and_csv(fig, args.output, CSV_HEADER, csv_rows(panels), detail=detail)
     except (ValueError, OSError) as err:
         print(f"\nerror: {err}\n", file=sys.stderr)
         return EXIT_USAGE
-    csv_path = args.output.with_suffix(".csv")
-    write_csv(panels, csv_path)
-    rows = sum(len(r) for r in panels.values())
-    print(f"wrote {args.output} ({rows} task/metric pair(s) in {len(panels)} panel(s)) and "
-          f"{csv_path} (the drawn numbers)")  # fmt: skip
     return 0
 
 

@@ -28,6 +28,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.cache import hub_cache_dir
 from fsdp_utils.lm_harness.scoring import Scoring, parse_apply_chat_template, template_name_for
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 
 RESULTS_FOLDER = "lm_eval"
 
@@ -103,7 +104,6 @@ def score_final_model(
     """Collective. {task: {metric: value}} on rank 0 (None elsewhere). `tokenizer_dir`: the
     tokenizer the final model was saved with; `chat_data`: the source of the chat template the
     training rows were rendered with (None: not chat data)."""
-    import torch
     from lm_eval import simple_evaluate
     from transformers import AutoTokenizer
 
@@ -135,8 +135,6 @@ def score_final_model(
     folder = Path(tempfile.mkdtemp(prefix="fsdp-utils-lm-eval-tasks-"))
     leaves = offline_tasks(names, cache, folder)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    was_training = inner.training
-    inner.eval()
     lm = ShardedLM(
         inner,
         tokenizer,
@@ -151,7 +149,7 @@ def score_final_model(
     )
     if env.is_main:
         log(scoring_line(scoring, lm, template_name, why))
-    with torch.no_grad():
+    with no_grad_pass(inner):
         results = simple_evaluate(
             lm,
             tasks=names,
@@ -159,7 +157,6 @@ def score_final_model(
             task_manager=task_manager(names, leaves, folder),
             **scoring.evaluate_kwargs(),
         )
-    inner.train(was_training)
     record = scoring_record(scoring, lm)
     if not env.is_main or results is None:
         return None

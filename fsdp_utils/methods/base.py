@@ -76,9 +76,9 @@ class StepParts:
     grad_scaler: bool = True
 
 
-# Asked by the phases before the first step between pieces of work: True when a stop was
-# requested (time limit, signal, stop file). Collective: every rank asks, all get one answer.
-StopCheck = Callable[[], bool]
+# Asked by the work before the first step between its pieces: the reason of a stop request
+# (time limit, signal, stop file), or None. Collective: every rank asks, all get one answer.
+StopCheck = Callable[[], str | None]
 
 
 class Method:
@@ -126,12 +126,12 @@ class Method:
         the planner plans its parameters too (before it builds the method's step)."""
         return False
 
-    def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> bool:
+    def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> str | None:
         """Collective: work before the first step, with the model as it starts (loaded, or
         with the starting weights: `needs_starting_weights`). It asks `stop` between pieces of
-        work and returns False when a stop came first, having kept what it finished (the next
-        leg carries on from there). True: ready to train."""
-        return True
+        work; None when done (ready to train), else the reason of the stop request that came
+        first, what it finished kept (the next leg carries on from there)."""
+        return None
 
     # --- the step and the evaluation ------------------------------------------------------
 

@@ -16,17 +16,17 @@ the legend: run folders given one by one, or `--sweep DIR` for every run folder 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.metrics.figure import save_png_and_csv
 from fsdp_utils.metrics.logger import latest_history, read_metrics, scalar_fields
 
 EXIT_USAGE = 2
@@ -349,13 +349,13 @@ def plot_runs(
     return fig, drawn
 
 
-def write_csv(drawn: Sequence[DrawnLine], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["panel", "run", "series", "step", "value"])
-        for item in drawn:
-            for step, value in item.points():
-                out.writerow([item.panel, item.run, item.series, step, repr(value)])
+CSV_HEADER = ("panel", "run", "series", "step", "value")
+
+
+def csv_rows(drawn: Sequence[DrawnLine]) -> Iterator[list[Any]]:
+    for item in drawn:
+        for step, value in item.points():
+            yield [item.panel, item.run, item.series, step, repr(value)]
 
 
 def load_runs(run_dirs: Sequence[Path], sweep: Path | None) -> list[RunCurves]:
@@ -403,16 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if title is None and args.sweep is not None:
             title = f"sweep {args.sweep.resolve().name}: {len(runs)} runs"
         fig, drawn = plot_runs(runs, smoothing=args.smoothing, title=title)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.output, dpi=110)
+        steps = max(int(r["step"]) for run in runs for r in run.train)
+        detail = f"{len(runs)} run(s), up to step {steps}"
+        save_png_and_csv(fig, args.output, CSV_HEADER, csv_rows(drawn), detail=detail)
     except (ValueError, OSError) as err:
         print(f"\nerror: {err}\n", file=sys.stderr)
         return EXIT_USAGE
-    csv_path = args.output.with_suffix(".csv")
-    write_csv(drawn, csv_path)
-    steps = max(int(r["step"]) for run in runs for r in run.train)
-    print(f"wrote {args.output} ({len(runs)} run(s), up to step {steps}) and {csv_path} "
-          "(the drawn numbers)")  # fmt: skip
     return 0
 
 

@@ -17,7 +17,7 @@ The model is still on the meta device here; `fsdp_utils.model.build.materialize`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -206,6 +206,22 @@ def gradient_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractCo
     if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def no_grad_pass(model: nn.Module) -> Iterator[None]:
+    """Forwards without gradients (an evaluation, generation, a reference's log-probabilities):
+    the model in eval mode (no dropout) under no_grad, then back in the mode it was in, with
+    every FSDP2 shard group resharded (`reshard`). Every no-grad pass over the trained model goes
+    through here, so none leaves gathered parameters behind for the next step or optimizer."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+        reshard(model)
 
 
 def reshard(model: nn.Module) -> None:

@@ -14,12 +14,12 @@ from fsdp_utils.data.blocks import TokenBlocks, eval_batches
 from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import LossChunking, batch_targets
 from fsdp_utils.train.step import forward_loss_sum
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module,
     blocks: TokenBlocks,
@@ -39,14 +39,15 @@ def evaluate(
     if len(blocks) == 0:
         return None
     sp = sequence_parallel or SequenceParallel.off(env)
-    model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for indices in eval_batches(len(blocks), batch_size, sp.data_rank, sp.data_size, max_batches):
-        batch = slice_batch(blocks.batch(indices), rank=sp.rank, size=sp.size)
-        extra = sp.forward_kwargs()
-        totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking, **extra)[1]
-        totals[1] += batch_targets(batch)
-    model.train()
+    with no_grad_pass(model):
+        for indices in eval_batches(
+            len(blocks), batch_size, sp.data_rank, sp.data_size, max_batches
+        ):
+            batch = slice_batch(blocks.batch(indices), rank=sp.rank, size=sp.size)
+            extra = sp.forward_kwargs()
+            totals[0] += forward_loss_sum(model, batch, env.device, autocast, chunking, **extra)[1]
+            totals[1] += batch_targets(batch)
     loss_sum, tokens = dist_utils.all_reduce_sum(totals).tolist()
     if tokens == 0:
         return None

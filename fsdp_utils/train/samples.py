@@ -27,6 +27,7 @@ from torch import nn
 
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.generate import continue_prompts
+from fsdp_utils.parallel.parallelize import no_grad_pass
 
 BATCH_SIZE = 8  # prompts per decoding batch
 LOGGED_CHARACTERS = 160  # of each prompt and answer, in the log
@@ -112,7 +113,6 @@ class SamplePrompts:
             f"{self.max_new_tokens} tokens, ending at token(s) {self.stop_ids})"
         )
 
-    @torch.no_grad()
     def answer(
         self, model: nn.Module, *, device: torch.device, autocast: Callable[[], Any]
     ) -> list[dict[str, Any]]:
@@ -120,35 +120,34 @@ class SamplePrompts:
         stops = set(self.stop_ids)
         pad = self.tokenizer.pad_token_id
         pad = self.stop_ids[0] if pad is None else pad
-        model.eval()
         records: list[dict[str, Any]] = []
-        for start in range(0, len(self.prompts), BATCH_SIZE):
-            batch = self.prompts[start : start + BATCH_SIZE]
-            generated = continue_prompts(
-                model,
-                batch,
-                pad_token_id=pad,
-                eos_token_id=self.stop_ids[0],
-                max_new_tokens=self.max_new_tokens,
-                is_done=lambda _row, tokens: tokens[-1] in stops,
-                device=device,
-                autocast=autocast,
-            )
-            for offset, result in enumerate(generated):
-                tokens = result.tokens
-                stopped = result.eos or (bool(tokens) and tokens[-1] in stops)
-                answer_ids = tokens[:-1] if tokens and tokens[-1] in stops else tokens
-                row = self.rows[start + offset]
-                records.append(
-                    {
-                        **row,
-                        "prompt_text": self.tokenizer.decode(self.prompts[start + offset]),
-                        "answer": self.tokenizer.decode(answer_ids, skip_special_tokens=True),
-                        "stopped": stopped,
-                        "new_tokens": len(tokens) + (1 if result.eos else 0),
-                    }
+        with no_grad_pass(model):
+            for start in range(0, len(self.prompts), BATCH_SIZE):
+                batch = self.prompts[start : start + BATCH_SIZE]
+                generated = continue_prompts(
+                    model,
+                    batch,
+                    pad_token_id=pad,
+                    eos_token_id=self.stop_ids[0],
+                    max_new_tokens=self.max_new_tokens,
+                    is_done=lambda _row, tokens: tokens[-1] in stops,
+                    device=device,
+                    autocast=autocast,
                 )
-        model.train()
+                for offset, result in enumerate(generated):
+                    tokens = result.tokens
+                    stopped = result.eos or (bool(tokens) and tokens[-1] in stops)
+                    answer_ids = tokens[:-1] if tokens and tokens[-1] in stops else tokens
+                    row = self.rows[start + offset]
+                    records.append(
+                        {
+                            **row,
+                            "prompt_text": self.tokenizer.decode(self.prompts[start + offset]),
+                            "answer": self.tokenizer.decode(answer_ids, skip_special_tokens=True),
+                            "stopped": stopped,
+                            "new_tokens": len(tokens) + (1 if result.eos else 0),
+                        }
+                    )
         return records
 
     def run(

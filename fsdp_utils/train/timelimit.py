@@ -94,6 +94,17 @@ class _SignalFlag:
 REASONS = {1: "stop_after_steps", 2: "stop file", 3: "signal", 4: "time limit"}
 
 
+class StoppedBeforeFirstStep(Exception):
+    """A stop was requested during the work before the first step (data preparation, a
+    method's own: DPO's reference pass). What that work finished is kept; the leg ends as
+    interrupted, so that the sbatch script requeues it and the next leg goes on from there."""
+
+    def __init__(self, reason: str, during: str) -> None:
+        super().__init__(f"{reason} during {during}")
+        self.reason = reason
+        self.during = during
+
+
 @dataclass
 class Decision:
     stop: str | None  # reason, or None to go on
@@ -347,22 +358,44 @@ class StopController:
             self.save_every_seconds > 0
             and time.monotonic() - self.last_save >= self.save_every_seconds
         )
-        votes = [0.0] * len(REASONS)
-        code = self._local_stop_code()
-        if code:
-            votes[code - 1] = 1.0
+        votes = self._votes()
         summed = dist_utils.all_reduce_host_sum([*votes, float(save and self.is_main), *add])
-        agreed = max((c for c in REASONS if summed[c - 1] > 0), default=0)
         return Decision(
-            stop=REASONS.get(agreed),
+            stop=_agreed(summed),
             save=summed[len(REASONS)] > 0,
             sums=summed[len(REASONS) + 1 :],
         )
 
+    def requested(self) -> str | None:
+        """Collective, between pieces of the work before the first step: the reason of a stop
+        that any rank sees (stop file, signal, the job's end within the margin), or None. One
+        all-reduce of host scalars, as `poll`'s."""
+        return _agreed(dist_utils.all_reduce_host_sum(self._votes()))
+
+    def requested_here(self) -> str | None:
+        """This rank's own view, without a collective: for work rank 0 does alone while the
+        others wait (data preparation). Rank 0 sees every source: the stop file, the end time,
+        a signal (torchrun forwards none; the sbatch script writes the stop file)."""
+        return REASONS.get(self._local_stop_code())
+
+    def _votes(self) -> list[float]:
+        votes = [0.0] * len(REASONS)
+        code = self._local_stop_code()
+        if code:
+            votes[code - 1] = 1.0
+        return votes
+
     def consume_stop_file(self) -> None:
+        """A stop request handled: the next run (the requeued leg) must not stop at once."""
         if self.is_main:
             self.stop_file.unlink(missing_ok=True)
 
     def saved(self, seconds: float) -> None:
         self.last_save = time.monotonic()
         self.save_seconds = max(self.save_seconds, seconds)
+
+
+def _agreed(summed: Sequence[float]) -> str | None:
+    """The highest-ranked reason any rank voted for (`REASONS` order), or None."""
+    agreed = max((c for c in REASONS if summed[c - 1] > 0), default=0)
+    return REASONS.get(agreed)

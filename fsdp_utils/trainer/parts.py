@@ -18,6 +18,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.document_masking import attention_implementation
 from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparation_advice
 from fsdp_utils.data.sequence_slices import describe_padding
+from fsdp_utils.data.workers import PreparationStopped
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.model import freeze, lora
 from fsdp_utils.model.build import build_meta_model
@@ -27,6 +28,7 @@ from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.materialize import build_model
 from fsdp_utils.parallel.parallelize import describe_parallelism, fsdp_group_names
+from fsdp_utils.train.timelimit import StoppedBeforeFirstStep
 
 Log = Callable[[str], None]
 
@@ -48,20 +50,41 @@ def describe_run(config: TrainConfig, plan: BatchPlan, env: DistEnv, root: Path)
 
 
 def prepare_data(
-    config: TrainConfig, assets: ResolvedAssets, env: DistEnv, log: Log
+    config: TrainConfig,
+    assets: ResolvedAssets,
+    env: DistEnv,
+    log: Log,
+    *,
+    stop: Callable[[], str | None],
 ) -> PreparedData:
     """Collective: rank 0 prepares (or finds) the cached data and tells the others where: a
     --dataset_module runs once, and every rank reads what rank 0 prepared. The others wait on
     the store, not in a collective: preparing may take hours, longer than
-    --collective_timeout_minutes (`on_main_rank`)."""
+    --collective_timeout_minutes (`on_main_rank`). Rank 0 asks `stop` as it goes (the time
+    limit: StoppedBeforeFirstStep on every rank)."""
+
+    def prepare() -> Path | str:
+        try:
+            return prepare_dataset(config, assets=assets, log=log, stop=stop)
+        except PreparationStopped as stopped:
+            log(
+                f"data: preparation stopped ({stopped.reason}) when it had {stopped.done}; a "
+                "preparation is kept whole or not at all, so the next leg starts it again. "
+                "Prepare the data before the training job instead: sbatch slurm/prepare.sh "
+                "with the same options (docs/slurm.md)."
+            )
+            return stopped.reason
+
     started = time.monotonic()
-    main_folder = dist_utils.on_main_rank(lambda: prepare_dataset(config, assets=assets, log=log))
+    main_outcome = dist_utils.on_main_rank(prepare)
     advice = slow_preparation_advice(time.monotonic() - started, env.world_size)
     if advice:
         log(advice)
-    folder = dist_utils.broadcast_object(main_folder)
-    assert folder is not None  # rank 0 prepared it, or every rank raised
-    return PreparedData.load(folder)
+    outcome = dist_utils.broadcast_object(main_outcome)
+    if isinstance(outcome, str):
+        raise StoppedBeforeFirstStep(outcome, "the data preparation")
+    assert outcome is not None  # rank 0 prepared it, or every rank raised
+    return PreparedData.load(outcome)
 
 
 class RunModel:

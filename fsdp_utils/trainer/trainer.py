@@ -60,7 +60,12 @@ from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_paralle
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
 from fsdp_utils.train.step import Batch, TrainStep
-from fsdp_utils.train.timelimit import LegEnd, StopController, remaining_work
+from fsdp_utils.train.timelimit import (
+    LegEnd,
+    StopController,
+    StoppedBeforeFirstStep,
+    remaining_work,
+)
 from fsdp_utils.trainer.parts import RunModel, describe_run, prepare_data
 
 
@@ -76,6 +81,7 @@ class TrainState:
 class Trainer:
     # Set by `setup`, in this order.
     sequence_parallel: SequenceParallel  # which sequences this rank reads, which slice of them
+    stop: StopController  # asked before the first step too
     method: Method  # --method (fsdp_utils/methods/): what it trains on, its step, its evaluation
     chess_eval: TrainingChessEval | None
     models: RunModel
@@ -89,10 +95,10 @@ class Trainer:
     autocast: Any
     optimizer: torch.optim.Optimizer
     train_step: TrainStep
-    stop: StopController
     flops_per_token: float
     peak_tflops: float | None
     eval_seconds: float | None = None  # the last evaluation's, for the time-limit estimate
+    stopped_early: str | None = None  # why setup stopped before the first step (`setup`)
     samples: SamplePrompts | None = None  # --sample_prompts
 
     def __init__(
@@ -120,9 +126,31 @@ class Trainer:
     # --- setup ----------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Collective. A stop requested before the first step (the time limit during the data
+        preparation or the method's work) ends it early, what that work finished kept: `train`
+        then returns at once, "interrupted", and the next leg goes on from there."""
+        try:
+            self._setup()
+        except StoppedBeforeFirstStep as stopped:
+            self.stopped_early = stopped.reason
+            self.stop.consume_stop_file()  # handled: the next leg must not stop at once
+            self.log.event(
+                "stopping",
+                f"stopping before the first step: {stopped.reason} during {stopped.during}; "
+                "what it finished is kept (rerun the same command to go on; a requeued job "
+                "does)",
+                step=self.state.step,
+                reason=stopped.reason,
+            )
+
+    def _setup(self) -> None:
         config, env = self.config, self.env
         torch.manual_seed(config.seed)
         self.log.info(describe_run(config, self.plan, env, self.layout.root))
+        # First: the work before the first step asks it, and its signal handlers are in place.
+        self.stop = StopController.for_run(config, self.layout, is_main=env.is_main)
+        if (limit := self.stop.describe_time_limit()) is not None:
+            self.log.info(limit)
         self.sequence_parallel = sp = init_sequence_parallel(env, config.sequence_parallel)
         context = MethodContext(
             env, self.plan, self.hf_config, self.model_dir, self.log.info, sequence_parallel=sp
@@ -133,7 +161,9 @@ class Trainer:
         # the log read it there, and a run that cannot fit on the disk stops before any data work.
         self.models = RunModel(config, env, self.assets, self.layout, self.log.info)
         meta = self.models.meta()
-        self.data = prepare_data(config, self.assets, env, self.log.info)
+        self.data = prepare_data(
+            config, self.assets, env, self.log.info, stop=self.stop.requested_here
+        )
         self.train_blocks, self.eval_blocks = self.method.use_data(self.data)
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
         if config.num_epochs is not None:  # the steps follow from the data: before the schedule
@@ -151,6 +181,7 @@ class Trainer:
             device=env.device,
         )
         resume_from = self.checkpointer.to_resume(warn=self.log.info)
+        self.state.step = resume_from.step if resume_from is not None else 0  # for status.json
         if (line := self.method.describe()) is not None:
             self.log.info(line)
 
@@ -166,15 +197,14 @@ class Trainer:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
         parts = StepParts(self.autocast, self.models.frozen_copy)
-        self.method.before_first_step(self.model, parts, lambda: False)
+        stopped = self.method.before_first_step(self.model, parts, self.stop.requested)
+        if stopped is not None:
+            raise StoppedBeforeFirstStep(stopped, f"--method {config.method}'s work")
         self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
         if resume_from is not None:
             self._resume(resume_from)
-        self.stop = StopController.for_run(config, self.layout, is_main=env.is_main)
-        if (limit := self.stop.describe_time_limit()) is not None:
-            self.log.info(limit)
         # MFU counts useful work: no weight gradients for frozen weights (LoRA, --freeze_layers)
         self.flops_per_token = training_flops_per_token(
             self.hf_config, self.model, meta.info.active_parameters, config
@@ -237,6 +267,8 @@ class Trainer:
         """Steps until max_training_steps, or until a stop (time limit, signal, stop file):
         then save and return with status "interrupted" so the next run resumes."""
         config = self.config
+        if self.stopped_early is not None:  # setup saved what it did; the next leg goes on
+            return _summary("interrupted", self.stopped_early, {}, None, time.perf_counter())
         self.log.event(
             "start",
             f"training: steps {self.state.step} -> {config.max_training_steps}, "

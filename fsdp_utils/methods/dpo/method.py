@@ -81,23 +81,24 @@ class DPO(Method):
     def needs_frozen_copy(cls, config: TrainConfig) -> bool:
         return not config.lora and config.reference == "live"
 
-    def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> bool:
+    def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> str | None:
         """Collective: the reference log-probabilities of every pair (train and eval) into the
-        cache, when it is to be cached and is not yet."""
+        cache, when it is to be cached and is not yet. A stop request between its batches keeps
+        the pairs done (the cache is indexed by row), and the next leg computes the rest."""
         if self.cache is None:
-            return True
+            return None
         if self.cached:
             self.context.log(f"dpo: reference log-probabilities from {self.cache}")
-            return True
+            return None
         pairs = sum(len(s) for s in self.pairs)
         self.context.log(f"dpo: computing the reference log-probabilities of {pairs:,} pairs")
-        compute_reference_cache(
+        stopped = compute_reference_cache(
             model, self.pairs, self.cache, env=self.env,
             batch_size=self.context.plan.batch_size_per_device,
-            forward=self._forward(parts), log=self.context.log,
+            forward=self._forward(parts), log=self.context.log, stop=stop,
         )  # fmt: skip
-        self.cached = True
-        return True
+        self.cached = stopped is None
+        return stopped
 
     def _forward(self, parts: StepParts) -> ForwardSettings:
         return ForwardSettings(

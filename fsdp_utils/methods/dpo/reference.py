@@ -37,7 +37,7 @@ from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.parallel.parallelize import reshard
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch
@@ -74,21 +74,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = was
 
 
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """The reference runs in eval mode (no dropout) and without gradients, every way; then the
-    shard groups it gathered are freed (`parallel.parallelize.reshard`: else the next training
-    step's gradients are wrong for them)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-        reshard(model)
-
-
 @dataclass
 class ForwardSettings:
     chunking: LossChunking
@@ -98,7 +83,8 @@ class ForwardSettings:
     sequence_parallel: SequenceParallel | None = None
 
     def logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        with evaluating(model):
+        """In eval mode (no dropout), without gradients, every way (`no_grad_pass`)."""
+        with no_grad_pass(model):
             return sequence_logps(
                 model, batch, chunking=self.chunking, device=self.device,
                 autocast=self.autocast, sequence_parallel=self.sequence_parallel,
@@ -193,6 +179,27 @@ def is_cached(folder: Path) -> bool:
     return (folder / "logps.npz").is_file()
 
 
+def partial_cache(folder: Path) -> Path:
+    """Where a reference pass that was stopped keeps the pairs it finished (beside the cache)."""
+    return folder.with_name(f"{folder.name}.partial.npz")
+
+
+def _read_partial(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    path = partial_cache(folder)
+    if not path.is_file():
+        return np.zeros(0, np.int64), np.zeros((0, 2), np.float32)
+    with np.load(path) as saved:
+        return saved["rows"], saved["logps"]
+
+
+def _write_partial(folder: Path, rows: np.ndarray, values: np.ndarray) -> None:
+    path = partial_cache(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, rows=rows, logps=values)
+    os.replace(tmp, path)  # a reader sees the old table or the new, never half of one
+
+
 def compute_reference_cache(
     model: nn.Module,
     splits: list[PreferencePairs],
@@ -202,45 +209,81 @@ def compute_reference_cache(
     batch_size: int,
     forward: ForwardSettings,
     log: Callable[[str], None],
-) -> None:
+    stop: Callable[[], str | None] = lambda: None,
+) -> str | None:
     """Collective: the reference log-probabilities of every pair of `splits`, each rank a share
     of the pairs (every rank the same number of forwards, as FSDP's collectives need), gathered
     and written by rank 0 as one table indexed by dataset row. With sequence parallelism each
     data-parallel group takes a share, each of its ranks the slices (all get the whole values:
-    the table drops the repeats)."""
+    the table drops the repeats).
+
+    `stop` (collective) is asked before every batch; when it gives a reason to stop, the pairs
+    done so far join those an earlier stopped pass kept (`partial_cache`), and the reason is
+    returned: the next pass computes only the pairs still missing. None: the cache is whole."""
     sp = forward.sequence_parallel or SequenceParallel.off(env)
-    rows_parts, value_parts = [], []
+    # Rank 0's view of the shared file system decides, for every rank.
+    kept = dist_utils.broadcast_object(_read_partial(folder) if env.is_main else None)
+    assert kept is not None
+    done_rows, done_values = kept
+    if len(done_rows):
+        pending = sum(int((~np.isin(s.rows, done_rows)).sum()) for s in splits)
+        log(
+            f"dpo: {len(done_rows):,} pairs' reference log-probabilities kept by an earlier leg "
+            f"({partial_cache(folder)}); computing the other {pending:,}"
+        )
+    rows_parts, value_parts = [done_rows], [done_values]
+    stopped: str | None = None
     for pairs in splits:
-        n = len(pairs)
-        if n == 0:
+        todo = np.flatnonzero(~np.isin(pairs.rows, done_rows))
+        n = len(todo)
+        if n == 0 or stopped is not None:
             continue
         # Every pair once across ranks; the last rank's share padded with repeats so that all
         # ranks run the same number of forwards (the repeats are dropped by np.unique).
         per_rank = -(-n // sp.data_size)
-        mine = np.minimum(np.arange(sp.data_rank, per_rank * sp.data_size, sp.data_size), n - 1)
+        mine = todo[
+            np.minimum(np.arange(sp.data_rank, per_rank * sp.data_size, sp.data_size), n - 1)
+        ]
         for start in range(0, len(mine), batch_size):
+            if (stopped := stop()) is not None:
+                break
             indices = mine[start : start + batch_size]
             batch = slice_batch(pairs.batch(indices), rank=sp.rank, size=sp.size)
             both = forward.logps(model, batch).float().cpu().numpy()
             rows_parts.append(batch[PAIR_ROWS].numpy())
             value_parts.append(np.stack([both[: len(indices)], both[len(indices) :]], axis=1))
-    mine_rows = np.concatenate(rows_parts) if rows_parts else np.zeros(0, np.int64)
-    mine_values = np.concatenate(value_parts) if value_parts else np.zeros((0, 2), np.float32)
-    gathered = dist_utils.all_gather_objects((mine_rows, mine_values))
+    gathered = dist_utils.all_gather_objects(
+        (np.concatenate(rows_parts), np.concatenate(value_parts))
+    )
     if env.is_main:
         rows = np.concatenate([r for r, _ in gathered])
         values = np.concatenate([v for _, v in gathered]).astype(np.float32)
-        rows, first = np.unique(rows, return_index=True)  # sorted; padding repeats dropped
-        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        np.savez(tmp / "logps.npz", rows=rows, logps=values[first])
-        (tmp / "meta.json").write_text(
-            json.dumps({"pairs": len(rows), "world_size": env.world_size})
-        )
-        if not is_cached(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-            os.rename(tmp, folder)  # atomic: a reader sees the whole table or none
-        shutil.rmtree(tmp, ignore_errors=True)
-        log(f"dpo: reference log-probabilities of {len(rows):,} pairs cached in {folder}")
+        rows, first = np.unique(rows, return_index=True)  # sorted; repeats dropped
+        if stopped is not None and len(rows) == 0:
+            log("dpo: the reference pass stopped before its first pair")
+        elif stopped is not None:
+            _write_partial(folder, rows, values[first])
+            total = len(np.unique(np.concatenate([s.rows for s in splits])))
+            log(
+                f"dpo: the reference pass stopped at {len(rows):,} of {total:,} pairs; they are "
+                f"kept in {partial_cache(folder)} for the next leg"
+            )
+        else:
+            _write_cache(folder, rows, values[first], world_size=env.world_size)
+            log(f"dpo: reference log-probabilities of {len(rows):,} pairs cached in {folder}")
     dist_utils.barrier()
+    return stopped
+
+
+def _write_cache(folder: Path, rows: np.ndarray, values: np.ndarray, *, world_size: int) -> None:
+    """The whole table, atomically (a reader sees all of it or none); the partial one goes."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.savez(tmp / "logps.npz", rows=rows, logps=values)
+    (tmp / "meta.json").write_text(json.dumps({"pairs": len(rows), "world_size": world_size}))
+    if not is_cached(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+    shutil.rmtree(tmp, ignore_errors=True)
+    partial_cache(folder).unlink(missing_ok=True)

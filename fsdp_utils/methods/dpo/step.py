@@ -24,6 +24,7 @@ from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
+from fsdp_utils.parallel.parallelize import no_grad_pass
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import LossChunking
 from fsdp_utils.train.step import Batch, TrainStep, build_train_step
@@ -178,7 +179,6 @@ def build_preference_step(
     return step
 
 
-@torch.no_grad()
 def evaluate_pairs(
     model: nn.Module,
     pairs: PreferencePairs,
@@ -195,15 +195,14 @@ def evaluate_pairs(
         return None
     sp = pair_loss.sequence_parallel
     ranks = (sp.data_rank, sp.data_size) if sp.enabled else (env.rank, env.world_size)
-    model.eval()
     totals = torch.zeros(len(SUMS) + 2, dtype=torch.float64, device=env.device)
-    for indices in eval_batches(len(pairs), batch_size, *ranks, max_batches):
-        batch = slice_batch(pairs.batch(indices), rank=sp.rank, size=sp.size)
-        batch_loss, batch_sums = pair_loss(model, batch)
-        totals[0] += batch_loss.to(torch.float64)
-        totals[1:-1] += batch_sums
-        totals[-1] += pair_loss.share * pair_count(batch)
-    model.train()
+    with no_grad_pass(model):
+        for indices in eval_batches(len(pairs), batch_size, *ranks, max_batches):
+            batch = slice_batch(pairs.batch(indices), rank=sp.rank, size=sp.size)
+            batch_loss, batch_sums = pair_loss(model, batch)
+            totals[0] += batch_loss.to(torch.float64)
+            totals[1:-1] += batch_sums
+            totals[-1] += pair_loss.share * pair_count(batch)
     reduced = dist_utils.all_reduce_sum(totals).tolist()
     loss_sum, sums, count = reduced[0], reduced[1:-1], reduced[-1]
     if count == 0:
