@@ -14,8 +14,12 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+DEVICE_VENV ?= .venv-device
 
-.PHONY: setup setup-system demo test test-quick test-floor lint format bench bench-full gpu-check clean help
+.PHONY: setup setup-system demo test test-quick test-floor test-newest lint format bench bench-full \
+	gpu-check device-wheels gpu-check-dry-run clean help
 
 help:
 	@echo "make setup       create $(VENV) (torch CPU pinned first) and install the package with test/lint extras"
@@ -23,10 +27,13 @@ help:
 	@echo "make test        the whole test suite (installs Slurm + munge via apt for the Slurm tests)"
 	@echo "make test-quick  the suite without the slow end-to-end tests"
 	@echo "make test-floor  the quick suite in $(FLOOR_VENV), every dependency at its declared floor"
+	@echo "make test-newest the quick suite in $(NEWEST_VENV), every dependency at its newest release"
 	@echo "make lint        ruff check + ruff format --check + mypy + import layers and circles"
 	@echo "make bench       throughput, LoRA and memory-planner benchmarks, results in bench/results/ (~7 min)"
 	@echo "make bench-full  the long set: more rounds, every row, fast vs full traces (not timed here; well over the short set)"
 	@echo "make gpu-check   on a GPU node: run the CUDA paths, measure tokens/s, MFU, memory vs plan"
+	@echo "make device-wheels       the wheels a lent GPU machine lacks, in .whl/ (docs/gpu-check.md)"
+	@echo "make gpu-check-dry-run   the device call on CPU, from the carried wheels, at its versions"
 
 $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
@@ -52,14 +59,16 @@ demo: setup
 test: setup setup-system
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
-test-quick: setup
+test-quick: setup setup-system
 	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # A second environment, rebuilt each time, at the oldest versions pyproject.toml declares: each
-# dependency (and each of the test extra) pinned to its lower bound, torch first (the floor is the
-# CPU build's version), the project without dependencies; `pip check` proves the floors agree
-# with each other, then the quick suite runs. See docs/development.md#tested-versions.
-test-floor: setup
+# dependency (and each of the test extra) pinned to its lower bound, torch first (2.11.0, the lent
+# GPUs' version: PyPI's CUDA build, which runs on CPU; several GB into pip's cache once), the
+# project without dependencies; `pip check` proves the floors agree
+# with each other, then the quick suite runs (Slurm's commands installed: the submitit golden
+# script needs `srun`). See docs/development.md#tested-versions.
+test-floor: setup setup-system
 	rm -rf $(FLOOR_VENV)
 	python3 -m venv $(FLOOR_VENV)
 	$(PY) -m fsdp_utils.versions --floors test > $(FLOOR_VENV)/floors.txt
@@ -70,6 +79,21 @@ test-floor: setup
 	$(FLOOR_PY) -m pip check
 	$(FLOOR_PY) -m fsdp_utils.versions
 	$(FLOOR_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+
+# A third environment, rebuilt each time, at the newest release of every dependency the index
+# serves, torch included: PyPI's torch is a CUDA build that runs on CPU (several GB, once into
+# pip's cache). This machine's pip configuration caps torch (/etc/xdg/pip/constraints.txt):
+# PIP_CONSTRAINT=/dev/null lifts the cap for these installs only. Then as test-floor.
+test-newest: setup setup-system
+	rm -rf $(NEWEST_VENV)
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=/dev/null $(NEWEST_PY) -m pip install -q --upgrade torch
+	PIP_CONSTRAINT=/dev/null $(NEWEST_PY) -m pip install -q --upgrade --upgrade-strategy eager \
+		-e ".[test]"
+	$(NEWEST_PY) -m pip check
+	$(NEWEST_PY) -m fsdp_utils.versions
+	$(NEWEST_PY) -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -93,6 +117,21 @@ bench-full: setup
 # measured against the planner. Without a CUDA device it says so and exits 2.
 gpu-check: setup
 	$(PY) bench/gpu_check.py
+
+# The wheels a device call carries to a lent GPU machine (cp312), checked against the one list
+# in bench/device_stack.py; the device call itself is in docs/gpu-check.md.
+device-wheels: setup
+	$(PY) bench/device_stack.py download
+
+# That call's dry run on CPU: the same script, from the carried wheels (the cp311 builds of the
+# same versions), in an environment at the image's versions (built once: $(DEVICE_VENV)).
+gpu-check-dry-run: setup
+	$(PY) bench/device_stack.py download --python 3.11 --dest .whl-cp311
+	test -x $(DEVICE_VENV)/bin/python || \
+		$(PY) bench/device_stack.py standin $(DEVICE_VENV) --wheels .whl-cp311
+	rm -rf $(DEVICE_VENV)/site bench/results/gpu_check_dry_run
+	$(DEVICE_VENV)/bin/python bench/gpu_check.py --wheels .whl-cp311 --site $(DEVICE_VENV)/site \
+		--allow-cpu --shapes tiny --budget 0 --output bench/results/gpu_check_dry_run
 
 clean:
 	rm -rf $(STAMPS) runs demo_assets bench/results

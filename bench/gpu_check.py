@@ -1,44 +1,68 @@
 """GPU validation kit (`make gpu-check`): run the CUDA paths for real and measure them.
 
-On whatever CUDA GPUs are visible, with no download:
+On one lent H100 from a fresh copy of the tree (docs/gpu-check.md has the exact device call), or
+on a cluster's GPU node:
 
-1. builds Llama-architecture models with random weights from configs (safetensors in a
-   temporary folder, with a chess tokenizer and a few thousand random legal games): a ~1.1B
-   shape, and the largest of 3B, 8B, 13B that the memory planner says fits these GPUs;
-2. runs `chess_finetune.py` under torchrun on all visible GPUs, a few dozen steps per
-   configuration: bf16-mixed with and without activation checkpointing, fp16-mixed (gradient
-   scaler), `--cpu_offload`, and a save, a resume and an export;
-3. measures tokens/s per GPU, MFU, peak allocated and reserved CUDA memory and the peak
-   `nvidia-smi` memory.used, each against the planner's prediction for the same configuration,
-   and checkpoint save and load times;
-4. writes `gpu_check.json` and `gpu_check.md` (a markdown table) to `--output`.
+    python3 bench/gpu_check.py --wheels .whl --output $OUT          # the prepared call, < 6 min
+    python3 bench/gpu_check.py --wheels .whl --output $OUT --quick  # a second try: the 1B rows
+    python3 bench/gpu_check.py --only 8b-lora-4k,8b-lora-32k --output DIR   # chosen rows
+    python bench/gpu_check.py                                       # make gpu-check (cluster node)
+    python bench/gpu_check.py --allow-cpu --shapes tiny --budget 0 --output DIR   # CPU dry run
 
-    python bench/gpu_check.py                      # or: make gpu-check
-    python bench/gpu_check.py --only 1b --steps 20 # a quicker subset
+1. `--wheels DIR`: installs the carried wheels this Python lacks into `--site` (bench/device_stack.py
+   decides which), then runs again with them first on PYTHONPATH; then checks the versions with
+   the toolkit's own check (`python -m fsdp_utils.versions`) and stops there if it fails.
+2. Builds Llama-architecture models with random weights (safetensors, a chess tokenizer, a few
+   thousand random legal games): the 1.1B shape (TinyLlama's) and the 8B one (Llama 3's).
+3. Runs ROWS in order, each a real command of the toolkit (`chess_finetune.py` under torchrun,
+   `python -m fsdp_utils.evaluate`) or a probe, few steps each: tokens/s per GPU, MFU, peak
+   allocated and reserved CUDA memory and the peak nvidia-smi memory.used, each against the
+   memory planner's prediction for the same configuration (planned on the CPU beside the runs),
+   checkpoint save/load/export times, document masking's losses, evaluation requests/s.
+   `--budget` seconds in all (330 by default): a row whose estimate would pass it is skipped and
+   says so; each row has a time limit of its own.
+4. Writes into `--output` after every row: gpu_check.json (everything), gpu_check.md (the
+   table), gpu_check.log (this output), versions.txt (the versions found, the wheels installed)
+   and logs.tar.gz (each run's log, metrics.jsonl and plan).
 
 Without a CUDA device it prints one line and exits 2. `--allow-cpu --shapes tiny` runs the same
-flow on CPU (gloo) with a tiny model: that is how its logic is tested.
+rows on CPU (gloo) with a tiny model and short sequences: that is how its logic is tested.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
+import io
+import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+for _path in (str(REPO), str(BENCH)):  # the device runs the checkout, not an installed package
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
 EXIT_NO_GPU = 2
 GIB = 1024**3
+DEFAULT_BUDGET_S = 330.0  # of the 6 minutes a prepared device call may take
+STARTED_ENV = "GPU_CHECK_STARTED"  # the first start's clock, kept across the re-run with wheels
+EVAL_TASK = "arc_easy"
+EVAL_DOCUMENTS = 400  # 1,600 requests (four answers each) on a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,22 +92,80 @@ SHAPES = {
     "8b": Shape("8b", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     "13b": Shape("13b", hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824),
 }
-LARGE_CANDIDATES = ("13b", "8b", "3b")  # largest first
+TINY_SEQ_DIVISOR = 32  # --shapes tiny: 2,048 tokens -> 64, 32k -> 1,024
+
+BF16 = ("--precision", "bf16-mixed")
+AC = ("--gradient_checkpointing",)
+LORA = ("--lora",)
+# The QLoRA row's flags (issue 40). NF4 holds weights of a multiple of 16,384 elements only: the
+# tiny shape (hidden 64) has none, so the CPU dry run skips the row (tests/test_qlora.py covers
+# QLoRA on CPU with a 256-wide model).
+QLORA = ("--lora", "--quantize", "nf4")
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """One training configuration of the kit."""
+class Row:
+    """One measurement. `kind`: train (one chess_finetune.py run), checkpoint (save at half
+    way, resume, export), masking (the probe), evaluate (python -m fsdp_utils.evaluate on the
+    checkpoint row's export). `role`: the small (1B) or large (8B) shape. `estimate_s`: its
+    wall time on one H100, start-up included, for the budget."""
 
     name: str
-    shape: str
-    flags: tuple[str, ...]
+    kind: str
+    role: str
+    seq: int
+    batch: int
     steps: int
-    batch_size_per_device: int
-    seq_length: int
+    flags: tuple[str, ...] = ()
+    estimate_s: float = 30.0
+    quick: bool = False
+    needs_cuda: bool = False
+    tiny_seq: int = 64  # the shortest sequence with --shapes tiny (masking: several games a row)
 
-    def label(self) -> str:
-        return f"{self.shape} {self.name}"
+
+# In order of value: what the first GPU measurement needs most comes first (issue 43).
+ROWS: tuple[Row, ...] = (
+    Row("1b-bf16", "train", "small", 2048, 4, 12, BF16, 25, quick=True),
+    Row("1b-bf16-ac", "train", "small", 2048, 4, 12, (*BF16, *AC), 25, quick=True),
+    Row("1b-checkpoint", "checkpoint", "small", 2048, 4, 4, BF16, 55, quick=True),
+    Row("1b-masking", "masking", "small", 2048, 2, 1, (), 20, quick=True, tiny_seq=1024),
+    Row("8b-lora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *LORA), 35),
+    Row("8b-lora-32k", "train", "large", 32768, 1, 2, (*BF16, *AC, *LORA), 40),
+    Row("1b-evaluate", "evaluate", "small", 2048, 0, 0, (), 35, quick=True),
+    Row("8b-qlora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *QLORA), 40),
+    Row("1b-bf16-offload", "train", "small", 2048, 4, 4, (*BF16, "--cpu_offload"), 35,
+        needs_cuda=True),
+    Row("1b-fp16", "train", "small", 2048, 4, 12, ("--precision", "fp16-mixed"), 25),
+)  # fmt: skip
+# Before the rows: the random games and tokenizer, the 1B shape's weights (2.2 GB); before the
+# first 8B row, its weights (15 GB written through the page cache).
+SETUP_S = 15.0
+LARGE_WEIGHTS_S = 30.0
+
+
+def estimate_s(rows: list[Row]) -> float:
+    """The rows' planned seconds on one H100, the setup and the 8B weights included."""
+    large = any(r.role == "large" for r in rows)
+    return SETUP_S + sum(r.estimate_s for r in rows) + (LARGE_WEIGHTS_S if large else 0.0)
+
+
+def select_rows(rows: tuple[Row, ...], *, quick: bool = False, only: str = "") -> list[Row]:
+    """The rows to run: all, the --quick ones, or those --only names (in ROWS' order)."""
+    chosen = [r for r in rows if r.quick] if quick else list(rows)
+    if only:
+        wanted = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {r.name for r in rows})
+        if unknown:
+            raise ValueError(f"unknown row(s) {unknown}; the rows: {[r.name for r in rows]}")
+        chosen = [r for r in rows if r.name in wanted]
+    return chosen
+
+
+def scaled(row: Row, shapes: dict[str, str]) -> Row:
+    """The row for the shapes in use: --shapes tiny divides the sequence lengths too."""
+    if shapes["small"] != "tiny":
+        return row
+    return dataclasses.replace(row, seq=max(row.tiny_seq, row.seq // TINY_SEQ_DIVISOR))
 
 
 def model_config(shape: Shape, tokenizer: Any, seq_length: int) -> Any:
@@ -105,18 +187,28 @@ def model_config(shape: Shape, tokenizer: Any, seq_length: int) -> Any:
     )
 
 
+def write_config_only(folder: Path, shape: Shape, tokenizer: Any, seq_length: int) -> Path:
+    """config.json + tokenizer without weights: all the planner reads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model_config(shape, tokenizer, seq_length).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_model(folder: Path, shape: Shape, tokenizer: Any, seq_length: int, device: str) -> Path:
-    """Random bf16 weights (initialised on the GPU: a 13B init on the host takes minutes)."""
+    """Random bf16 weights (initialised on the GPU: an 8B init on the host takes minutes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    if (folder / "config.json").is_file():
+    if (folder / "model.safetensors.index.json").is_file() or (
+        folder / "model.safetensors"
+    ).is_file():
         return folder
     torch.manual_seed(0)
     config = model_config(shape, tokenizer, seq_length)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     del model
     if device == "cuda":
@@ -136,52 +228,6 @@ def build_data(folder: Path, games: int) -> tuple[Path, Any]:
     write_chess_shards(played, folder / "data", num_shards=1)
     tokenizer = train_chess_tokenizer(list(iter_rendered(played)), vocab_size=512)
     return folder / "data", tokenizer
-
-
-def run_specs(shapes: list[str], *, steps: int, seq_length: int, batch: int) -> list[RunSpec]:
-    """The kit's configurations: everything on the first (small) shape, the headline
-    configuration on the larger one."""
-    specs: list[RunSpec] = []
-    for index, shape in enumerate(shapes):
-        bf16 = ("--precision", "bf16-mixed")
-        specs.append(RunSpec("bf16-mixed", shape, bf16, steps, batch, seq_length))
-        specs.append(
-            RunSpec(
-                "bf16-mixed + AC",
-                shape,
-                (*bf16, "--gradient_checkpointing"),
-                steps,
-                batch,
-                seq_length,
-            )
-        )
-        if index > 0:  # QLoRA on the large shape (8B on one 80 GB GPU: issue 40's row)
-            specs.append(
-                RunSpec(
-                    "QLoRA bf16-mixed + AC",
-                    shape,
-                    (*bf16, "--qlora", "--gradient_checkpointing"),
-                    steps,
-                    batch,
-                    seq_length,
-                )
-            )
-        if index > 0:
-            continue
-        specs.append(
-            RunSpec("fp16-mixed", shape, ("--precision", "fp16-mixed"), steps, batch, seq_length)
-        )
-        specs.append(
-            RunSpec(
-                "bf16-mixed + CPU offload",
-                shape,
-                (*bf16, "--cpu_offload"),
-                max(3, steps // 3),
-                batch,
-                seq_length,
-            )
-        )
-    return specs
 
 
 class MemoryWatch:
@@ -207,19 +253,7 @@ class MemoryWatch:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                out = subprocess.run(
-                    [
-                        "nvidia-smi",
-                        "--query-gpu=index,memory.used",
-                        "--format=csv,noheader,nounits",
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                ).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                out = ""
+            out = _smi("--query-gpu=index,memory.used")
             for line in out.splitlines():
                 cells = [c.strip() for c in line.split(",")]
                 try:
@@ -228,6 +262,20 @@ class MemoryWatch:
                     continue
                 self.peak_mib[index] = max(self.peak_mib.get(index, 0.0), used)
             self._stop.wait(self.interval)
+
+
+def _smi(query: str) -> str:
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def run_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -286,168 +334,18 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def render_table(result: dict[str, Any]) -> str:
-    """The markdown table to paste into docs/gpu-check.md."""
-
-    def fmt(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    lines = [
-        f"GPU: {result['gpu']} x {result['gpus']} (torch {result['torch']}, "
-        f"seq {result['seq_length']}, batch {result['batch_size_per_device']} per GPU)",
-        "",
-        "| model | configuration | tokens/s/GPU | MFU % | peak alloc GiB | peak reserved GiB "
-        "| nvidia-smi GiB | planner peak GiB | alloc/plan | reserved/plan | used/required |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for run in result["runs"]:
-        if run.get("error"):
-            lines.append(f"| {run['shape']} | {run['name']} | failed: {run['error']} |")
-            continue
-        lines.append(
-            f"| {run['shape']} ({run['parameters'] / 1e9:.2f}B) | {run['name']} "
-            f"| {fmt(run['tokens_per_s_per_gpu'], ',.0f')} | {fmt(run['mfu_pct'], '.1f')} "
-            f"| {fmt(run['peak_allocated_gib'], '.2f')} | {fmt(run['peak_reserved_gib'], '.2f')} "
-            f"| {fmt(run['smi_peak_gib'], '.2f')} | {fmt(run['planned_peak_gib'], '.2f')} "
-            f"| {fmt(run['allocated_over_plan'], '.3f')} | {fmt(run['reserved_over_plan'], '.3f')} "
-            f"| {fmt(run['used_over_required'], '.3f')} |"
-        )
-    margin = result.get("margin_suggestion")
-    if margin:
-        lines += [
-            "",
-            f"planner margin from these runs: allocator +{margin['allocator_fraction']:.1%} "
-            f"(reserved over allocated), runtime {margin['runtime_gib']:.2f} GiB "
-            "(nvidia-smi over reserved)",
-        ]
-    ckpt = result.get("checkpoint") or {}
-    if ckpt:
-        lines += [
-            "",
-            f"checkpoint ({ckpt.get('shape')}): save {fmt(ckpt.get('save_s'), '.1f')} s, "
-            f"load (resume) {fmt(ckpt.get('load_s'), '.1f')} s, final HF export "
-            f"{fmt(ckpt.get('export_s'), '.1f')} s; resumed: {ckpt.get('resumed')}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-class Kit:
-    def __init__(self, args: argparse.Namespace, work: Path, device: str, gpus: int) -> None:
-        self.args = args
-        self.work = work
-        self.device = device
-        self.gpus = gpus
-        self.env = {**os.environ, "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
-
-    def common_flags(self, model: Path, data: Path, out: Path, spec: RunSpec) -> list[str]:
-        return [
-            "--model", str(model), "--dataset", str(data), "--dataset_include", "",
-            "--data_cache_dir", str(self.work / "prepared"), "--output_dir", str(out),
-            "--max_seq_length", str(spec.seq_length),
-            "--batch_size_per_device", str(spec.batch_size_per_device),
-            "--total_batch_size", str(spec.batch_size_per_device * self.gpus),
-            "--max_training_steps", str(spec.steps), "--learning_rate", "1e-4",
-            "--warmup_steps", "0", "--eval_every", "0", "--eval_examples", "0",
-            "--save_every_minutes", "0", "--log_every", "1", "--device", self.device,
-            *spec.flags,
-        ]  # fmt: skip
-
-    def plan(self, model: Path, data: Path, spec: RunSpec) -> dict[str, Any] | None:
-        """The planner's prediction for exactly this configuration (None if it cannot plan)."""
-        flags = self.common_flags(model, data, self.work / "plan-unused", spec)
-        command = [sys.executable, "-m", "fsdp_utils.plan", *flags, "--json"]
-        command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
-        if self.args.gpu_memory:
-            command += ["--gpu_memory", self.args.gpu_memory]
-        result = subprocess.run(command, capture_output=True, text=True, env=self.env, cwd=REPO)
-        try:
-            return json.loads(result.stdout)
-        except json.JSONDecodeError:
-            print(f"  planner failed (exit {result.returncode}): {result.stderr[-800:]}")
-            return None
-
-    def train(
-        self, model: Path, data: Path, out: Path, spec: RunSpec, *extra: str
-    ) -> tuple[int, str, dict[int, float]]:
-        torchrun = str(Path(sys.executable).with_name("torchrun"))
-        command = [torchrun, "--standalone", f"--nproc_per_node={self.gpus}"]
-        command += [str(REPO / "chess_finetune.py"), *self.common_flags(model, data, out, spec)]
-        command += list(extra)
-        with MemoryWatch() as watch:
-            result = subprocess.run(command, capture_output=True, text=True, env=self.env, cwd=REPO)
-        log = result.stdout + result.stderr
-        (out / "gpu_check.log").parent.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.log").write_text(log)
-        return result.returncode, log, watch.peak_mib
-
-    def measure(self, model: Path, data: Path, spec: RunSpec) -> dict[str, Any]:
-        shape = SHAPES[spec.shape]
-        out = self.work / "runs" / f"{spec.shape}-{spec.name.replace(' ', '').replace('+', '_')}"
-        print(f"gpu-check: {spec.label()}: {spec.steps} steps ...", flush=True)
-        started = time.perf_counter()
-        code, log, smi = self.train(model, data, out, spec, "--no_final_save", "--resume", "never")
-        row: dict[str, Any] = {"shape": spec.shape, "name": spec.name, "flags": list(spec.flags)}
-        row["parameters"] = shape.parameters()
-        row["wall_s"] = time.perf_counter() - started
-        if code != 0:
-            row["error"] = f"exit {code}"
-            row["log_tail"] = log[-3000:]
-            print(f"  FAILED (exit {code}):\n{log[-3000:]}", flush=True)
-            return row
-        row.update(summarize(run_records(out)))
-        plan = self.plan(model, data, spec)
-        planned = plan["peak_bytes"] / GIB if plan else None
-        required = plan["required_bytes"] / GIB if plan else None
-        row["planned_peak_gib"] = planned
-        row["planned_required_gib"] = required
-        row["smi_peak_gib"] = max(smi.values()) / 1024 if smi else None
-        row["allocated_over_plan"] = ratio(row["peak_allocated_gib"], planned)
-        row["reserved_over_plan"] = ratio(row["peak_reserved_gib"], planned)
-        row["used_over_required"] = ratio(row["smi_peak_gib"], required)
-        print(
-            f"  {row['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s/GPU, MFU {row['mfu_pct']}, "
-            f"peak alloc {row['peak_allocated_gib']} GiB, planned {planned}",
-            flush=True,
-        )
-        return row
-
-    def checkpoint_cycle(self, model: Path, data: Path, spec: RunSpec) -> dict[str, Any]:
-        """Save at half way (stop as if the time limit came), resume, finish, export."""
-        out = self.work / "runs" / f"{spec.shape}-checkpoint"
-        half = max(1, spec.steps // 2)
-        print(f"gpu-check: {spec.shape} save/resume/export ({spec.steps} steps) ...", flush=True)
-        stop = ("--save_every_steps", str(half), "--stop_after_steps", str(half))
-        code1, log1, _ = self.train(model, data, out, spec, *stop, "--resume", "never")
-        code2, log2, _ = self.train(model, data, out, spec, "--resume", "auto")
-        records = run_records(out)
-        summary = summarize(records)
-        result = {
-            "shape": spec.shape,
-            "exit_codes": [code1, code2],
-            "save_s": summary["checkpoint_save_s"],
-            "load_s": resume_seconds(log2),
-            "export_s": summary["export_s"],
-            "resumed": summary["resumed"],
-            "final_model": summary["final_model"],
-        }
-        if code1 or code2:
-            result["log_tail"] = (log1 + log2)[-3000:]
-            print(f"  FAILED:\n{result['log_tail']}", flush=True)
-        return result
-
-
-def margin_suggestion(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+def margin_suggestion(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     """What the planner's margin (fsdp_utils.plan.report.Margin) should be, from the measured
     runs: the allocator's share is reserved over allocated peak, the runtime part is what
     nvidia-smi saw beyond torch's reserved memory (CUDA context, cuBLAS workspaces, NCCL)."""
     fractions = [
         r["peak_reserved_gib"] / r["peak_allocated_gib"] - 1.0
-        for r in runs
+        for r in rows
         if r.get("peak_reserved_gib") and r.get("peak_allocated_gib")
     ]
     runtime = [
         r["smi_peak_gib"] - r["peak_reserved_gib"]
-        for r in runs
+        for r in rows
         if r.get("smi_peak_gib") and r.get("peak_reserved_gib")
     ]
     if not fractions or not runtime:
@@ -459,50 +357,576 @@ def margin_suggestion(runs: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
-def choose_large_shape(plans: dict[str, dict[str, Any] | None]) -> str | None:
-    """The largest candidate shape the planner says fits (None: none fits)."""
-    for name in LARGE_CANDIDATES:
-        plan = plans.get(name)
-        if plan is not None and plan.get("fits"):
-            return name
-    return None
+def parameters(count: float) -> str:
+    """1.10B, 0.14M: the table's model sizes."""
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 
-def main(argv: list[str] | None = None) -> int:
+def render_table(result: dict[str, Any]) -> str:
+    """The markdown to paste into docs/gpu-check.md: the training rows against the planner, then
+    one line for each other row."""
+
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    env = result.get("environment", {})
+    lines = [
+        f"GPU: {result['gpu']} x {result['gpus']}, driver {env.get('driver', '-')}; torch "
+        f"{result['torch']}, transformers {env.get('transformers', '-')}; "
+        f"{result.get('seconds', 0):.0f} s in all",
+        "",
+        "| row | model | seq x batch | tokens/s/GPU | MFU % | peak alloc GiB | peak reserved GiB "
+        "| nvidia-smi GiB | planner peak GiB | alloc/plan | reserved/plan | used/required |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    others = []
+    for row in result["rows"]:
+        status = row.get("status", "ok")
+        if status != "ok":
+            others.append(
+                f"- {row['name']}: {status}{': ' + row['reason'] if row.get('reason') else ''}"
+            )
+            continue
+        if row["kind"] != "train":
+            others.append(f"- {row['name']}: {row.get('summary', 'ok')}")
+            continue
+        lines.append(
+            f"| {row['name']} | {row['shape']} ({parameters(row['parameters'])}) "
+            f"| {row['seq']} x {row['batch']} "
+            f"| {fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(row.get('mfu_pct'), '.1f')} "
+            f"| {fmt(row.get('peak_allocated_gib'), '.2f')} "
+            f"| {fmt(row.get('peak_reserved_gib'), '.2f')} "
+            f"| {fmt(row.get('smi_peak_gib'), '.2f')} | {fmt(row.get('planned_peak_gib'), '.2f')} "
+            f"| {fmt(row.get('allocated_over_plan'), '.3f')} "
+            f"| {fmt(row.get('reserved_over_plan'), '.3f')} "
+            f"| {fmt(row.get('used_over_required'), '.3f')} |"
+        )
+    lines += ["", *others]
+    margin = result.get("margin_suggestion")
+    if margin:
+        lines += [
+            "",
+            f"planner margin from these runs: allocator +{margin['allocator_fraction']:.1%} "
+            f"(reserved over allocated), runtime {margin['runtime_gib']:.2f} GiB "
+            "(nvidia-smi over reserved)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class Tee(io.TextIOBase):
+    """This process's output to the terminal and to gpu_check.log as it goes."""
+
+    def __init__(self, stream: TextIO, path: Path) -> None:
+        self.stream = stream
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.file.write(text)
+        self.stream.flush()
+        self.file.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+
+class Kit:
+    """The rows' commands, run one after another on the GPU(s), the planner beside them."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, device: str, gpus: int) -> None:
+        self.args = args
+        self.work = work
+        self.device = device
+        self.gpus = gpus
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "4",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(work / "hf"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
+            ),
+        }
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+        self.plans: dict[str, concurrent.futures.Future[dict[str, Any] | None]] = {}
+        self.final_model: Path | None = None
+        self.data = work / "data"  # build_data writes it
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def common_flags(self, model: Path, data: Path, out: Path, row: Row) -> list[str]:
+        return [
+            "--model", str(model), "--dataset", str(data), "--dataset_include", "",
+            "--data_cache_dir", str(self.work / "prepared"), "--output_dir", str(out),
+            "--max_seq_length", str(row.seq),
+            "--batch_size_per_device", str(row.batch),
+            "--total_batch_size", str(row.batch * self.gpus),
+            "--max_training_steps", str(row.steps), "--learning_rate", "1e-4",
+            "--warmup_steps", "0", "--eval_every", "0", "--eval_examples", "0",
+            "--save_every_minutes", "0", "--log_every", "1", "--device", self.device,
+            *row.flags,
+        ]  # fmt: skip
+
+    def run(self, command: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
+        """A command in its own process group, killed whole at `timeout`; (exit code, output,
+        seconds). Exit code 124 for a timeout, as `timeout(1)` says it."""
+        started = time.perf_counter()
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                code = process.wait(timeout=max(timeout, 1.0))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                code = 124
+        return code, log.read_text(errors="replace"), time.perf_counter() - started
+
+    def write_weights(
+        self, folder: Path, shape: str, tokenizer_dir: Path, seq: int, timeout: float
+    ) -> tuple[int, str]:
+        """A model's random weights, written by a process of its own (see parse_args)."""
+        command = [sys.executable, str(Path(__file__).resolve()), "--probe-write", str(folder)]
+        command += ["--probe-shape", shape, "--probe-data", str(tokenizer_dir)]
+        command += ["--probe-seq", str(seq), "--probe-device", self.device]
+        code, log, _ = self.run(command, self.logs / f"{folder.name}-weights.log", timeout)
+        return code, log
+
+    def plan(self, model: Path, data: Path, row: Row) -> dict[str, Any] | None:
+        """The planner's prediction for exactly this configuration, on the CPU (the GPU stays the
+        run's alone: CUDA_VISIBLE_DEVICES is empty). None if it cannot plan."""
+        flags = self.common_flags(model, data, self.work / "plan-unused", row)
+        command = [sys.executable, "-m", "fsdp_utils.plan", *flags, "--json"]
+        command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
+        command += ["--gpu_memory", self.args.gpu_memory]
+        env = {**self.env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+        )
+        (self.logs / f"{row.name}.plan.log").write_text(result.stdout + result.stderr)
+        try:
+            return json.loads(result.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    def plan_later(self, model: Path, data: Path, row: Row) -> None:
+        self.plans[row.name] = self.planner.submit(self.plan, model, data, row)
+
+    def planned(self, row: Row, timeout: float) -> dict[str, Any] | None:
+        future = self.plans.get(row.name)
+        if future is None:
+            return None
+        try:
+            return future.result(timeout=max(timeout, 1.0))
+        except (concurrent.futures.TimeoutError, subprocess.TimeoutExpired):
+            return None
+
+    def train(
+        self, model: Path, data: Path, out: Path, row: Row, *extra: str, timeout: float
+    ) -> tuple[int, str, dict[int, float], float]:
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        if not Path(torchrun).exists():
+            torchrun = shutil.which("torchrun") or torchrun
+        command = [torchrun, "--standalone", f"--nproc_per_node={self.gpus}"]
+        command += [str(REPO / "chess_finetune.py"), *self.common_flags(model, data, out, row)]
+        command += list(extra)
+        log = self.logs / f"{out.name}.log"
+        with MemoryWatch() as watch:
+            code, text, seconds = self.run(command, log, timeout)
+        return code, text, watch.peak_mib, seconds
+
+    # --- rows ---------------------------------------------------------------------------------
+
+    def train_row(self, model: Path, data: Path, row: Row, timeout: float) -> dict[str, Any]:
+        out = self.work / "runs" / row.name
+        code, log, smi, seconds = self.train(
+            model, data, out, row, "--no_final_save", "--resume", "never", timeout=timeout
+        )
+        result: dict[str, Any] = {"wall_s": seconds}
+        if code != 0:
+            return {**result, **failure(code, log)}
+        result.update(summarize(run_records(out)))
+        (self.logs / f"{row.name}.metrics.jsonl").write_bytes(
+            (out / "metrics.jsonl").read_bytes() if (out / "metrics.jsonl").is_file() else b""
+        )
+        plan = self.planned(row, timeout=60)
+        planned = plan["peak_bytes"] / GIB if plan else None
+        required = plan["required_bytes"] / GIB if plan else None
+        result["planned_peak_gib"] = planned
+        result["planned_required_gib"] = required
+        result["planner_fits"] = plan.get("fits") if plan else None
+        result["smi_peak_gib"] = max(smi.values()) / 1024 if smi else None
+        result["allocated_over_plan"] = ratio(result["peak_allocated_gib"], planned)
+        result["reserved_over_plan"] = ratio(result["peak_reserved_gib"], planned)
+        result["used_over_required"] = ratio(result["smi_peak_gib"], required)
+        return result
+
+    def checkpoint_row(self, model: Path, data: Path, row: Row, timeout: float) -> dict[str, Any]:
+        """Save at half way (stop as if the time limit came), resume, finish, export."""
+        out = self.work / "runs" / row.name
+        half = max(1, row.steps // 2)
+        stop = ("--save_every_steps", str(half), "--stop_after_steps", str(half))
+        started = time.perf_counter()
+        code1, log1, _, _ = self.train(
+            model, data, out, row, *stop, "--resume", "never", timeout=timeout
+        )
+        if code1 != 0:
+            return failure(code1, log1, "first leg")
+        left = timeout - (time.perf_counter() - started)
+        code2, log2, _, _ = self.train(model, data, out, row, "--resume", "auto", timeout=left)
+        if code2 != 0:
+            return failure(code2, log2, "resumed leg")
+        summary = summarize(run_records(out))
+        final = summary["final_model"]
+        if final and Path(final, "config.json").is_file():
+            self.final_model = Path(final)
+        result = {
+            "wall_s": time.perf_counter() - started,
+            "save_s": summary["checkpoint_save_s"],
+            "load_s": resume_seconds(log2),
+            "export_s": summary["export_s"],
+            "resumed": summary["resumed"],
+            "final_model": final,
+        }
+        ok = result["resumed"] and self.final_model is not None
+        result["summary"] = (
+            f"save {_s(result['save_s'])}, load (resume) {_s(result['load_s'])}, "
+            f"HF export {_s(result['export_s'])}; resumed: {result['resumed']}"
+        )
+        return result if ok else {**result, "status": "failed", "reason": "no resume or export"}
+
+    def masking_row(self, model: Path, row: Row, timeout: float) -> dict[str, Any]:
+        """The document-masking probe in a process of its own (its CUDA memory goes with it)."""
+        out = self.work / "masking.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--probe-masking", str(out)]
+        command += ["--probe-model", str(model), "--probe-data", str(self.data)]
+        command += ["--probe-seq", str(row.seq), "--probe-device", self.device]
+        command += ["--work", str(self.work)]
+        code, log, seconds = self.run(command, self.logs / f"{row.name}.log", timeout)
+        if code != 0 or not out.is_file():
+            return failure(code, log)
+        probe = json.loads(out.read_text())
+        result: dict[str, Any] = {"wall_s": seconds, **probe}
+        result["summary"] = f"{probe['documents']} documents in {probe['rows']} rows; " + "; ".join(
+            f"{c['dtype']} ({c['attention']}): loss {c['loss_packed_vs_alone']:.1e} off, logits "
+            f"{c['logits_packed_vs_alone']:.1e} off (unmasked {c['logits_unmasked_vs_alone']:.1e})"
+            f" -> {c['verdict']}"
+            for c in probe["cases"]
+        )
+        if any(c["verdict"] == "FAIL" for c in probe["cases"]):
+            result.update(status="failed", reason="packed documents see each other")
+        return result
+
+    def evaluate_row(self, row: Row, timeout: float) -> dict[str, Any]:
+        """`python -m fsdp_utils.evaluate` on the checkpoint row's export, one small task whose
+        data is a copy in its Hub layout (tests/lm_eval_data.py) in an offline cache: requests
+        per second of the model calls (the sharded model's own log line), and the whole
+        command's time (start-up, loading, the batch plan)."""
+        if self.final_model is None:
+            return {"status": "skipped", "reason": "no export: the checkpoint row did not finish"}
+        from tests.lm_eval_data import cache_arc_easy
+
+        cache = self.work / "hf" / "hub"
+        documents = EVAL_DOCUMENTS if self.device == "cuda" else 8
+        cache_arc_easy(cache, documents)
+        out = self.work / "lm_eval"
+        command = [sys.executable, "-m", "fsdp_utils.evaluate", "--model", str(self.final_model)]
+        command += ["--tasks", EVAL_TASK, "--limit", str(documents), "--cache_dir", str(cache)]
+        command += ["--output_dir", str(out), "--bootstrap_iters", "0", "--device", self.device]
+        code, log, seconds = self.run(command, self.logs / f"{row.name}.log", timeout)
+        if code != 0:
+            return failure(code, log)
+        requests, model_s = request_times(log)
+        results = sorted(out.glob("results_*.json"))
+        if not results or not requests:
+            return {
+                "status": "failed",
+                "reason": "no results or no timed requests",
+                "log_tail": log[-3000:],
+            }
+        report = json.loads(results[-1].read_text())
+        result = {
+            "wall_s": seconds,
+            "requests": requests,
+            "model_s": model_s,
+            "requests_per_s": requests / model_s if model_s else None,
+            "accuracy": report["results"].get(EVAL_TASK, {}).get("acc,none"),
+        }
+        result["summary"] = (
+            f"{EVAL_TASK}: {requests} requests in {model_s:.3f} s of model calls "
+            f"({_fmt(result['requests_per_s'], ',.0f')} requests/s); the command {seconds:.0f} s"
+        )
+        return result
+
+
+def request_times(log: str) -> tuple[int, float]:
+    """Requests and seconds of the sharded model's calls, from its log lines
+    (`loglikelihood: 400 requests as 400 distinct inputs on 1 rank(s), 1.2s`)."""
+    import re
+
+    pattern = (
+        r"^(?:loglikelihood|loglikelihood_rolling|generate_until): (\d+) requests .*, ([0-9.]+)s$"
+    )
+    found = re.findall(pattern, log, flags=re.M)
+    return sum(int(n) for n, _ in found), sum(float(s) for _, s in found)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def failure(code: int, log: str, where: str = "") -> dict[str, Any]:
+    what = "timed out" if code == 124 else f"exit {code}"
+    return {
+        "status": "failed",
+        "reason": f"{where + ': ' if where else ''}{what}",
+        "log_tail": log[-3000:],
+    }
+
+
+# --- the document-masking probe ------------------------------------------------------------------
+
+
+def masking_probe(model_dir: Path, data: Path, work: Path, seq: int, device: str) -> dict[str, Any]:
+    """A packed batch through the trainer's forward (`model_forward`: per-document position ids,
+    no mask) against each document run alone, in fp32 and bf16, with the attention the model
+    trains with. The logits must agree far better (10x) than those of the same block without
+    the position ids (plain causal attention: documents see the ones before them) do, and the
+    loss sums within `tolerance`; packed logits as far from the lone ones as the unmasked ones
+    are means documents see each other (FAIL)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.data.prepare import PreparedData, prepare_dataset
+    from fsdp_utils.train.loss import token_loss_sum
+    from fsdp_utils.train.step import model_forward
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
+    config = TrainConfig(
+        model=str(model_dir), dataset=str(data), dataset_include="",
+        data_cache_dir=str(work / "prepared"), max_seq_length=seq, eval_examples=0,
+    )  # fmt: skip
+    prepared = PreparedData.load(prepare_dataset(config, log=lambda _: None))
+    rows = 2
+    batch = prepared.split("train", document_masking=True).batch(np.arange(rows))
+    eos = int(prepared.meta["stats"]["eos_token_id"])
+    target = torch.device(device)
+    ids, labels = batch["input_ids"].to(target), batch["labels"].to(target)
+    cases = []
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = model.to(target).eval()
+        with torch.no_grad():
+            packed = model_forward(model, batch, target, contextlib.nullcontext).logits.float()
+            pieces, documents = [], 0
+            for row in ids:
+                starts = [0, *[int(i) + 1 for i in torch.nonzero(row[:-1] == eos).flatten()]]
+                bounds = [*starts, len(row)]
+                logits = [
+                    model(input_ids=row[None, a:b], use_cache=False).logits[0]
+                    for a, b in itertools.pairwise(bounds)
+                ]
+                pieces.append(torch.cat(logits).float())
+                documents += len(logits)
+            alone = torch.stack(pieces)
+            unmasked = model(input_ids=ids, use_cache=False).logits.float()
+            loss_alone = float(token_loss_sum(alone, labels))
+            loss_packed = float(token_loss_sum(packed, labels))
+        packed_off = float((packed - alone).abs().max())
+        unmasked_off = float((unmasked - alone).abs().max())
+        like_unmasked = float((packed - unmasked).abs().max())
+        loss_off = abs(loss_packed - loss_alone) / abs(loss_alone)
+        if documents <= rows:
+            verdict = "inconclusive (one document a row: a longer sequence)"
+        elif loss_off <= tolerance and 10 * packed_off <= unmasked_off:
+            verdict = "pass"
+        elif loss_off > tolerance or 10 * like_unmasked <= unmasked_off:
+            verdict = "FAIL"
+        else:
+            verdict = "inconclusive (masking's effect within the rounding)"
+        cases.append(
+            {
+                "dtype": str(dtype).removeprefix("torch."),
+                "attention": model.config._attn_implementation,
+                "documents": documents,
+                "loss_alone": loss_alone,
+                "loss_packed_vs_alone": loss_off,
+                "logits_packed_vs_alone": packed_off,
+                "logits_unmasked_vs_alone": unmasked_off,
+                "tolerance": tolerance,
+                "verdict": verdict,
+            }
+        )
+        del model, packed, alone, unmasked, pieces
+        if target.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"seq": seq, "rows": rows, "documents": cases[0]["documents"], "cases": cases}
+
+
+# --- the whole run -------------------------------------------------------------------------------
+
+
+class Report:
+    """gpu_check.json, gpu_check.md and logs.tar.gz, rewritten after every row, so that a call
+    cut off at its time limit still brings back what it measured."""
+
+    def __init__(self, output: Path, logs: Path, result: dict[str, Any]) -> None:
+        self.output, self.logs, self.result = output, logs, result
+
+    def write(self, started: float) -> None:
+        self.result["seconds"] = time.time() - started
+        (self.output / "gpu_check.json").write_text(json.dumps(self.result, indent=2))
+        (self.output / "gpu_check.md").write_text(render_table(self.result))
+        with tarfile.open(self.output / "logs.tar.gz", "w:gz") as archive:
+            for path in sorted(self.logs.glob("*")):
+                archive.add(path, arcname=f"logs/{path.name}")
+
+
+def install_wheels(args: argparse.Namespace) -> None:
+    """Install the carried wheels this Python lacks, then run this script again with them first
+    on PYTHONPATH (so that this process and every command it starts import the same versions)."""
+    import device_stack
+
+    lines = device_stack.install(args.wheels, args.site)
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "versions.txt").write_text("\n".join(["# carried wheels", *lines, ""]))
+    print("\n".join(lines), flush=True)
+    env = {**os.environ, STARTED_ENV: os.environ.get(STARTED_ENV, str(time.time()))}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(args.site), str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
+    argv = [a for a in sys.argv[1:]]
+    index = argv.index("--wheels")
+    del argv[index : index + 2]
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+
+def check_versions(output: Path, env: dict[str, str]) -> tuple[int, str]:
+    """The toolkit's own start-up check, as every command runs it; its table into versions.txt."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdp_utils.versions"],
+        capture_output=True, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    with (output / "versions.txt").open("a") as file:
+        file.write(f"# python -m fsdp_utils.versions (exit {result.returncode})\n{text}")
+    return result.returncode, text
+
+
+def cuda_devices() -> tuple[int, str, str]:
+    """(count, name, memory of the first) of the visible GPUs, from nvidia-smi where it answers:
+    asking torch would start a CUDA context in this process, which nvidia-smi would then count
+    in every run's memory."""
+    lines = _smi("--query-gpu=name,memory.total").strip().splitlines()
+    if lines:
+        name, mib = (c.strip() for c in lines[0].split(","))
+        return len(lines), name, f"{mib}MiB"
+    import torch
+
+    properties = torch.cuda.get_device_properties(0)
+    return torch.cuda.device_count(), properties.name, f"{properties.total_memory}B"
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "transformers_path": str(Path(transformers.__file__).parent),
+    }
+    smi = _smi("--query-gpu=name,driver_version,memory.total").strip().splitlines()
+    if smi:
+        name, driver, memory = (c.strip() for c in smi[0].split(","))
+        info.update(driver=driver, smi_gpu=name, smi_memory_mib=memory)
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "gpu_check")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: temp)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
-    parser.add_argument("--games", type=int, default=4000, help="random games for the data")
+    parser.add_argument("--wheels", type=Path, help="carried wheels to install first (.whl)")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where they go")
+    parser.add_argument("--quick", action="store_true", help="the short subset (the 1B rows)")
+    parser.add_argument("--only", default="", help="comma-separated row names (see ROWS)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                        help="seconds in all, from the first start (0: no limit)")  # fmt: skip
+    parser.add_argument("--games", type=int, default=800, help="random games for the data")
     parser.add_argument(
         "--shapes",
-        default="1b,auto",
-        help="comma-separated shapes (tiny, 1b, 3b, 8b, 13b); auto: the largest of "
-        "13b/8b/3b that the planner says fits",
+        default="1b,8b",
+        help="the small and large shapes (tiny, 1b, 3b, 8b, 13b); 'tiny' alone for the dry run",
     )
-    parser.add_argument("--large-batch", type=int, default=2, help="batch per GPU, large shape")
-    parser.add_argument("--no-checkpoint", action="store_true", help="skip save/resume/export")
-    parser.add_argument(
-        "--configs",
-        default="",
-        help="comma-separated configuration names to run (default: all), e.g. 'bf16-mixed'",
-    )
-    parser.add_argument("--extra", default="", help="extra chess_finetune.py flags for every run")
     parser.add_argument("--gpu-memory", default=None, help="for the planner (default: detected)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (tests only)")
-    args = parser.parse_args(argv)
+    # The probes' own processes (the masking check; writing a model's random weights): whatever
+    # they hold on the GPU goes with them, so nvidia-smi sees each run's memory alone.
+    for name in ("masking", "write", "shape", "model", "data", "seq", "device"):
+        parser.add_argument(f"--probe-{name}", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.probe_masking:
+        probe = masking_probe(
+            Path(args.probe_model), Path(args.probe_data), args.work, int(args.probe_seq),
+            args.probe_device,
+        )  # fmt: skip
+        Path(args.probe_masking).write_text(json.dumps(probe, indent=2))
+        return 0
+    if args.probe_write:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.probe_data)
+        shape = SHAPES[args.probe_shape]
+        write_model(
+            Path(args.probe_write), shape, tokenizer, int(args.probe_seq), args.probe_device
+        )
+        return 0
+    if args.wheels:
+        install_wheels(args)  # does not return: runs this script again
+    started = float(os.environ.get(STARTED_ENV, time.time()))
+    try:
+        rows = select_rows(ROWS, quick=args.quick, only=args.only)
+    except ValueError as error:
+        print(f"gpu-check: {error}", file=sys.stderr)
+        return 2
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if not names or any(n not in SHAPES for n in names) or len(names) > 2:
+        print(f"gpu-check: --shapes takes one or two of {sorted(SHAPES)}", file=sys.stderr)
+        return 2
+    shapes = {"small": names[0], "large": names[-1]}
 
     import torch
 
     if torch.cuda.is_available():
-        device, gpus = "cuda", torch.cuda.device_count()
-        gpu_name = torch.cuda.get_device_name(0)
+        device, gpus, gpu_name, memory = "cuda", *cuda_devices()
+        args.gpu_memory = args.gpu_memory or memory
     elif args.allow_cpu:
         device, gpus, gpu_name = "cpu", 1, "cpu"
+        args.gpu_memory = args.gpu_memory or "80GiB"
     else:
         print(
             "gpu-check: no CUDA device is visible (torch.cuda.is_available() is False): run it "
@@ -510,86 +934,167 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_GPU
-
+    args.output.mkdir(parents=True, exist_ok=True)
+    sys.stdout = Tee(sys.stdout, args.output / "gpu_check.log")  # type: ignore[assignment]
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    data, tokenizer = build_data(work, args.games)
     kit = Kit(args, work, device, gpus)
-    print(f"gpu-check: {gpus} x {gpu_name}; data {data} ({time.perf_counter() - started:.0f}s)")
-
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s != "auto" and s not in SHAPES]
-    if unknown:
-        print(
-            f"gpu-check: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}", file=sys.stderr
-        )
-        return 2
-    models: dict[str, Path] = {}
-    if "auto" in shapes:
-        plans: dict[str, dict[str, Any] | None] = {}
-        for name in LARGE_CANDIDATES:
-            models[name] = write_config_only(work / f"model-{name}", SHAPES[name], tokenizer, args)
-            spec = RunSpec("plan", name, ("--gradient_checkpointing",), 1, args.large_batch,
-                           args.seq_length)  # fmt: skip
-            plan = plans[name] = kit.plan(models[name], data, spec)
-            print(f"gpu-check: planner for {name}: fits={plan and plan['fits']}")
-        chosen = choose_large_shape(plans)
-        shapes = [s for s in shapes if s != "auto"] + ([chosen] if chosen else [])
-    for name in shapes:
-        shutil.rmtree(work / f"model-{name}", ignore_errors=True)
-        models[name] = write_model(work / f"model-{name}", SHAPES[name], tokenizer,
-                                   args.seq_length, device)  # fmt: skip
-    specs = run_specs(shapes, steps=args.steps, seq_length=args.seq_length, batch=args.batch)
-    if len(shapes) > 1:  # the large shape runs with its own (smaller) batch
-        specs = [
-            dataclasses.replace(s, batch_size_per_device=args.large_batch)
-            if s.shape != shapes[0]
-            else s
-            for s in specs
-        ]
-    if args.configs:
-        wanted = {c.strip() for c in args.configs.split(",")}
-        specs = [s for s in specs if s.name in wanted]
-    if args.extra:
-        specs = [dataclasses.replace(s, flags=(*s.flags, *args.extra.split())) for s in specs]
-
-    if not specs:
-        print(f"gpu-check: no configuration matches --configs {args.configs!r}", file=sys.stderr)
-        return 2
-    runs = [kit.measure(models[s.shape], data, s) for s in specs]
-    checkpoint = None
-    if not args.no_checkpoint:
-        first = specs[0]
-        checkpoint = kit.checkpoint_cycle(models[first.shape], data, first)
-    result = {
+    code, versions = check_versions(args.output, kit.env)
+    print(versions, end="", flush=True)
+    result: dict[str, Any] = {
         "gpu": gpu_name,
         "gpus": gpus,
         "torch": torch.__version__,
-        "seq_length": args.seq_length,
-        "batch_size_per_device": args.batch,
-        "runs": runs,
-        "checkpoint": checkpoint,
-        "margin_suggestion": margin_suggestion(runs),
-        "seconds": time.perf_counter() - started,
+        "environment": environment(device),
+        "budget_s": args.budget,
+        "rows": [],
     }
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    table = render_table(result)
-    (args.output / "gpu_check.md").write_text(table)
-    print("\n" + table)
-    failed = [r for r in runs if r.get("error")] + (
-        [checkpoint] if checkpoint and any(checkpoint["exit_codes"]) else []
+    report = Report(args.output, kit.logs, result)
+    if code != 0:
+        result["error"] = "the versions check failed: " + versions.strip().splitlines()[-1]
+        report.write(started)
+        print(f"gpu-check: {result['error']}", file=sys.stderr)
+        return 2
+    try:
+        return run_rows(kit, rows, shapes, report, started)
+    finally:
+        kit.planner.shutdown(wait=False, cancel_futures=True)
+
+
+def run_rows(
+    kit: Kit, rows: list[Row], shapes: dict[str, str], report: Report, started: float
+) -> int:
+    args, device = kit.args, kit.device
+    budget = args.budget or float("inf")
+
+    def elapsed() -> float:
+        return time.time() - started
+
+    runnable = [
+        r for r in rows if not skip_reason(r, device=device, left=float("inf"), shapes=shapes)
+    ]
+    print(
+        f"gpu-check: {len(rows)} rows ({len(runnable)} runnable here), about "
+        f"{estimate_s(runnable):.0f} s on one H100; budget {args.budget or 'none'}",
+        flush=True,
     )
+    t = time.perf_counter()
+    kit.data, tokenizer = build_data(kit.work, args.games)
+    print(f"gpu-check: {kit.gpus} x {report.result['gpu']}; data ({time.perf_counter() - t:.0f}s)")
+    rows = [scaled(r, shapes) for r in rows]
+    longest = {role: max((r.seq for r in rows if r.role == role), default=2048) for role in shapes}
+    configs = {
+        role: write_config_only(kit.work / f"config-{role}", SHAPES[name], tokenizer, longest[role])
+        for role, name in shapes.items()
+    }
+    for row in rows:
+        if row.kind == "train" and row.name in {r.name for r in runnable}:
+            kit.plan_later(configs[row.role], kit.data, row)
+    models: dict[str, Path] = {}
+    unwritten: set[str] = set()
+    for row in rows:
+        entry: dict[str, Any] = {
+            "name": row.name,
+            "kind": row.kind,
+            "shape": shapes[row.role],
+            "parameters": SHAPES[shapes[row.role]].parameters(),
+            "seq": row.seq,
+            "batch": row.batch,
+            "steps": row.steps,
+            "flags": list(row.flags),
+        }
+        report.result["rows"].append(entry)
+        weights_s = LARGE_WEIGHTS_S if row.role not in models and row.role == "large" else 0.0
+        skip = skip_reason(
+            row, device=device, left=budget - elapsed(), extra_s=weights_s, shapes=shapes
+        )
+        if row.role in unwritten:
+            skip = f"the {shapes[row.role]} shape's weights could not be written (above)"
+        if skip:
+            entry.update(status="skipped", reason=skip)
+            print(f"gpu-check: {row.name}: skipped ({skip})", flush=True)
+            report.write(started)
+            continue
+        print(
+            f"gpu-check: {row.name} ({row.kind}, {entry['shape']}, seq {row.seq}) ...", flush=True
+        )
+        if row.role not in models:
+            t = time.perf_counter()
+            folder = kit.work / f"model-{row.role}"
+            code, log = kit.write_weights(
+                folder, shapes[row.role], configs[row.role], longest[row.role],
+                timeout=min(600.0, budget - elapsed()),
+            )  # fmt: skip
+            entry["weights_written_s"] = time.perf_counter() - t
+            if code != 0:
+                entry.update(failure(code, log, "writing the weights"))
+                unwritten.add(row.role)
+                print(f"  {describe_row(entry)}", flush=True)
+                report.write(started)
+                continue
+            models[row.role] = folder
+        # Three times its estimate on a GPU, within the budget; without a budget (--budget 0, the
+        # CPU dry run on a loaded machine) only a stop for a hung command.
+        timeout = min(max(3 * row.estimate_s, 60.0), budget - elapsed()) if args.budget else 1800.0
+        model = models[row.role]
+        if row.kind == "train":
+            outcome = kit.train_row(model, kit.data, row, timeout)
+        elif row.kind == "checkpoint":
+            outcome = kit.checkpoint_row(model, kit.data, row, timeout)
+        elif row.kind == "masking":
+            outcome = kit.masking_row(model, row, timeout)
+        else:
+            outcome = kit.evaluate_row(row, timeout)
+        entry.update(outcome)
+        entry.setdefault("status", "ok")
+        print(f"  {describe_row(entry)}", flush=True)
+        report.write(started)
+    train_rows = [r for r in report.result["rows"] if r["kind"] == "train" and r["status"] == "ok"]
+    report.result["margin_suggestion"] = margin_suggestion(train_rows)
+    report.write(started)
+    print("\n" + render_table(report.result), flush=True)
+    failed = [r["name"] for r in report.result["rows"] if r["status"] == "failed"]
+    if failed:
+        print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def write_config_only(folder: Path, shape: Shape, tokenizer: Any, args: argparse.Namespace) -> Path:
-    """config.json + tokenizer without weights: all the planner reads."""
-    folder.mkdir(parents=True, exist_ok=True)
-    model_config(shape, tokenizer, args.seq_length).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def skip_reason(
+    row: Row,
+    *,
+    device: str,
+    left: float,
+    extra_s: float = 0.0,
+    shapes: dict[str, str] | None = None,
+) -> str | None:
+    """Why a row does not run here ('' or None: it runs). `shapes`: the shape of each role."""
+    if row.needs_cuda and device != "cuda":
+        return "needs a CUDA device (pinned host memory for the offloaded state)"
+    if "--quantize" in row.flags and (shapes or {}).get(row.role) == "tiny":
+        return (
+            "the tiny shape has no weight NF4 can hold (a multiple of 16,384 elements); "
+            "tests/test_qlora.py runs QLoRA on CPU"
+        )
+    if row.estimate_s + extra_s > left:
+        return (
+            f"the budget: {left:.0f} s left, the row takes about {row.estimate_s + extra_s:.0f} s"
+        )
+    return None
+
+
+def describe_row(entry: dict[str, Any]) -> str:
+    if entry["status"] != "ok":
+        tail = entry.get("log_tail", "")
+        return f"{entry['status'].upper()}: {entry.get('reason', '')}\n{tail}"
+    if entry["kind"] == "train":
+        return (
+            f"{_fmt(entry.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU, MFU "
+            f"{_fmt(entry.get('mfu_pct'), '.1f')}%, peak alloc "
+            f"{_fmt(entry.get('peak_allocated_gib'), '.2f')} GiB, reserved "
+            f"{_fmt(entry.get('peak_reserved_gib'), '.2f')} GiB, planned "
+            f"{_fmt(entry.get('planned_peak_gib'), '.2f')} GiB ({entry['wall_s']:.0f} s)"
+        )
+    return f"{entry.get('summary', 'ok')} ({entry.get('wall_s', 0):.0f} s)"
 
 
 if __name__ == "__main__":

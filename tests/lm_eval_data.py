@@ -213,3 +213,18 @@ def cache_task_data(cache: Path, tasks: list[str], seed: int = 0) -> None:
         snapshot = cache_snapshot(cache, repo_id, "dataset", repos[repo_id])
         records[task] = [LeafTask(task, TASK_YAMLS[task], repo_id, config, snapshot.name)]
     save_task_records(cache, records)
+
+
+def cache_arc_easy(cache: Path, documents: int, seed: int = 0) -> None:
+    """arc_easy alone in the offline cache, as `cache_task_data` leaves it, with `documents`
+    test questions: enough requests to time (bench/gpu_check.py's evaluation row)."""
+    from fsdp_utils.lm_harness.tasks import LeafTask, save_task_records
+
+    rng = random.Random(seed)
+    splits = {"train": _arc(rng, 4), "validation": _arc(rng, 4), "test": _arc(rng, documents)}
+    repo_id, config = TASK_DATASETS["arc_easy"]
+    assert config is not None
+    files = _files(config, splits) | {"README.md": _readme({config: (config, list(splits))})}
+    snapshot = cache_snapshot(cache, repo_id, "dataset", files)
+    task = LeafTask("arc_easy", TASK_YAMLS["arc_easy"], repo_id, config, snapshot.name)
+    save_task_records(cache, {"arc_easy": [task]})

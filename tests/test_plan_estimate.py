@@ -245,3 +245,26 @@ def test_a_planner_crash_is_exit_3_with_its_traceback(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'no-such-activation'" in err
     assert "the memory planner crashed" in err
+
+
+def test_dtensors_sharding_propagation_is_not_counted(configs, monkeypatch):
+    """AdamW's foreach step on sharded parameters allocates one scratch tensor per parameter
+    shard at most. On torch 2.11 DTensor's sharding propagation made fake copies of the arguments
+    in the planner's fake mode at every step, which the tracker counted as six times that; the
+    shim (`tracking.memory_tracker`, torch < 2.13) leaves them out. On 2.13 the shim, forced on,
+    changes nothing."""
+    from fsdp_utils.plan import tracking
+
+    def optimizer_scratch(memory) -> tuple[int, int]:
+        (step,) = [s for s in memory.segments if s.event == "optimizer"]
+        scratch = step.peak["OptState"] - memory.before_optimizer["OptState"]
+        return scratch, memory.before_optimizer["Sharded Param"]
+
+    config = _config(configs["llama"])
+    plain = estimate(config, Cluster(nodes=1, gpus_per_node=2)).memory
+    scratch, shards = optimizer_scratch(plain)
+    assert 0 < scratch <= shards
+    monkeypatch.setattr(tracking, "torch_release", lambda: (2, 11))
+    shimmed = estimate(config, Cluster(nodes=1, gpus_per_node=2)).memory
+    assert optimizer_scratch(shimmed) == (scratch, shards)
+    assert shimmed.peak == plain.peak

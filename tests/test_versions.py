@@ -168,3 +168,57 @@ def test_versions_compare_as_pip_compares_them():
 def test_floor_pins_are_the_lower_bounds():
     requirements = map(Requirement, ["a>=1.2", "b", "c<3,>=2.0.1", 'd>=4; python_version>"3"'])
     assert floor_pins(requirements) == ["a==1.2", "b", "c==2.0.1", "d==4"]
+
+
+def _device_stack():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "device_stack", REPO / "bench" / "device_stack.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_stack"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lent_gpus_stack_passes_with_the_carried_wheels():
+    """The image's versions (torch 2.11.0+cu130, huggingface_hub 1.33.0, ...) with the carried
+    wheels first on the path (transformers 5.21.0 over the image's 5.17.0) pass the check that
+    every command runs at start; the image alone fails it on transformers, and only there."""
+    from packaging.utils import canonicalize_name
+
+    stack = _device_stack()
+    image = {canonicalize_name(n): v for n, v in stack.IMAGE_VERSIONS.items()}
+    image["torch"] += "+cu130"  # as torch.__version__ and its metadata say there
+    carried = {canonicalize_name(c.name): c.version for c in stack.CARRIED}
+    known = [r for r in declared_requirements() if canonicalize_name(r.name) in image | carried]
+    assert {"torch", "transformers", "huggingface_hub", "datasets", "lm-eval"} <= {
+        r.name for r in known
+    }
+    with_wheels = {**image, **carried}
+    found = find_versions(known, version_of=lambda n: with_wheels.get(canonicalize_name(n)))
+    assert [f.describe() for f in found if not f.tested] == []
+    found = find_versions(known, version_of=lambda n: image.get(canonicalize_name(n)))
+    # transformers 5.17.0 (MoE and GPT-NeoX weights missing), and what the image lacks.
+    lacking = {r.name for r in known if canonicalize_name(r.name) not in image}
+    assert {f.requirement.name for f in found if not f.tested} == {"transformers"} | lacking
+
+
+def test_environment_yml_installs_the_tested_torch_from_the_cu126_index():
+    """The torch a cluster's login node gets: the version `make test` tests (the Makefile's CPU
+    pin), built for CUDA 12.6 (drivers >= 525), from the index that has it, inside the range."""
+    import re
+
+    text = (REPO / "environment.yml").read_text()
+    pip_lines = [
+        line.strip().removeprefix("- ").split("#")[0].strip() for line in text.splitlines()
+    ]
+    assert "--extra-index-url https://download.pytorch.org/whl/cu126" in pip_lines
+    (pin,) = [line for line in pip_lines if line.startswith("torch==")]
+    make_pin = re.search(r"^TORCH_PIN \?= torch==(\S+)", (REPO / "Makefile").read_text(), re.M)
+    assert make_pin is not None
+    assert pin == f"torch=={make_pin.group(1)}+cu126"
+    assert Found(_declared("torch"), pin.removeprefix("torch==")).tested
+    assert "drivers >= 525" in text and "drivers >= 580" in text

@@ -20,8 +20,8 @@ Given to FlopCounterMode beside torch's registry (`custom_mapping`, nothing glob
 - the SDPA kernels, counted with torch's own formulas but with grouped-query attention (the
   kernels broadcast the key/value heads; torch's formula asserts equal heads before 2.13, which
   stopped a GQA model's first step on an H100 with torch 2.11), and the CPU's kernel
-  (`_scaled_dot_product_flash_attention_for_cpu`), which torch 2.13 does not count at all
-  (pytorch#195460, registered upstream by pytorch#195801);
+  (`_scaled_dot_product_flash_attention_for_cpu`), which torch 2.11 and 2.13 do not count at all
+  (pytorch#195460; torch 2.15 counts it, registered by pytorch#195801, with the same formula);
 - `_grouped_mm`, with which transformers 5 runs the experts of mixture-of-experts layers, where
   torch has no formula for it.
 Every formula is guarded: one that fails counts 0 and is named in the log line, never stopping

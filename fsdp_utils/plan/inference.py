@@ -38,7 +38,7 @@ from fsdp_utils.plan.estimate import (
 )
 from fsdp_utils.plan.hardware import Gpu, format_bytes
 from fsdp_utils.plan.report import Margin
-from fsdp_utils.plan.tracking import TOTAL, _device_snapshot
+from fsdp_utils.plan.tracking import TOTAL, _device_snapshot, memory_tracker
 
 # The length of the traced rows: long enough that the per-token cost is that of real requests,
 # short enough to trace in seconds whatever the model's context.
@@ -78,9 +78,7 @@ class ForwardPlan:
 
 
 def _traced_peak(model: Any, rows: int, seq_len: int, device: torch.device) -> int:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    tracker = FSDPMemTracker(model)
+    tracker = memory_tracker(model)
     with tracker, torch.no_grad():
         ids = torch.zeros((rows, seq_len), dtype=torch.long, device=device)
         model(input_ids=ids, use_cache=False)

@@ -13,6 +13,7 @@ tensor bytes, not what the CUDA caching allocator reserves around them (`report.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -167,6 +168,74 @@ class StepMemory:
         )
 
 
+def memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """PyTorch's `FSDPMemTracker` for `model` (and `optimizer`); on torch 2.11 and 2.12 the one
+    that leaves DTensor's sharding propagation out (`_tracker_without_sharding_propagation`)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    if torch_release() < (2, 13):
+        return _tracker_without_sharding_propagation()(model, optimizer)
+    return FSDPMemTracker(model, optimizer)
+
+
+def torch_release() -> tuple[int, ...]:
+    """(major, minor) of the torch that runs: 2.11.0+cu130 -> (2, 11)."""
+    from packaging.version import Version
+
+    return Version(torch.__version__).release[:2]
+
+
+_PROPAGATING = threading.local()
+
+
+def _tracker_without_sharding_propagation() -> type:
+    """Shim for torch < 2.13: an FSDPMemTracker that does not count the tensors DTensor's sharding
+    propagation makes to learn an operator's output shape.
+
+    On 2.11 a foreach operator on DTensors (AdamW's step on FSDP2's sharded parameters) takes the
+    uncached propagation path whenever a fake mode is active, as it always is in the planner, and
+    `gen_fake_args` rebuilds every argument at its global shape in the planner's own fake mode:
+    the tracker filed them as optimizer scratch (six times the parameter shards of a 2-rank
+    plan), and the gradient norm's as activations. A real run makes them in a FakeTensorMode of
+    DTensor's own, not on the GPU, and 2.13's tracked step has none of them. The 2.11 plans put
+    the peak in the optimizer step, over twice 2.13's, and hid the activations there
+    (tests/test_plan_estimate.py, tests/test_freeze.py failed); with the shim the tiny model's
+    plan is 2.13's byte for byte. The operators still run; only their tensors go untracked."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    class Tracker(FSDPMemTracker):
+        _original: Any = None
+
+        def __enter__(self) -> Tracker:
+            if self._depth == 0:
+                self._original = ShardingPropagator._propagate_tensor_meta_non_cached
+                original = self._original
+
+                def propagate(propagator: Any, op_schema: Any) -> Any:
+                    _PROPAGATING.depth = getattr(_PROPAGATING, "depth", 0) + 1
+                    try:
+                        return original(propagator, op_schema)
+                    finally:
+                        _PROPAGATING.depth -= 1
+
+                ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign,assignment]
+            super().__enter__()
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            super().__exit__(*args)
+            if self._depth == 0 and self._original is not None:
+                ShardingPropagator._propagate_tensor_meta_non_cached = self._original  # type: ignore[method-assign]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if getattr(_PROPAGATING, "depth", 0):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Tracker
+
+
 def _device_snapshot(
     snapshots: dict[torch.device, dict[Any, int]], device: torch.device
 ) -> Snapshot:
@@ -318,10 +387,10 @@ def track_train_step(
     `_keep_only_the_overall_peak`). Gradients accumulated without sync are filed as gradients
     there too.
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
     model, optimizer, device = train_step.model, train_step.optimizer, train_step.device
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = memory_tracker(model, optimizer)
     _keep_only_the_overall_peak(tracker)
     recorder = _SegmentRecorder(tracker, device)
     seen: dict[str, Any] = {}
