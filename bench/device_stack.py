@@ -96,6 +96,13 @@ CARRIED: tuple[Carried, ...] = (
         "2.11 by make test-floor",
     ),
     Carried("peft", "0.21.2", "on the image at a version not read: used only if below 0.19"),
+    Carried(
+        "torchao",
+        "0.18.0",
+        "not on the image: QLoRA's NF4 base (--quantize nf4), and a core dependency the "
+        "start-up check asks for; its wheel (cp310-abi3, 3.3 MB) needs nothing at run time, and "
+        "its compiled extensions are not loaded (fsdp_utils/__init__.py)",
+    ),
     Carried("datasets", "5.2.0", "not on the image (the data stage, lm-eval)"),
     Carried("dill", "0.4.1", "not on the image: datasets', evaluate's and lm-eval's"),
     Carried("multiprocess", "0.70.19", "not on the image: datasets' and evaluate's"),

@@ -12,6 +12,9 @@ takes, and how the fast planner agrees with the full trace.
     python bench/plan_table.py --agreement       # only fast vs full trace, tiny 20-layer models
     python bench/plan_table.py --long_context    # only Llama-3-8B/Gemma-2-9B shapes at 8k and
                                                  #   32k on 8 GPUs, chunked loss or not (--full too)
+    python bench/plan_table.py --qlora           # only QLoRA beside LoRA and full fine-tuning:
+                                                 #   Llama-3-70B on 4 x 80 GB and 8 x 40 GB, 8B on
+                                                 #   one 24 GB GPU, 4k and 8k tokens (--full too)
     python bench/plan_table.py --sequence_parallel  # only --sequence_parallel 1-8: Llama-3-8B
                                                  #   at 32k-128k on 8 GPUs, 70B at 32k on 32 (--full too)
 
@@ -103,7 +106,7 @@ GEMMA_2_9B = {
     "pad_token_id": 0,
     "torch_dtype": "bfloat16",
 }
-# meta-llama/Meta-Llama-3-70B's shapes, for sequence parallelism across nodes.
+# meta-llama/Meta-Llama-3-70B's shapes, for sequence parallelism across nodes and QLoRA's rows.
 LLAMA_3_70B = {
     **LLAMA_3_8B,
     "hidden_size": 8192,
@@ -292,6 +295,57 @@ def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
     return "\n".join(rows)
 
 
+# (model, shape, GPUs, GPU name, GiB): issue 40's hardware for QLoRA
+QLORA_SETUPS = [
+    ("Llama-3-70B", LLAMA_3_70B, 4, "A100/H100-80GB", 80),
+    ("Llama-3-70B", LLAMA_3_70B, 8, "A100-40GB", 40),
+    ("Llama-3-8B", LLAMA_3_8B, 1, "24GB (RTX 4090, A10, L4)", 24),
+]
+QLORA_METHODS: dict[str, dict[str, Any]] = {
+    "QLoRA (NF4 base)": {"lora": True, "quantize": "nf4"},
+    "LoRA (bf16 base)": {"lora": True},
+    "full fine-tuning": {},
+}
+
+
+def qlora_table(lengths: tuple[int, ...] = (4096, 8192)) -> str:
+    """docs/lora.md's QLoRA table: Llama-3-70B on one node of 4 x 80 GB and of 8 x 40 GB,
+    Llama-3-8B on one 24 GB GPU, at 4k and 8k tokens: QLoRA beside LoRA on a bf16 base and
+    full fine-tuning. bf16-mixed, 1 sequence per GPU, total batch 8, activation checkpointing,
+    LoRA r 8 on every linear layer of the blocks (dropout 0.05)."""
+    rows = [
+        "| model | GPUs | tokens | method | params | grads | optimizer | activations "
+        "| temporaries | peak | peak in | + margin | fits? | plan (wall / CPU) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
+    ]
+    for name, shape, gpus, gpu_name, gib in QLORA_SETUPS:
+        model = RESULTS / "configs" / name.lower()
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        for seq in lengths:
+            for method, options in QLORA_METHODS.items():
+                config = TrainConfig(
+                    model=str(model), max_seq_length=seq, total_batch_size=8,
+                    batch_size_per_device=1, gradient_checkpointing=True, **options,
+                )  # fmt: skip
+                wall, cpu = time.perf_counter(), time.process_time()
+                plan = plan_memory(
+                    config, nodes=1, gpus_per_node=gpus, gpu_memory_bytes=gib * GIB,
+                    gpu_name=gpu_name, suggest_fixes=False,
+                )  # fmt: skip
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                phase = "optimizer" if plan.peak_in_optimizer_step else "fwd/bwd"
+                rows.append(
+                    f"| {name} | {gpus} x {gpu_name} | {seq:,} | {method} | "
+                    f"{' | '.join(plan.parts_gib())} | {phase} | {plan.required_bytes / GIB:.1f} "
+                    f"| {'yes' if plan.fits else '**no**'} | {wall:.0f} s / {cpu:.0f} s |"
+                )
+                print(rows[-1], flush=True)
+    margin = plan.margin.describe()
+    rows += ["", f"GiB per GPU at the peak (its parts sum to it). Margin: {margin}."]
+    return "\n".join(rows)
+
+
 # (name, shape, lengths, nodes, total batch) of the sequence-parallel rows: 8 GPUs per node.
 SEQUENCE_PARALLEL_ROWS = [
     ("Llama-3-8B-shaped", LLAMA_3_8B, (32768, 65536, 131072), 1, 8),
@@ -400,6 +454,9 @@ def main() -> None:
         "--long_context", action="store_true", help="only the 8k/32k rows, chunked loss or not"
     )
     parser.add_argument(
+        "--qlora", action="store_true", help="only the QLoRA rows (70B and 8B, 4k and 8k)"
+    )
+    parser.add_argument(
         "--sequence_parallel",
         action="store_true",
         help="only the --sequence_parallel rows: Llama-3-8B at 32k-128k, 70B at 32k on 4 nodes",
@@ -419,6 +476,9 @@ def main() -> None:
     if args.long_context:
         print(f"\n{long_context()}")
         return
+    if args.qlora:
+        print(f"\n{qlora_table()}")
+        return
     if args.sequence_parallel:
         print(f"\n{sequence_parallel()}")
         return
@@ -428,6 +488,7 @@ def main() -> None:
     print(command_timings(args.repeats, args.baseline))
     if args.full:
         print(f"\n{long_context()}")
+        print(f"\n{qlora_table()}")
         print(f"\n{sequence_parallel()}")
         print(f"\n{agreement()}")
 

@@ -6,7 +6,7 @@ checks it: see `.importlinter`):
     config/      what a run is: TrainConfig, the command line, batch arithmetic, run folder, job
     hub/         the offline asset cache: download (login node), resolve (compute nodes)
     data/        dataset files -> rows -> tokens (+ loss masks) -> packed blocks -> batches
-    model/       meta build, decoder layers, sliced weight loading, LoRA
+    model/       meta build, decoder layers, sliced weight loading, LoRA, QLoRA's 4-bit base
     parallel/    process groups, sequence parallelism, activation checkpointing, torch.compile,
                  FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
@@ -29,9 +29,38 @@ starts by checking the installed dependencies against pyproject.toml's ranges), 
 (a user mistake's one paragraph) and `atomic` (files written whole or not at all).
 """
 
+import logging
+import os
 import sys
 
 __version__ = "0.1.0"
+
+
+def _quiet_torchao() -> None:
+    """transformers imports torchao (our dependency for --quantize nf4) whenever it is installed,
+    in every command. NF4 is plain PyTorch: skip torchao's compiled extensions (built for one
+    torch version: on others each one logs "Failed to load"), and drop the notes torch logs
+    about the enums torchao registers for torch.compile. Filters, not levels: any other
+    warning of theirs still shows."""
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    notes = {
+        "torchao": ("Skipping import of cpp extensions", "Failed to load"),
+        "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    }
+    for name, texts in notes.items():
+        logging.getLogger(name).addFilter(_DropNotes(texts))
+
+
+class _DropNotes(logging.Filter):
+    def __init__(self, texts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.texts)
+
+
+_quiet_torchao()
 
 # `python -m fsdp_utils.plan` (and .chess_eval, .evaluate, .export, .plot, .demo) imports this package, then
 # the command's package (which imports torch), then runs it. While Python looks the command up,

@@ -113,6 +113,9 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
                 log=trainer.log.info,
             )
         summary["lora"] = config.lora
+        if final is not None and config.merge:
+            summary["merged"] = str(trainer.layout.merged_model)
+            summary["quantize"] = config.quantize
         summary["output_dir"] = str(trainer.layout.root)
         trainer.write_status(summary["status"], summary["reason"])
         if env.is_main:
@@ -163,6 +166,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
     lines.append(f"  run folder: {summary['output_dir']}")
     if summary.get("final_model") and summary.get("lora"):
         lines.append(f"  LoRA adapters (PeftModel.from_pretrained): {summary['final_model']}")
+        if summary.get("merged"):
+            lines.append(f"  merged model (from_pretrained): {summary['merged']}")
+        if summary.get("merged") and summary.get("quantize") != "none":
+            from fsdp_utils.model.qlora import NF4_MERGE_NOTE
+
+            lines.append(f"    {NF4_MERGE_NOTE}")
     elif summary.get("final_model"):
         lines.append(f"  model (from_pretrained): {summary['final_model']}")
     print("\n".join(lines), flush=True)
@@ -185,6 +194,9 @@ def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None
     if args.print_config:
         print(config.to_json())
         return 0
+    from fsdp_utils.run.host_memory import fix_mmap_threshold
+
+    fix_mmap_threshold()  # freed activations go back to the system (run/host_memory.py)
     try:
         if args.preflight:
             from fsdp_utils.parallel.distributed import world_size_from_env

@@ -507,6 +507,53 @@ def test_a_run_folder_a_lora_adapter_and_a_hub_id_equal_hflm(
     assert max(changed) > 100 * RTOL  # the adapter moved the scores
 
 
+@pytest.mark.slow
+def test_a_qlora_run_scores_over_its_nf4_base_in_the_run_and_from_its_folder(
+    tiny_assets: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A QLoRA run (one process, 2 steps, --merge) scored by --eval_tasks at its end on the model
+    in memory, and `--model RUN` later: both the adapter over the NF4 base it trained on, so both
+    answer as HFLM does on the merged model (the NF4 base dequantized, the adapters merged)."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.synthetic import save_chat_model
+    from tests.train_helpers import check_ok, run_finetune, tiny_args
+
+    cache = tmp_path / "hub"
+    model = save_chat_model(tmp_path / "model", "llama3", hidden_size=256)  # NF4's sizes
+    files = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    cache_snapshot(cache, "org/tiny-llama-256", "model", files)
+    cache_task_data(cache, ["arc_easy"])
+    run = tmp_path / "run"
+    args = tiny_args(
+        tiny_assets, run, tmp_path / "data-cache", model="org/tiny-llama-256", cache_dir=cache,
+        qlora=True, lora_dropout=0.0, max_training_steps=2, learning_rate=5e-2, merge=True,
+    )  # fmt: skip
+    args += ["--eval_tasks", "arc_easy", "--eval_limit", str(LIMIT)]
+    check_ok(run_finetune(1, args))
+    (in_run_file,) = (run / "lm_eval").glob("results_*.json")
+    in_run = json.loads(in_run_file.read_text())["results"]["arc_easy"]
+
+    out = tmp_path / "evaluated"
+    common = ["--tasks", "arc_easy", "--limit", str(LIMIT), "--max_length", str(MAX_LENGTH),
+              "--cache_dir", str(cache), "--log_samples", "--bootstrap_iters", "0"]  # fmt: skip
+    evaluate_in_process(monkeypatch, "--model", str(run), *common, "--output_dir", str(out))
+    (results_file,) = out.glob("results_*.json")
+    (samples_file,) = out.glob("samples_arc_easy_*.jsonl")
+    ours = json.loads(results_file.read_text())
+    assert ours["fsdp_utils"]["model"]["quantize"] == "nf4"
+
+    include = tmp_path / "reference-tasks"
+    offline_tasks(["arc_easy"], cache, include)
+    merged = AutoModelForCausalLM.from_pretrained(run / "final_merged", dtype="float32").eval()
+    theirs = hflm(merged, run / "final_merged", include, tasks=["arc_easy"])
+    samples = [json.loads(line) for line in samples_file.open()]
+    assert_same_answers({"arc_easy": samples}, theirs["samples"], ["arc_easy"])
+    assert_same_metrics(ours["results"], theirs["results"], ["arc_easy"])
+    for metric in ("acc,none", "acc_norm,none"):
+        assert in_run[metric] == theirs["results"]["arc_easy"][metric]
+
+
 def _results(model: str, scores: dict[str, dict[str, float | str]]) -> dict[str, Any]:
     """Results in lm-eval's layout, with its `higher_is_better` for the metrics used here."""
     better = {"acc": True, "acc_norm": True, "exact_match": True, "word_perplexity": False}

@@ -1,8 +1,8 @@
 """Sequence parallelism (`--sequence_parallel N`, DeepSpeed-Ulysses): each rank's slice of a
 batch, the split attention of every family against the unsplit model, what is refused and how,
 the planner's view; and, in the slow end-to-end tests, real training runs with N = 2 against
-the unsplit run (Llama, Qwen2 with LoRA, Gemma 2 with packed documents, DPO; 2 x 2 processes
-against 2 data-parallel ones; a resume on another N), all made in three torchruns.
+the unsplit run (Llama, Qwen2 with LoRA, Gemma 2 with packed documents, QLoRA, DPO; 2 x 2
+processes against 2 data-parallel ones; a resume on another N), all made in three torchruns.
 
 Every rule sequence parallelism rests on (global position ids, labels shifted before the
 split, the loss over the global target count) is broken on purpose in
@@ -255,12 +255,17 @@ def test_the_plan_divides_the_activations_by_n_and_suggests_the_smallest_n(long_
 STEPS = 5
 # (run name, family, flags): the families of the issue, each with one more thing to split
 # exactly: LoRA's adapters (Qwen2), packed documents kept apart (Gemma 2: sliding windows and
-# soft-capped attention, eager, tied embeddings).
+# soft-capped attention, eager, tied embeddings), LoRA over a 4-bit base (QLoRA: its NF4 weights
+# split over both ranks by FSDP2 with N = 2, held whole by the one unsplit process).
 CASES = {
     "llama": ("llama", {}),
     "qwen2 lora": ("qwen2", {"lora": True, "lora_dropout": 0}),
     "gemma2 packed": ("gemma2", {"document_masking": True}),
+    "llama qlora": ("llama-256", {"qlora": True, "lora_dropout": 0}),
 }
+# Models other than a family's tiny one: NF4 quantizes weights of a multiple of 16,384 elements
+# (tests/test_qlora.py's model; the 64-wide tiny Llama has none).
+MODELS = {"llama-256": {"arch": "llama", "hidden_size": 256, "num_layers": 2, "num_heads": 4}}
 
 
 def options_for_steps() -> dict[str, Any]:
@@ -298,7 +303,7 @@ def sp_runs(tiny_assets, tmp_path_factory) -> Path:
     def argv(name: str, family: str, **flags: Any) -> list[str]:
         model = tiny_assets["model"] if family == "llama" else root / family
         if family != "llama" and not model.exists():
-            save_tiny_model(model, tokenizer, arch=family)
+            save_tiny_model(model, tokenizer, **MODELS.get(family, {"arch": family}))
         options = {**options_for_steps(), "loss_chunk_size": 16, **flags}
         assets = {"model": model, "data": tiny_assets["data"]}
         return tiny_args(assets, root / name, cache, **options)

@@ -150,7 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {path}")
+    if args.merge and _is_quantized(args.checkpoint):
+        from fsdp_utils.model.qlora import NF4_MERGE_NOTE
+
+        print(NF4_MERGE_NOTE)
     return 0
+
+
+def _is_quantized(checkpoint: Path) -> bool:
+    from fsdp_utils.checkpoint.sharded import read_checkpoint
+
+    return read_checkpoint(checkpoint).meta["identity"].get("quantize", "none") != "none"
 
 
 if __name__ == "__main__":

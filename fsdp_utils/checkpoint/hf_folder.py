@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_utils.atomic import folder_written_atomically
 from fsdp_utils.config.train_config import ExportDtype
+from fsdp_utils.model import qlora
 from fsdp_utils.model.build import build_meta_model, config_dtype, tied_parameter_names
 from fsdp_utils.model.fused_weights import hub_layout
 
@@ -57,8 +58,12 @@ def resolve_export_dtype(choice: str, hf_config: Any) -> torch.dtype:
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, Any]:
-    """Collective: every rank must call it. Rank 0 gets CPU tensors, the others `{}`."""
+    """Collective: every rank must call it. Rank 0 gets CPU tensors, the others `{}`. A 4-bit
+    base (--quantize nf4) comes dequantized (`fsdp_utils.model.qlora`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if qlora.quantized_parameters(model):
+        return qlora.gather_full_state_dict(model)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)

@@ -22,9 +22,11 @@ from fsdp_utils.atomic import folder_written_atomically
 from fsdp_utils.checkpoint.hf_folder import (
     copy_tokenizer_files,
     drop_tied_duplicates,
+    gather_full_state_dict,
     resolve_export_dtype,
     write_hf_folder,
 )
+from fsdp_utils.model import qlora
 from fsdp_utils.model.lora import (
     adapted_modules,
     adapted_tensor_name,
@@ -191,11 +193,15 @@ def save_lora_model(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     dtype = resolve_export_dtype(config.export_dtype, hf_config)  # before the collective
-    # Without --merge only the adapters are gathered: megabytes, whatever the base's size.
-    options = StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=not config.merge
-    )
-    state = get_model_state_dict(model, options=options)
+    state: dict[str, Any]
+    if config.merge and config.quantize != "none":  # the 4-bit base, dequantized to merge into
+        state = gather_full_state_dict(model)
+    else:
+        # Without --merge only the adapters are gathered: megabytes, whatever the base's size.
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=not config.merge
+        )
+        state = get_model_state_dict(model, options=options)
     if is_main:
         merged_dir = layout.merged_model if config.merge else None
         write_lora_outputs(
@@ -226,6 +232,7 @@ def lora_config_of_checkpoint(info: CheckpointInfo) -> TrainConfig:
         lora_dropout=lora["dropout"],
         lora_target_modules=lora["target_modules"],
         lora_dora=lora.get("dora", False),
+        quantize=identity.get("quantize", "none"),
     )
 
 
@@ -263,15 +270,20 @@ def export_lora_checkpoint(
     model = build_meta_model(hf_config, config.precision)
     base_dir = base_model_dir(config, base) if merge else None
     key_map = checkpoint_key_map(model, base_dir) if base_dir is not None else {}
-    apply_lora(model, find_decoder_layers(model), config)
+    layers = find_decoder_layers(model)
+    if merge and config.quantize != "none":  # merged into the base as it trained: 4-bit
+        qlora.quantize_base(model, layers, config)
+    apply_lora(model, layers, config)
     materialize(model, torch.device("cpu"))
     adapters = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
     with single_process_dcp_allowed():
         dcp.load({"model": adapters}, checkpoint_id=str(info.path))
     set_model_state_dict(model, adapters, options=StateDictOptions(strict=False))
     if base_dir is not None:
-        load_pretrained_weights(model, base_dir, base_key_map(model, key_map))
+        key_map = qlora.load_quantized_weights(model, base_dir, base_key_map(model, key_map))
+        load_pretrained_weights(model, base_dir, key_map)
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=not merge))
+    state = {key: qlora.dequantized(value) for key, value in state.items()}
     destination = Path(destination)
     if merge:
         merged = merged_state(state, model)

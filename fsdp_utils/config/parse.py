@@ -73,6 +73,30 @@ def add_config_arguments(
             kwargs["type"] = _parse_optional(tp) if optional else tp
             kwargs["metavar"] = tp.__name__.upper()
         groups[f.metadata["section"]].add_argument(f"--{f.name}", **kwargs)
+    if only is None or {"lora", "quantize"} <= set(only):
+        groups["lora"].add_argument(
+            "--qlora",
+            action=_QLoraShorthand,
+            help="QLoRA: short for --lora --quantize nf4 (LoRA adapters over a 4-bit base).",
+        )
+
+
+class _QLoraShorthand(argparse.Action):
+    """`--qlora`: sets the two fields it stands for, as if both flags were given (a shorthand of
+    the command line, not a setting of its own: config.json records lora and quantize)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.lora = True
+        namespace.quantize = "nf4"
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

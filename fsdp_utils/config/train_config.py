@@ -105,6 +105,7 @@ def validate_config(config: TrainConfig) -> None:
     stage's own (its module's `check`), then those across stages."""
     for stage in STAGES:
         stage.check(config)
+    _check_quantize(config)
     if config.freeze_layers and config.lora:
         raise ValueError(
             "--freeze_layers with --lora: LoRA already freezes every pretrained weight. To "
@@ -121,4 +122,34 @@ def validate_config(config: TrainConfig) -> None:
         raise ValueError(
             "--train_on_prompt with --method dpo: DPO compares the answers given the same "
             "prompt, so the prompt's tokens carry no loss. Drop --train_on_prompt."
+        )
+
+
+def _check_quantize(config: TrainConfig) -> None:
+    """The tutorials' traps with a 4-bit base (tutorial 000, llama-recipes with
+    load_in_4bit=True): fully fine-tuned, the loss does not decrease, and in half precision
+    the gradient scaler meets no gradient at all; and DDP, which cannot hold it."""
+    if config.quantize == "none":
+        return
+    if not config.lora:
+        scaler = (
+            " With --precision fp16-mixed it would also stop at the gradient scaler's "
+            '"AssertionError: No inf checks were recorded for this optimizer": no parameter '
+            "would have a gradient to check."
+            if config.precision == "fp16-mixed"
+            else ""
+        )
+        raise ValueError(
+            f"--quantize {config.quantize} without --lora: a 4-bit base cannot be fine-tuned "
+            "itself (its weights are frozen codes, so a full fine-tune of a quantized model "
+            f"trains nothing and its loss does not decrease).{scaler} Train LoRA adapters on "
+            f"it: add --lora (or use --qlora, short for --lora --quantize {config.quantize}); "
+            "or drop --quantize to fine-tune the whole model in 16 bits."
+        )
+    if config.no_fsdp:
+        raise ValueError(
+            f"--quantize {config.quantize} with --no_fsdp: the 4-bit base is sharded and "
+            "gathered by FSDP2 (torchao's NF4Tensor implements its hooks), which DDP does not "
+            "have. Drop --no_fsdp (FSDP2 on one GPU works too), or drop --quantize for LoRA on "
+            "a 16-bit base."
         )

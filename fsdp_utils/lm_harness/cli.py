@@ -212,7 +212,9 @@ def evaluate(
     started = time.monotonic()
     model = load_sharded_model(source, config, env)
     log(
-        f"model: {source.requested} ({hf_config.model_type}), {precision}, FSDP2 over "
+        f"model: {source.requested} ({hf_config.model_type}), {precision}"
+        + (", the adapter over its NF4 base as it trained" if source.quantize != "none" else "")
+        + ", FSDP2 over "
         f"{env.world_size} process(es) on {env.device.type}, loaded in "
         f"{time.monotonic() - started:.1f}s"
     )

@@ -39,6 +39,8 @@ class ModelSource:
     adapter_dir: Path | None  # a LoRA adapter over weights_dir
     tokenizer_dir: Path
     run_dir: Path | None  # when --model named a run folder
+    # The adapter's base as the run trained it: "nf4" for a QLoRA run's final/ (its config.json)
+    quantize: str = "none"
 
     def identity(self) -> dict[str, Any]:
         """For the results file: what was evaluated, down to the cached commit."""
@@ -48,6 +50,7 @@ class ModelSource:
             "model_commit": _snapshot_commit(self.weights_dir),
             "adapter_dir": str(self.adapter_dir) if self.adapter_dir else None,
             "run_dir": str(self.run_dir) if self.run_dir else None,
+            **({"quantize": self.quantize} if self.quantize != "none" else {}),
         }
 
 
@@ -93,7 +96,18 @@ def resolve_model_source(model: str, cache_dir: str | None = None) -> ModelSourc
             "write their prompts with the model's own tokenizer. A run's final/ folder and an "
             "exported checkpoint carry theirs; copy it beside the weights."
         )
-    return ModelSource(model, weights_dir, adapter_dir, tokenizer_dir, run_dir)
+    quantize = _run_quantize(adapter_dir) if adapter_dir else "none"
+    return ModelSource(model, weights_dir, adapter_dir, tokenizer_dir, run_dir, quantize)
+
+
+def _run_quantize(adapter_dir: Path) -> str:
+    """A run's final/ adapter over a 4-bit base (--qlora) is evaluated over that base, as it
+    trained and as --eval_tasks scores it: the run folder's config.json says so."""
+    layout = RunLayout.of(adapter_dir.parent)
+    if layout.final_model.resolve() != adapter_dir.resolve() or not layout.config.is_file():
+        return "none"
+    config = json.loads(layout.config.read_text()).get("config", {})
+    return str(config.get("quantize", "none"))
 
 
 def default_precision(hf_config: Any) -> Precision:
@@ -124,6 +138,7 @@ def eval_config(
         gradient_checkpointing=False,
         lora=source.adapter_dir is not None,
         lora_from=str(source.adapter_dir) if source.adapter_dir else None,
+        quantize=source.quantize,  # type: ignore[arg-type]
     )
 
 

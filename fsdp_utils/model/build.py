@@ -251,6 +251,24 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.dtype))
     _retie(model, tied)
+    for param in model.parameters():
+        _materialize_inner_tensors(param, device)
+
+
+def _materialize_inner_tensors(param: torch.Tensor, device: torch.device) -> None:
+    """A tensor subclass's `empty_like` may move only some of its inner tensors: torchao's
+    NF4Tensor (`--quantize nf4`) moves those FSDP2 shards and leaves its per-tensor constants
+    (the scale mean, the 16 code values) on meta. Give those storage on `device` too; loading
+    fills them."""
+    local = getattr(param, "_local_tensor", param)  # the DTensor's own, not a view of it
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None:  # a plain tensor
+        return
+    names, _ = flatten()
+    for name in names:
+        inner = getattr(local, name)
+        if inner.is_meta:
+            setattr(local, name, torch.empty_like(inner, device=device))
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:

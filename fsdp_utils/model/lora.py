@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fsdp_utils.model import qlora
 from fsdp_utils.model.build import _all_named_parameters, compute_dtype, param_dtype_for
 from fsdp_utils.model.peft_adapter import ADAPTER
 
@@ -257,14 +258,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def check_target_modules(hf_config: Any, config: TrainConfig) -> None:
+def check_target_modules(hf_config: Any, config: TrainConfig, *, shards: int | None = None) -> None:
     """Apply LoRA to a meta build of the model (no memory, ~1 s for 7B), so that a wrong
     --lora_target_modules, or a --lora_from adapter that does not fit the model, fails before
-    any data or weights are read."""
+    any data or weights are read; with --quantize, on the 4-bit base, whose weights must split
+    over `shards` ranks (None: not known yet, checked when the model is sharded)."""
     from fsdp_utils.model.build import build_meta_model, find_decoder_layers
 
     model = build_meta_model(hf_config, config.precision)
-    apply_lora(model, find_decoder_layers(model), config)
+    layers = find_decoder_layers(model)
+    if config.quantize != "none":
+        qlora.quantize_base(model, layers, config)
+        if shards is not None:
+            qlora.check_shardable(qlora.quantized_shapes(model), shards)
+    apply_lora(model, layers, config)
 
 
 def _module_names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -424,10 +431,9 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value (an all-gather under FSDP2: collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """A parameter's whole value (an all-gather under FSDP2: collective), an NF4 base weight
+    dequantized."""
+    return qlora.full_weight(tensor)
 
 
 @torch.no_grad()
@@ -492,10 +498,12 @@ def finish_adapters(model: nn.Module, config: TrainConfig) -> None:
 
 def lora_identity(config: TrainConfig) -> dict[str, Any]:
     """What the checkpoint identity adds for a LoRA run (nothing for full fine-tuning, so that
-    checkpoints of full fine-tunes keep the identity they always had)."""
+    checkpoints of full fine-tunes keep the identity they always had), and `quantize` for a
+    4-bit base: adapters trained on NF4 weights continue on NF4 weights only."""
     if not config.lora:
         return {}
-    return {"lora": lora_settings(config).identity()}
+    quantized = {"quantize": config.quantize} if config.quantize != "none" else {}
+    return {"lora": lora_settings(config).identity(), **quantized}
 
 
 def checkpoint_kind_mismatch(
@@ -544,6 +552,8 @@ def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
     if model is not None:
         adapted = len(adapted_modules(model))
         text += f": {adapted} adapted modules, {trainable_parameters(model) / 1e6:,.3f}M trainable"
+        if config.quantize != "none":
+            text += f"\nqlora: {qlora.describe(model)}"
     if settings.note:
         text += f"\nlora: {settings.note}"
     return text

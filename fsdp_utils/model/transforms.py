@@ -2,8 +2,8 @@
 
 `transform_model` finds the decoder layers of a freshly built meta model, describes it
 (`ModelInfo`) and applies the model transforms the run asks for, before parallelisation, as
-torchtitan's model converters run before its parallelize function: LoRA adapters (`lora`) or
-frozen bottom layers (`freeze`). The Trainer, the memory planner, the storage check, the
+torchtitan's model converters run before its parallelize function: LoRA adapters (`lora`), over
+a 4-bit base with --quantize nf4 (`qlora`), or frozen bottom layers (`freeze`). The Trainer, the memory planner, the storage check, the
 preflight's LoRA check and the export of a checkpoint all start from it, so they see the same
 trainable parameters.
 
@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
-from fsdp_utils.model import lora
+from fsdp_utils.model import lora, qlora
 from fsdp_utils.model.build import active_parameters, count_parameters, find_decoder_layers
 from fsdp_utils.model.freeze import freeze_layers, trains_a_subset
 from fsdp_utils.model.weights import WeightSource, load_pretrained_weights
@@ -90,7 +90,10 @@ def transform_model(model: nn.Module, config: TrainConfig) -> MetaModel:
 def apply_transforms(
     model: nn.Module, layers: list[nn.Module], hf_config: Any, config: TrainConfig
 ) -> None:
-    """LoRA or --freeze_layers (never both: `validate_config`), in place, on meta."""
+    """LoRA (over a 4-bit base with --quantize) or --freeze_layers (never both:
+    `validate_config`), in place, on meta."""
+    if config.quantize != "none":  # before LoRA, which wraps the NF4 linears as they are
+        qlora.quantize_base(model, layers, config)
     if config.lora:
         lora.apply_lora(model, layers, config)
     if config.freeze_layers:
@@ -113,6 +116,8 @@ def load_initial_weights(
     if config.lora:
         key_map = lora.init_adapters_and_key_map(model, key_map, seed=config.seed)
     if not resuming or trains_a_subset(config):
+        # The NF4 base first, one tensor at a time (`qlora`); the rest slice by slice.
+        key_map = qlora.load_quantized_weights(model, model_dir, key_map)
         load_pretrained_weights(model, model_dir, key_map)
     if config.lora:
         lora.finish_adapters(model, config)

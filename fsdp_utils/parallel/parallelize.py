@@ -38,6 +38,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.model.build import build_meta_model, compute_dtype
+from fsdp_utils.model.qlora import (
+    check_shardable,
+    quantized_parameters,
+    quantized_shapes,
+    shard_group_size,
+)
 from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
 from fsdp_utils.parallel.ulysses import use_split_attention
@@ -118,6 +124,7 @@ def parallelize(
         "mesh": mesh,
         "mp_policy": mixed_precision_policy(config.precision),
         "offload_policy": offload,
+        "ignored_params": _unsplit_nf4(model, mesh),
     }
     reshard = config.sharding != "shard_grad_op"
     if not config.no_layer_wrap_policy:
@@ -135,10 +142,23 @@ def parallelize(
     return model
 
 
+def _unsplit_nf4(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter] | None:
+    """The NF4 weights (--quantize nf4) when FSDP2 splits nothing (one rank per shard group:
+    one process, --sharding no_shard): left out of FSDP2, each rank holding them whole as it
+    would anyway. Its one-rank shortcut copies only the first tensor an all-gather extension
+    gives (pytorch#197999, open in torch 2.13): NF4 gives three (codes, scales, factors)."""
+    if mesh.size(mesh.ndim - 1) > 1:
+        return None
+    return set(quantized_parameters(model).values()) or None
+
+
 def parallelize_model(meta: MetaModel, config: TrainConfig, env: DistEnv) -> nn.Module:
     """Activation checkpointing, torch.compile and FSDP2 (or DDP's part) on a transformed meta
     model, over a device mesh of `env`'s world. Still on meta: `materialize` next."""
     mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
+    if config.quantize != "none":  # NF4 splits by whole groups of scales only
+        shards = shard_group_size(config, env.world_size, env.local_world_size)
+        check_shardable(quantized_shapes(meta.model), shards)
     return parallelize(meta.model, meta.layers, mesh, config)
 
 

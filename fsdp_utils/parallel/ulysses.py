@@ -44,6 +44,11 @@ from fsdp_utils.parallel.sequence import FORWARD_KEYWORD, SequenceParallel
 # heads' entries.
 PER_HEAD_KEYWORDS = ("s_aux",)
 PER_HEAD_ATTRIBUTES = ("sinks",)
+# The gather of the position ids: torch 2.13 renamed all_gather_tensor to all_gather_single (the
+# old name warns there); our floor, 2.11 (the lent GPUs' torch), has only the old name.
+_all_gather: Callable[..., torch.Tensor] = (
+    getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+)
 
 
 def split_implementation(inner: str) -> str:
@@ -211,7 +216,7 @@ def _whole_sequence(
         whole = _last[0]
     else:
         batch = positions.shape[0]
-        gathered = funcol.all_gather_single(positions.contiguous(), 0, sp.group)
+        gathered = _all_gather(positions.contiguous(), 0, sp.group)
         gathered = (
             gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
         )

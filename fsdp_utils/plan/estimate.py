@@ -46,6 +46,7 @@ from fsdp_utils.methods.base import MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method, method_class
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
+from fsdp_utils.model.qlora import unsharded_bytes
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
@@ -412,6 +413,8 @@ def _trace(
             )
             if reference_model is not None:
                 memory = with_resident(memory, PARAMETERS[0], _local_bytes(reference_model))
+            if unmanaged := unsharded_bytes(model):  # a 4-bit base FSDP2 leaves whole
+                memory = with_resident(memory, PARAMETERS[0], unmanaged)
             return memory
     except (
         DataDependentOutputException,

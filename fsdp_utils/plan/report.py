@@ -214,7 +214,10 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
     if config.sequence_parallel > 1:
         extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
     if config.lora:
-        extras.append(f"LoRA r={config.lora_r} (frozen base)")
+        base = "4-bit NF4 base" if config.quantize == "nf4" else "frozen base"
+        extras.append(
+            f"{'QLoRA' if config.quantize == 'nf4' else 'LoRA'} r={config.lora_r} ({base})"
+        )
     if config.gradient_checkpointing:
         every = config.checkpoint_every_n_layers
         extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
@@ -247,7 +250,11 @@ def format_plan(plan: MemoryPlan) -> str:
         from fsdp_utils.model.build import compute_dtype
         from fsdp_utils.model.lora import dtype_name
 
-        dtype = f"{dtype_name(compute_dtype(plan.config.precision))} frozen base + {dtype} adapters"
+        frozen = dtype_name(compute_dtype(plan.config.precision))
+        base = f"{frozen} frozen base"
+        if plan.config.quantize == "nf4":  # embeddings, norms and the output layer stay 16-bit
+            base = f"NF4 frozen base ({frozen} embeddings and output layer)"
+        dtype = f"{base} + {dtype} adapters"
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"

@@ -28,6 +28,7 @@ from fsdp_utils.model.attention import check_attn_implementation
 from fsdp_utils.model.build import check_seq_length
 from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.lora import check_target_modules
+from fsdp_utils.model.qlora import shard_group_size
 from fsdp_utils.model.weights import check_not_quantized
 from fsdp_utils.parallel.distributed import device_type
 from fsdp_utils.parallel.sequence import check_splittable
@@ -75,8 +76,10 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         max_seq_length=config.max_seq_length, world_size=world_size,
     )  # fmt: skip
     resolve_coefficient(config, hf_config)  # --router_aux_loss_coef on a model with routers
-    if config.lora:  # a wrong target or adapter fails here, before any data work
-        check_target_modules(hf_config, config)
+    if config.lora:  # a wrong target or adapter (or a 4-bit base FSDP2 cannot split) fails
+        # here, before any data work; --sharding hybrid's split is known once on the nodes
+        shards = None if config.sharding == "hybrid" else shard_group_size(config, world_size, 1)
+        check_target_modules(hf_config, config, shards=shards)
     if config.freeze_layers:
         check_freeze_layers(config.freeze_layers, hf_config.get_text_config().num_hidden_layers)
     if config.sample_prompts:  # a missing file or a bad line fails before the queue

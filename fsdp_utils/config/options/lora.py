@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .section import Section
+
+Quantize = Literal["none", "nf4"]
 
 SECTION = Section("lora", "LoRA")
 _opt = SECTION.option
@@ -59,6 +62,16 @@ class LoraOptions:
             "(output_dir/final_merged), loadable without peft."
         ),
     )
+    # QLoRA (fsdp_utils/model/qlora.py); --qlora is --lora --quantize nf4 (fsdp_utils.config.parse)
+    quantize: Quantize = field(
+        default="none",
+        metadata=_opt(
+            "With --lora: store the frozen base's decoder-layer linear weights in 4 bits: nf4 "
+            "(QLoRA's NormalFloat4 with double-quantized scales, torchao's NF4Tensor, sharded "
+            "by FSDP2). Embeddings, norms and the output layer stay in the compute dtype; the "
+            "adapters train as with --lora. --qlora is short for --lora --quantize nf4."
+        ),
+    )
 
 
 def check(options: LoraOptions) -> None:
@@ -77,3 +90,10 @@ def check(options: LoraOptions) -> None:
     for name in ("lora_dora", "lora_from"):
         if getattr(options, name) and not options.lora:
             raise ValueError(f"--{name} is a LoRA option: add --lora.")
+    if options.lora_dora and options.quantize != "none":
+        raise ValueError(
+            f"--lora_dora with --quantize {options.quantize}: peft's DoRA reads the base weight "
+            "through a dequantize() that torchao's NF4Tensor does not have (it fails as the "
+            "adapters are made), so DoRA over a 4-bit base (QDoRA) is not supported. Drop "
+            "--lora_dora for QLoRA, or drop --quantize for DoRA on the 16-bit base."
+        )
