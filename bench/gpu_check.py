@@ -86,7 +86,9 @@ class Shape:
 
 
 SHAPES = {
-    "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512),
+    # 256 wide: the smallest whose every decoder linear NF4 can hold (nf4_holds), so that the CPU
+    # dry run runs the QLoRA row too (1.4M parameters)
+    "tiny": Shape("tiny", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=512),
     "1b": Shape("1b", hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),  # TinyLlama
     "3b": Shape("3b", hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192),
     "8b": Shape("8b", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
@@ -97,10 +99,22 @@ TINY_SEQ_DIVISOR = 32  # --shapes tiny: 2,048 tokens -> 64, 32k -> 1,024
 BF16 = ("--precision", "bf16-mixed")
 AC = ("--gradient_checkpointing",)
 LORA = ("--lora",)
-# The QLoRA row's flags (issue 40). NF4 holds weights of a multiple of 16,384 elements only: the
-# tiny shape (hidden 64) has none, so the CPU dry run skips the row (tests/test_qlora.py covers
-# QLoRA on CPU with a 256-wide model).
+# The QLoRA row's flags (issue 40).
 QLORA = ("--lora", "--quantize", "nf4")
+# torchao's NF4 quantizes in blocks of 64 weights with one 8-bit scale per 256 blocks: a weight it
+# can hold has a multiple of this many elements (one process: FSDP2 splits nothing).
+NF4_ELEMENTS = 16_384
+
+
+def nf4_holds(shape: Shape) -> bool:
+    """Whether every linear weight of the shape's decoder layers can be stored as NF4."""
+    head_dim = shape.hidden // shape.heads
+    sizes = (
+        shape.hidden * shape.heads * head_dim,  # q_proj, o_proj
+        shape.hidden * shape.kv_heads * head_dim,  # k_proj, v_proj
+        shape.hidden * shape.intermediate,  # gate, up, down
+    )
+    return all(size % NF4_ELEMENTS == 0 for size in sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +137,9 @@ class Row:
     tiny_seq: int = 64  # the shortest sequence with --shapes tiny (masking: several games a row)
 
 
-# In order of value: what the first GPU measurement needs most comes first (issue 43).
+# In order of value: what the first GPU measurement needs most comes first (issue 43); the last
+# two (QLoRA, fp16) run when the rows before them beat their estimates, else a second call runs
+# them: --only 8b-qlora-4k,1b-fp16 (docs/gpu-check.md).
 ROWS: tuple[Row, ...] = (
     Row("1b-bf16", "train", "small", 2048, 4, 12, BF16, 25, quick=True),
     Row("1b-bf16-ac", "train", "small", 2048, 4, 12, (*BF16, *AC), 25, quick=True),
@@ -132,9 +148,9 @@ ROWS: tuple[Row, ...] = (
     Row("8b-lora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *LORA), 35),
     Row("8b-lora-32k", "train", "large", 32768, 1, 2, (*BF16, *AC, *LORA), 40),
     Row("1b-evaluate", "evaluate", "small", 2048, 0, 0, (), 35, quick=True),
-    Row("8b-qlora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *QLORA), 40),
     Row("1b-bf16-offload", "train", "small", 2048, 4, 4, (*BF16, "--cpu_offload"), 35,
         needs_cuda=True),
+    Row("8b-qlora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *QLORA), 40),
     Row("1b-fp16", "train", "small", 2048, 4, 12, ("--precision", "fp16-mixed"), 25),
 )  # fmt: skip
 # Before the rows: the random games and tokenizer, the 1B shape's weights (2.2 GB); before the
@@ -1070,10 +1086,11 @@ def skip_reason(
     """Why a row does not run here ('' or None: it runs). `shapes`: the shape of each role."""
     if row.needs_cuda and device != "cuda":
         return "needs a CUDA device (pinned host memory for the offloaded state)"
-    if "--quantize" in row.flags and (shapes or {}).get(row.role) == "tiny":
+    shape = SHAPES.get((shapes or {}).get(row.role, ""))
+    if "--quantize" in row.flags and shape is not None and not nf4_holds(shape):
         return (
-            "the tiny shape has no weight NF4 can hold (a multiple of 16,384 elements); "
-            "tests/test_qlora.py runs QLoRA on CPU"
+            f"the {shape.name} shape has a decoder weight NF4 cannot hold (not a multiple of "
+            f"{NF4_ELEMENTS:,} elements)"
         )
     if row.estimate_s + extra_s > left:
         return (

@@ -5,9 +5,9 @@ version found and the range, and exit code 2, before anything imports torch or t
     python -m fsdp_utils.versions                # each dependency: version found, declared range
     python -m fsdp_utils.versions --floors test  # `name==floor` lines (`make test-floor` installs them)
 
-The ranges have one home, `[project] dependencies` in pyproject.toml: read from the installed
-distribution's metadata (which pip wrote from pyproject.toml), or from pyproject.toml itself when
-the code runs from a checkout that was never installed. See docs/development.md#tested-versions.
+The ranges have one home, `[project] dependencies` in pyproject.toml: read from it when the code
+runs from a checkout (installed editable or not), else from the installed distribution's metadata
+(which pip wrote from it). See docs/development.md#tested-versions.
 """
 
 from __future__ import annotations
@@ -31,10 +31,16 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 def declared_requirements(extras: Iterable[str] = ()) -> list[Requirement]:
     """The dependencies pyproject.toml declares: the core ones, and those of `extras`."""
-    try:
-        lines = importlib.metadata.requires(DISTRIBUTION) or []
-    except importlib.metadata.PackageNotFoundError:
+    if PYPROJECT.is_file():
+        # A checkout (an editable install, or PYTHONPATH): its pyproject.toml is newer than the
+        # metadata pip wrote at install time, which after a `git pull` can lack a dependency
+        # added since (torchao, 2026-11-26): the check must name it, not a ModuleNotFoundError.
         lines = _pyproject_requirements()
+    else:
+        try:
+            lines = importlib.metadata.requires(DISTRIBUTION) or []
+        except importlib.metadata.PackageNotFoundError:
+            lines = []
     wanted = ["", *extras]
     requirements = [Requirement(line) for line in lines]
     return [
@@ -45,13 +51,10 @@ def declared_requirements(extras: Iterable[str] = ()) -> list[Requirement]:
 
 
 def _pyproject_requirements() -> list[str]:
-    # A checkout run without `pip install` (slurm/submit.py allows it). Python 3.10 has no
-    # tomllib: there the check has nothing to read and lets the command go on.
+    # Python 3.10 has no tomllib: there the check has nothing to read and lets the command go on.
     try:
         import tomllib
     except ImportError:
-        return []
-    if not PYPROJECT.is_file():
         return []
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     lines = list(project.get("dependencies", []))
