@@ -127,6 +127,14 @@ COMMAND_FLAGS = [
 ]  # fmt: skip
 
 
+def config_folder(name: str, config: dict[str, Any]) -> Path:
+    """A model folder holding only `config.json`: all the planner reads of a shape."""
+    model = RESULTS / "configs" / name.lower()
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    return model
+
+
 def timed_plan(
     config: TrainConfig, gpus: int = 4, *, full_trace: bool = False
 ) -> tuple[MemoryPlan, float, float]:
@@ -237,9 +245,7 @@ def command_timings(repeats: int, baseline: Path | None) -> str:
     """The whole command of issue 23 on Llama-2-7B's config, imports included, `repeats` times;
     with `baseline`, that checkout's command alternates with this one's (the order reversed
     every other round, as bench/throughput.py interleaves its runs)."""
-    model = RESULTS / "configs" / "llama-2-7b"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA_2_7B, indent=2))
+    model = config_folder("llama-2-7b", LLAMA_2_7B)
     checkouts = {"this checkout": REPO}
     if baseline is not None:
         checkouts["baseline"] = baseline.resolve()
@@ -272,9 +278,7 @@ def long_context(lengths: tuple[int, ...] = (8192, 32768)) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
     ]
     for name, shape in LONG_CONTEXT_MODELS.items():
-        model = RESULTS / "configs" / name.lower()
-        model.mkdir(parents=True, exist_ok=True)
-        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        model = config_folder(name, shape)
         for seq in lengths:
             for chunk in (0, None):
                 config = TrainConfig(
@@ -319,9 +323,7 @@ def qlora_table(lengths: tuple[int, ...] = (4096, 8192)) -> str:
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
     ]
     for name, shape, gpus, gpu_name, gib in QLORA_SETUPS:
-        model = RESULTS / "configs" / name.lower()
-        model.mkdir(parents=True, exist_ok=True)
-        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        model = config_folder(name, shape)
         for seq in lengths:
             for method, options in QLORA_METHODS.items():
                 config = TrainConfig(
@@ -363,9 +365,7 @@ def sequence_parallel() -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|",
     ]
     for name, shape, lengths, nodes, total in SEQUENCE_PARALLEL_ROWS:
-        model = RESULTS / "configs" / name.lower()
-        model.mkdir(parents=True, exist_ok=True)
-        (model / "config.json").write_text(json.dumps(shape, indent=2))
+        model = config_folder(name, shape)
         for seq in lengths:
             for size in (1, 2, 4, 8):
                 config = TrainConfig(
