@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMPS := .stamps
 PYTEST_ARGS ?=
-# Three pytest-xdist workers on the 2-core machine: the Slurm tests on one (mostly waiting for
-# jobs), whole modules on the others (tests/conftest.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers: the Slurm tests on one, whole modules on either (tests/conftest.py).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 FLOOR_VENV ?= .venv-floor

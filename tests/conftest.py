@@ -54,10 +54,9 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_demo_assets(tmp_path_factory.mktemp("tiny_assets"), num_games=400, num_shards=2)
 
 
-# `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadgroup`): on the
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): on the
 # 2-core CI machine one process alone left ~40% of the CPU idle, mostly while Slurm jobs
-# start, requeue and end, and two workers 27% (the Slurm worker waits on its jobs while the
-# other keeps one core busy). Two rules keep that safe and cheap:
+# start, requeue and end. Two rules keep that safe and cheap:
 # - every module with a test that uses a local Slurm cluster runs on one worker, one test
 #   after another: the one-node cluster has 2 emulated GPUs, and a job queued behind another
 #   job's would spend its test's timeout waiting (the 2-node cluster's jobs take the same 2
