@@ -233,7 +233,7 @@ class EngineJudge:
         self._cache_size = cache_size
         self.engine = open_engine(self.path, self.options, timeout_s=timeout_s)
         self.name = str(self.engine.id.get("name", "engine"))
-        self._finalizer = weakref.finalize(self, _close_quietly, self.engine)
+        self._finalizer = weakref.finalize(self, close_engine, self.engine)
 
     def __enter__(self) -> EngineJudge:
         return self
@@ -322,7 +322,7 @@ def open_engine(
     try:
         engine.configure(options)
     except (chess.engine.EngineError, TimeoutError) as err:
-        _close_quietly(engine)
+        close_engine(engine)
         raise EngineFailed(f"The chess engine {path} refused options {options}: {err}") from err
     return engine
 
@@ -330,7 +330,7 @@ def open_engine(
 def guarded(engine: chess.engine.SimpleEngine, timeout_s: float, call: Any) -> Any:
     """Run `call()` on the engine; a hang past `timeout_s` kills the engine (python-chess sets
     no timeout for depth or node limits) and, like a crash, raises EngineFailed."""
-    timer = threading.Timer(timeout_s, _close_quietly, args=(engine,), kwargs={"polite": False})
+    timer = threading.Timer(timeout_s, close_engine, args=(engine,), kwargs={"polite": False})
     timer.daemon = True
     timer.start()
     try:
@@ -338,17 +338,17 @@ def guarded(engine: chess.engine.SimpleEngine, timeout_s: float, call: Any) -> A
     except (chess.engine.EngineTerminatedError, concurrent.futures.CancelledError) as err:
         # A dead process cancels the pending call (CancelledError) or refuses new ones.
         hung = timer.finished.is_set()
-        _close_quietly(engine, polite=False)
+        close_engine(engine, polite=False)
         why = f"no answer within {timeout_s:g} s: ended it" if hung else "the process exited"
         raise EngineFailed(f"The chess engine stopped answering ({why}): {err!r}") from err
     except (chess.engine.EngineError, TimeoutError) as err:
-        _close_quietly(engine, polite=False)
+        close_engine(engine, polite=False)
         raise EngineFailed(f"The chess engine failed: {err}") from err
     finally:
         timer.cancel()
 
 
-def _close_quietly(engine: chess.engine.SimpleEngine, *, polite: bool = True) -> None:
+def close_engine(engine: chess.engine.SimpleEngine, *, polite: bool = True) -> None:
     """End the engine process and wait for it: `quit` if `polite` (a hung engine gets
     QUIT_TIMEOUT_S), then kill what is left (python-chess's close() kills the process)."""
     if polite:
@@ -368,4 +368,4 @@ def engine_version(path: str | None = None) -> str:
     try:
         return str(engine.id.get("name", "unknown engine"))
     finally:
-        _close_quietly(engine)
+        close_engine(engine)

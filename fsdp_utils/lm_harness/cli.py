@@ -127,15 +127,15 @@ def evaluate(
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from fsdp_utils.hub.cache import hub_cache_dir
-    from fsdp_utils.hub.resolve import load_model_config
-    from fsdp_utils.lm_harness.compare import check_same_way, comparison_table, load_results
-    from fsdp_utils.lm_harness.loading import (
+    from fsdp_utils.checkpoint.saved_model import (
         default_precision,
         eval_config,
         load_sharded_model,
         resolve_model_source,
     )
+    from fsdp_utils.hub.cache import hub_cache_dir
+    from fsdp_utils.hub.resolve import load_model_config
+    from fsdp_utils.lm_harness.compare import check_same_way, comparison_table, load_results
     from fsdp_utils.lm_harness.scoring import Scoring, template_name_for
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.lm_harness.task_cache import use_cached_nltk
@@ -297,8 +297,12 @@ def scoring_record(scoring: Scoring, lm: Any) -> dict[str, Any]:
 def planned_budget(args: argparse.Namespace, planner: Planner, log: Any) -> int:
     """The tokens one forward may hold on this GPU, from the memory plan (every rank plans the
     same model alike, so they agree; rank 0 logs it)."""
+    from fsdp_utils.checkpoint.saved_model import (
+        default_precision,
+        eval_config,
+        resolve_model_source,
+    )
     from fsdp_utils.hub.resolve import load_model_config
-    from fsdp_utils.lm_harness.loading import default_precision, eval_config, resolve_model_source
 
     source = resolve_model_source(args.model, args.cache_dir)
     hf_config = load_model_config(source.weights_dir)
