@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check the options, the model, the held-out games and the engine in seconds, "
+        "load nothing, exit (on the login node before sbatch; slurm/evaluate.sh runs it first)",
+    )
+    parser.add_argument(
         "--output_dir",
         dest="records_dir",  # not TrainConfig's output_dir: this is not a run folder
         metavar="DIR",
@@ -146,6 +152,37 @@ def default_output_dir(model: Path) -> Path | None:
     return None
 
 
+def preflight(args: argparse.Namespace) -> str:
+    """The checks a job would fail on, without loading the model: the options, the model's
+    folders, the held-out games, the engine (started once, its version printed)."""
+    from fsdp_utils.checkpoint.saved_model import resolve_model_source
+    from fsdp_utils.chess_eval.evaluator import EngineSettings
+    from fsdp_utils.chess_eval.judge import EngineFailed, engine_version
+    from fsdp_utils.data.prepare import held_out_games
+
+    config, source_text = resolve_config(args, Path(args.model).expanduser())
+    settings, note = EngineSettings.from_config(config)
+    source = resolve_model_source(args.model, config.cache_dir)
+    games = held_out_games(config, limit=config.chess_eval_games)
+    if not games:
+        raise ValueError(
+            "The chess evaluation found no held-out games: the eval split is empty. Hold "
+            "some out with --eval_examples (e.g. --eval_examples 200)."
+        )
+    if settings is not None:
+        try:
+            note += f" ({engine_version(settings.path)})"
+        except EngineFailed as err:
+            raise ValueError(
+                f"The chess engine {settings.path} does not run as a UCI engine ({err}). Point "
+                "--chess_engine at a Stockfish binary, or pass --engine off."
+            ) from err
+    return (
+        f"preflight OK: model {source.adapter_dir or source.weights_dir}; {len(games)} held-out "
+        f"games (data and template from {source_text}); {note}"
+    )
+
+
 def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse, load (sharded), evaluate; collective under torchrun. Returns {"model",
     "config_source", "metrics", "written"} (the same metrics on every rank; files on rank 0)."""
@@ -206,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
 
     clean = False
     try:
+        args = build_parser().parse_args(argv)
+        if args.preflight:
+            print(preflight(args), flush=True)
+            clean = True
+            return 0
         result = evaluate_saved_model(argv)
         clean = True
     except dist_utils.ReportedError:

@@ -150,14 +150,14 @@ def judgement(before: chess.engine.Score, after: chess.engine.Score) -> Judgemen
         delta = winning_chances(cp_before) - winning_chances(cp_after)
         return next((name for drop, name in JUDGEMENTS if drop <= delta), None)
     mate_before, mate_after = before.mate(), after.mate()
-    if mate_before is None and mate_after is not None and mate_after <= 0:  # MateCreated
+    if mate_before is None and mate_after is not None and mate_after < 0:  # MateCreated
         prev = cp_before or 0
         return "inaccuracy" if prev < -999 else "mistake" if prev < -700 else "blunder"
     if mate_before is not None and mate_before > 0:
         if mate_after is None:  # MateLost
             now = cp_after or 0
             return "inaccuracy" if now > 999 else "mistake" if now > 700 else "blunder"
-        if mate_after <= 0:  # MateLost into being mated: the cp "or zero" is 0
+        if mate_after < 0:  # MateLost into being mated: the cp "or zero" is 0
             return "blunder"
     return None
 
