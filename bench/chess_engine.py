@@ -8,7 +8,9 @@ demo, `fsdp_utils/chess_eval/engine_games/`, none of them over), each mover play
 the judge (`EngineJudge`, Threads=1, hash cleared, fixed depth) scores it: mean centipawn loss,
 Lichess accuracy, best-move rate, blunder rate. Movers: a uniformly random legal move (seeded),
 Stockfish at Skill Level 0, at UCI_Elo 1350 (its minimum in 15.1) and at Skill Level 5, each
-with 10 ms a move; at depth 1; and at full strength with 10 ms a move.
+with 10 ms a move; at depth 1; and at full strength with 10 ms a move and at depth 8. The time
+limits make their rows move with the machine's load (10 ms of a busy core is a shallower
+search); the depth rows do not.
 
 Costs: judged moves per second at depths 8, 10 (the default) and 12 (a move that is not the
 engine's best takes two searches), and self-play games per minute on one process at depth 1 and
@@ -44,6 +46,7 @@ MOVERS: dict[str, tuple[dict, chess.engine.Limit | None]] = {
     "Skill Level 5, 10 ms": ({"Skill Level": 5}, chess.engine.Limit(time=0.01)),
     "depth 1": ({}, chess.engine.Limit(depth=1)),
     "full strength, 10 ms": ({}, chess.engine.Limit(time=0.01)),
+    "full strength, depth 8": ({}, chess.engine.Limit(depth=8)),
 }
 
 

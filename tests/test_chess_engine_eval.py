@@ -240,6 +240,9 @@ def test_missing_engine_auto_skips_on_refuses(config, tmp_path, monkeypatch, cap
     monkeypatch.delenv("FSDP_UTILS_STOCKFISH")
     assert chess_eval_main(args) == 0
     assert "preflight OK" in (out := capsys.readouterr().out) and "Stockfish" in out
+    # A rung the engine refuses fails in the preflight, not after the games began.
+    assert chess_eval_main([*args, "--ladder", "random,elo:100"]) == 2
+    assert "'elo:100' cannot be played" in capsys.readouterr().err
 
 
 def test_the_trainers_preflight_refuses_a_required_engine_that_is_missing(
@@ -269,3 +272,33 @@ def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_p
     assert summary["engine_positions"] == len({m["position"] for m in moves}) >= 9
     assert summary["engine_moves"] + summary["engine_illegal"] == len(moves)
     assert "move_records" not in document and document["written"]
+
+
+# --- engine games as data -----------------------------------------------------------------
+
+
+def test_self_play_is_the_same_on_one_and_two_processes_and_remakes_the_shipped_games(tmp_path):
+    import pyarrow.parquet as pq
+
+    from fsdp_utils.chess_eval.judge import engine_version
+    from fsdp_utils.chess_eval.selfplay import main as selfplay_main
+    from fsdp_utils.chess_eval.selfplay import self_play
+    from fsdp_utils.demo import ENGINE_GAMES, engine_games
+
+    assert selfplay_main(["--games", "4", "--output", str(tmp_path / "one")]) == 0
+    one = pq.read_table(tmp_path / "one" / "chess_game_0001.parquet").to_pylist()
+    assert one == self_play(4, seed=0, depth=1, processes=2)
+    for game in one:  # laion/strategic_game_chess's schema, and games that really ended so
+        board = chess.Board()
+        for uci in game["Moves"]:
+            board.push_uci(uci)
+        outcome = board.outcome(claim_draw=True)
+        assert outcome is not None and outcome.result() == game["Result"]
+        assert outcome.termination.name == game["Termination"]
+    made = json.loads((ENGINE_GAMES / "selfplay.json").read_text())
+    assert (
+        json.loads((tmp_path / "one" / "selfplay.json").read_text())["engine"] == engine_version()
+    )
+    if made["engine"] == engine_version():  # the engine that made the shipped file remakes it
+        assert engine_games()[:4] == one
+    assert len(engine_games()) == made["games"]

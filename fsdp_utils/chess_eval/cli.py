@@ -26,9 +26,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load
 from fsdp_utils.config.train_config import TrainConfig
 
 EXIT_USAGE, EXIT_ENGINE_FAILED = 2, 1
-PEER_EXIT_DELAY_S = 2.0
 
 # Trainer options that select and render the games: same names, same meaning (help texts
 # come from TrainConfig).
@@ -157,26 +154,16 @@ def preflight(args: argparse.Namespace) -> str:
     folders, the held-out games, the engine (started once, its version printed)."""
     from fsdp_utils.checkpoint.saved_model import resolve_model_source
     from fsdp_utils.chess_eval.evaluator import EngineSettings
-    from fsdp_utils.chess_eval.judge import EngineFailed, engine_version
+    from fsdp_utils.chess_eval.games import require_games
     from fsdp_utils.data.prepare import held_out_games
 
     config, source_text = resolve_config(args, Path(args.model).expanduser())
     settings, note = EngineSettings.from_config(config)
     source = resolve_model_source(args.model, config.cache_dir)
     games = held_out_games(config, limit=config.chess_eval_games)
-    if not games:
-        raise ValueError(
-            "The chess evaluation found no held-out games: the eval split is empty. Hold "
-            "some out with --eval_examples (e.g. --eval_examples 200)."
-        )
+    require_games(games)
     if settings is not None:
-        try:
-            note += f" ({engine_version(settings.path)})"
-        except EngineFailed as err:
-            raise ValueError(
-                f"The chess engine {settings.path} does not run as a UCI engine ({err}). Point "
-                "--chess_engine at a Stockfish binary, or pass --engine off."
-            ) from err
+        note += f" ({settings.check()})"
     return (
         f"preflight OK: model {source.adapter_dir or source.weights_dir}; {len(games)} held-out "
         f"games (data and template from {source_text}); {note}"
@@ -241,34 +228,22 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.chess_eval.evaluator import RECORDS, format_table, log_record
     from fsdp_utils.parallel import distributed as dist_utils
 
-    clean = False
-    try:
-        args = build_parser().parse_args(argv)
-        if args.preflight:
+    args = build_parser().parse_args(argv)
+    if args.preflight:  # no process group: a user mistake is one paragraph, exit 2
+        try:
             print(preflight(args), flush=True)
-            clean = True
-            return 0
-        result = evaluate_saved_model(argv)
-        clean = True
-    except dist_utils.ReportedError:
-        return EXIT_USAGE
-    except dist_utils.PeerFailure as err:
-        time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE if err.user_error else 1
-    except ValueError as err:  # found by every rank (the options, the files): rank 0 says it
-        if int(os.environ.get("RANK", "0")) == 0:
+        except ValueError as err:
             dist_utils.report_error(str(err))
-        else:  # after rank 0, so that torchrun does not stop it before its message is out
-            time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE
-    finally:
-        gc.collect()
-        dist_utils.destroy(synchronize=clean)
+            return EXIT_USAGE
+        return 0
+    code, result = dist_utils.run_command(lambda: evaluate_saved_model(argv))
+    if code or result is None:
+        return code
     metrics = result["metrics"]
     failed = bool(metrics.get("engine_error"))
     if not result["is_main"]:
         return EXIT_ENGINE_FAILED if failed else 0
-    if "--json" in (sys.argv[1:] if argv is None else argv):
+    if args.json:
         examples = [
             {"phase": e.phase, "prompt": e.prompt, "continuation": e.continuation,
              "legal_plies": e.verdict.legal_plies, "failure": e.verdict.failure}
@@ -288,9 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(result["engine_note"])
         print(format_table(metrics, step=None))
         if result["written"]:
-            print(
-                f"records: {result['written'][0].parent} ({', '.join(p.name for p in result['written'])})"
-            )
+            names = ", ".join(p.name for p in result["written"])
+            print(f"records: {result['written'][0].parent} ({names})")
     if failed:
         print(f"\nerror: the engine judge failed: {metrics['engine_error']}\n", file=sys.stderr)
     return EXIT_ENGINE_FAILED if failed else 0

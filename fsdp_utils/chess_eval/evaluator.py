@@ -49,14 +49,23 @@ from fsdp_utils.chess_eval.games import (
     make_prefixes,
     moves_offset,
     render_prompt,
+    require_games,
 )
 from fsdp_utils.chess_eval.judge import (
     EngineFailed,
     EngineJudge,
     EngineNotFound,
+    engine_version,
     find_engine,
 )
-from fsdp_utils.chess_eval.ladder import MAX_PLIES, LadderGame, Opponent, ladder_line, score_rungs
+from fsdp_utils.chess_eval.ladder import (
+    MAX_PLIES,
+    LadderGame,
+    Opponent,
+    check_opponents,
+    ladder_line,
+    score_rungs,
+)
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
 from fsdp_utils.config.options.evaluation import ladder_rungs
 from fsdp_utils.config.train_config import TrainConfig
@@ -155,11 +164,26 @@ class EngineSettings:
             ladder=tuple(ladder_rungs(config.chess_eval_ladder)),
             ladder_games=config.chess_eval_ladder_games,
         )
-        return settings, f"engine judge: {path}, {settings.limit_text}" + (
-            f"; ladder {','.join(settings.ladder)}, {settings.ladder_games} games each"
-            if settings.ladder
-            else ""
-        )
+        return settings, settings.describe()
+
+    def check(self) -> str:
+        """The preflights' check: start the engine once (its version, e.g. "Stockfish 15.1")
+        and each rung's opponent; a ValueError naming the fix when the binary does not run as
+        a UCI engine or refuses a rung's level."""
+        try:
+            version = engine_version(self.path)
+        except EngineFailed as err:
+            raise ValueError(
+                f"The chess engine {self.path} does not run as a UCI engine ({err}). Point "
+                "--chess_engine at a Stockfish binary, or turn the engine judge off "
+                "(--chess_eval_engine off)."
+            ) from err
+        check_opponents(self.ladder, self.path)
+        return version
+
+    def describe(self) -> str:
+        ladder = f"; ladder {','.join(self.ladder)}, {self.ladder_games} games each"
+        return f"engine judge: {self.path}, {self.limit_text}" + (ladder if self.ladder else "")
 
     @property
     def limit_text(self) -> str:
@@ -210,11 +234,7 @@ class ChessEvaluator:
         device: torch.device | None = None,
         engine: EngineSettings | None = None,
     ) -> None:
-        if not games:
-            raise ValueError(
-                "The chess evaluation found no held-out games: the eval split is empty. Hold "
-                "some out with --eval_examples (e.g. --eval_examples 200)."
-            )
+        require_games(games)
         if plies < 1:
             raise ValueError(f"--chess_eval_plies must be at least 1, got {plies}.")
         if tokenizer.eos_token_id is None:
@@ -243,6 +263,7 @@ class ChessEvaluator:
         self.seed = seed
         self.prefixes = self._fit(make_prefixes(self.games, template, plies=plies, seed=seed))
         self.engine = engine
+        self.engine_note = engine.describe() if engine else "engine judge off"
         # Balanced positions, chosen with the engine at the first run that has one.
         self.balanced: list[Prefix] | None = None
 
@@ -276,10 +297,8 @@ class ChessEvaluator:
             device=device,
             engine=engine,
         )
-        evaluator.engine_note = note
+        evaluator.engine_note = note  # with the reason when there is no engine
         return evaluator
-
-    engine_note = "engine judge off"
 
     # --- preparation ------------------------------------------------------------------
 

@@ -35,6 +35,14 @@ class Prefix:
     header_result: str | None  # the result the prompt's header asks for; None: no header
 
 
+def require_games(games: Sequence[Mapping[str, Any]]) -> None:
+    if not games:
+        raise ValueError(
+            "The chess evaluation found no held-out games: the eval split is empty. Hold "
+            "some out with --eval_examples (e.g. --eval_examples 200)."
+        )
+
+
 def template_head(template: str) -> str:
     """The part of the template before `{moves}` (what precedes the first move)."""
     return template.split("{moves}", 1)[0]

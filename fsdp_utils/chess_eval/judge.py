@@ -196,7 +196,9 @@ def score_text(score: chess.engine.Score) -> str:
 
 
 @dataclass(frozen=True)
-class _Search:
+class Search:
+    """One search of a position: the engine's best move, its score and its node count."""
+
     best_move: str
     score: chess.engine.Score  # from the side to move at the root
     nodes: int
@@ -229,7 +231,7 @@ class EngineJudge:
         self.options = {"Threads": threads, "Hash": hash_mb}
         # Searches of positions before the move, by position and history: GRPO judges a
         # group of moves from one position, and a search depends on nothing else.
-        self._cache: OrderedDict[tuple[str, tuple[str, ...]], _Search] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, tuple[str, ...]], Search] = OrderedDict()
         self._cache_size = cache_size
         self.engine = open_engine(self.path, self.options, timeout_s=timeout_s)
         self.name = str(self.engine.id.get("name", "engine"))
@@ -249,7 +251,7 @@ class EngineJudge:
     def limit_text(self) -> str:
         return f"depth {self.depth}" if self.depth is not None else f"{self.nodes} nodes"
 
-    def _search(self, board: chess.Board, move: chess.Move | None = None) -> _Search:
+    def _search(self, board: chess.Board, move: chess.Move | None = None) -> Search:
         info = guarded(
             self.engine,
             self.timeout_s,
@@ -264,9 +266,9 @@ class EngineJudge:
         score = info.get("score")
         if not pv or score is None:
             raise EngineFailed(f"{self.name} returned no move or score for {board.fen()}.")
-        return _Search(pv[0].uci(), score.pov(board.turn), int(info.get("nodes", 0)))
+        return Search(pv[0].uci(), score.pov(board.turn), int(info.get("nodes", 0)))
 
-    def search_before(self, board: chess.Board) -> _Search:
+    def search_before(self, board: chess.Board) -> Search:
         key = (board.root().fen(), tuple(m.uci() for m in board.move_stack))
         if key in self._cache:
             self._cache.move_to_end(key)

@@ -22,9 +22,9 @@ The games (the model's side is played by `evaluator.py`, which owns the model):
   `nodes:N` are full-strength Stockfish limited to that search (deterministic: Threads=1, the
   hash cleared before each move); `skill:N` (Skill Level) and `elo:N` (UCI_LimitStrength with
   UCI_Elo) search `MOVETIME_S` per move and choose among moves at random by design. Stockfish
-  calibrates UCI_Elo at long time controls (about 60 s + 0.6 s per move, against other
-  engines): at 10 ms a move it is a weaker opponent, not a rating. The Elo differences below
-  are differences to these opponents as they played here, not ratings.
+  calibrated UCI_Elo at 60 s + 0.6 s a game, anchored to CCRL 40/4 (Stockfish commit a08b8d4,
+  the calibration Stockfish 15 carries): at 10 ms a move it is a weaker opponent, not a rating.
+  The Elo differences below are differences to these opponents as they played here.
 
 Scores: the model's points (win 1, draw 1/2) over the games against a rung, with a 95% Wilson
 score interval (it stays inside [0, 1] for 0 or 8 points of 8); the Elo difference
@@ -45,6 +45,7 @@ import chess.pgn
 
 from fsdp_utils.chess_eval.judge import (
     DEFAULT_TIMEOUT_S,
+    EngineFailed,
     EngineJudge,
     ceiled_cp,
     close_engine,
@@ -81,9 +82,8 @@ class Opponent:
     def __init__(
         self, rung: str, *, path: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> None:
+        ladder_rungs(rung)  # anything else: a ValueError naming the rungs
         match = LADDER_RUNG.fullmatch(rung)
-        if match is None:
-            ladder_rungs(rung)  # raises the message naming the rungs
         assert match is not None
         self.rung = rung
         self.kind, value = match.group(1), match.group(2)
@@ -123,6 +123,20 @@ class Opponent:
         )
         assert result.move is not None
         return result.move
+
+
+def check_opponents(rungs: list[str] | tuple[str, ...], path: str) -> None:
+    """Start each rung's engine once (the preflights): an option this engine refuses (a UCI_Elo
+    below its minimum) is a ValueError naming the fix, before any game is played."""
+    for rung in rungs:
+        try:
+            Opponent(rung, path=path).close()
+        except EngineFailed as err:
+            raise ValueError(
+                f"--chess_eval_ladder: the rung {rung!r} cannot be played by {path}: {err}. "
+                "Choose a level this engine accepts (Skill Level 0-20; UCI_Elo from 1350 in "
+                "Stockfish 15, from 1320 in 16 and later)."
+            ) from err
 
 
 # --- one game ----------------------------------------------------------------------------

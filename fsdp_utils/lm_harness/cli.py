@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fsdp_utils.lm_harness.scoring import Scoring
 
-EXIT_USAGE = 2
-PEER_EXIT_DELAY_S = 2.0
 DEFAULT_OUTPUT = "lm_eval_results"
 AUTO = "auto"
 CPU_BATCH = 8  # --batch_size auto on CPU: memory is rarely the limit there, time is
@@ -346,25 +344,10 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     from fsdp_utils.parallel import distributed as dist_utils
 
     args = build_parser().parse_args(argv)
-    clean = False
-    try:
-        evaluate(args, log=lambda line: print(line, flush=True), planner=planner)
-        clean = True
-    except dist_utils.ReportedError:
-        return EXIT_USAGE
-    except dist_utils.PeerFailure as err:
-        time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE if err.user_error else 1
-    except ValueError as err:  # found by every rank (the options): rank 0 says it
-        if int(os.environ.get("RANK", "0")) == 0:
-            dist_utils.report_error(str(err))
-        else:  # after rank 0, so that torchrun does not stop it before its message is out
-            time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE
-    finally:
-        gc.collect()
-        dist_utils.destroy(synchronize=clean)
-    return 0
+    code, _ = dist_utils.run_command(
+        lambda: evaluate(args, log=lambda line: print(line, flush=True), planner=planner)
+    )
+    return code
 
 
 if __name__ == "__main__":

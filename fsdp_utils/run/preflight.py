@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 from fsdp_utils.chess_eval.evaluator import EngineSettings
-from fsdp_utils.chess_eval.judge import engine_version
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
@@ -95,20 +94,14 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
 
 def check_chess_engine(config: TrainConfig) -> str | None:
     """The preflight's line on the chess evaluation's engine judge (None: no chess eval). The
-    engine is started once: its version is printed, and a binary that is not a UCI engine
-    fails here."""
+    engine and the ladder's opponents are started once: the version is printed, and a binary
+    that is not a UCI engine, or a rung it refuses, fails here."""
     if not config.chess_eval_every:
         return None
     settings, note = EngineSettings.from_config(config)
     if settings is None:
         return f"chess eval: {note}"
-    try:
-        version = engine_version(settings.path)
-    except RuntimeError as err:  # EngineFailed: it did not start or speak UCI
-        raise ValueError(
-            f"The chess engine {settings.path} does not run as a UCI engine ({err}). Point "
-            "--chess_engine at a Stockfish binary, or pass --chess_eval_engine off."
-        ) from err
+    version = settings.check()
     return f"chess eval: {note} ({version})"
 
 
