@@ -71,6 +71,9 @@ JUDGEMENTS: tuple[tuple[float, Judgement], ...] = (
     (0.1, "inaccuracy"),
 )
 DEFAULT_TIMEOUT_S = 60.0  # one search of a judged position; depth 10 takes ~0.1 s
+# Starting (loading the network, the UCI handshake) and configuring: slow on a busy node or a
+# shared file system, and not what `timeout_s` bounds.
+START_TIMEOUT_S = 120.0
 QUIT_TIMEOUT_S = 5.0
 
 
@@ -233,7 +236,7 @@ class EngineJudge:
         # group of moves from one position, and a search depends on nothing else.
         self._cache: OrderedDict[tuple[str, tuple[str, ...]], Search] = OrderedDict()
         self._cache_size = cache_size
-        self.engine = open_engine(self.path, self.options, timeout_s=timeout_s)
+        self.engine = open_engine(self.path, self.options)
         self.name = str(self.engine.id.get("name", "engine"))
         self._finalizer = weakref.finalize(self, close_engine, self.engine)
 
@@ -313,12 +316,11 @@ class EngineJudge:
 # --- the engine process ------------------------------------------------------------------
 
 
-def open_engine(
-    path: str, options: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> chess.engine.SimpleEngine:
-    """Start a UCI engine and configure it; EngineFailed if it will not start."""
+def open_engine(path: str, options: dict[str, Any]) -> chess.engine.SimpleEngine:
+    """Start a UCI engine and configure it; EngineFailed if it will not start within
+    START_TIMEOUT_S. (Searches are bounded by `guarded`, not by python-chess's timeout.)"""
     try:
-        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=timeout_s)
+        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=START_TIMEOUT_S)
     except (OSError, chess.engine.EngineError, TimeoutError) as err:
         raise EngineFailed(f"The chess engine {path} did not start: {err}") from err
     try:
@@ -332,14 +334,20 @@ def open_engine(
 def guarded(engine: chess.engine.SimpleEngine, timeout_s: float, call: Any) -> Any:
     """Run `call()` on the engine; a hang past `timeout_s` kills the engine (python-chess sets
     no timeout for depth or node limits) and, like a crash, raises EngineFailed."""
-    timer = threading.Timer(timeout_s, close_engine, args=(engine,), kwargs={"polite": False})
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()  # before the kill: the caller may see the dead engine before this returns
+        close_engine(engine, polite=False)
+
+    timer = threading.Timer(timeout_s, expire)
     timer.daemon = True
     timer.start()
     try:
         return call()
     except (chess.engine.EngineTerminatedError, concurrent.futures.CancelledError) as err:
         # A dead process cancels the pending call (CancelledError) or refuses new ones.
-        hung = timer.finished.is_set()
+        hung = fired.is_set()
         close_engine(engine, polite=False)
         why = f"no answer within {timeout_s:g} s: ended it" if hung else "the process exited"
         raise EngineFailed(f"The chess engine stopped answering ({why}): {err!r}") from err

@@ -101,7 +101,7 @@ class Opponent:
             "depth": chess.engine.Limit(depth=self.value),
             "nodes": chess.engine.Limit(nodes=self.value),
         }.get(self.kind, chess.engine.Limit(time=MOVETIME_S))
-        self.engine = open_engine(find_engine(path), options, timeout_s=timeout_s)
+        self.engine = open_engine(find_engine(path), options)
 
     def __enter__(self) -> Opponent:
         return self
