@@ -82,13 +82,14 @@ def random_writer(prompt: str) -> tuple[str, bool]:
 
 @pytest.fixture(scope="module")
 def movers(games, tokenizer):
-    """Three players on the same positions: random, Skill Level 0 (10 ms), full strength
-    (depth 10, deeper than the judge's 6)."""
+    """Three players on the same positions: random, Skill Level 0 (10 ms), and full strength at
+    the judge's own depth (a deeper mover would be judged by a weaker judge: on positions of
+    random games, mostly decided, that makes its loss noise)."""
     engines: list = []
     players = {
         "random": random_writer,
         "skill0": engine_writer({"Skill Level": 0}, chess.engine.Limit(time=0.01), engines),
-        "full": engine_writer({}, chess.engine.Limit(depth=10), engines),
+        "full": engine_writer({"Hash": 16}, chess.engine.Limit(depth=DEPTH), engines),
     }
     try:
         evaluator = _evaluator(games, tokenizer)
@@ -105,6 +106,8 @@ def test_random_loses_more_than_skill_0_which_loses_more_than_full_strength(move
     accuracy = {name: m["engine_accuracy"] for name, m in r.items()}
     assert loss["random"] > loss["skill0"] > loss["full"], loss
     assert accuracy["random"] < accuracy["skill0"] < accuracy["full"], accuracy
+    # Full strength at the judge's depth is the judge's own choice (deterministic search).
+    assert loss["full"] == 0 and accuracy["full"] == 100 and r["full"]["engine_best_move_rate"] == 1
     assert r["random"]["engine_best_move_rate"] < r["full"]["engine_best_move_rate"]
     # The same positions for all three: every opening, middlegame and ending prefix, and the
     # balanced ones the engine found (within +-100 cp).
