@@ -11,7 +11,7 @@ checks it: see `.importlinter`):
                  FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
-    chess_eval/  did the model learn chess? (python-chess as the referee)
+    chess_eval/  did the model learn chess? (python-chess as the referee, Stockfish as the judge)
     lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
     train/       the step machinery every method shares: TrainStep (micro-batches, the loss
                  normalised by the step's count, clipping, non-finite checks), the chunked loss,

@@ -428,8 +428,9 @@ def test_training_uses_the_files_that_were_downloaded(tmp_path: Path) -> None:
     """Four shards of the chess dataset fetched with --dataset-include: training without
     --dataset_include uses those four (not one, not all), and every message about a missing
     file names a command that fetches only what is missing."""
+    from fsdp_utils.data.chess_files import shard_name
     from fsdp_utils.run.preflight import check_basics
-    from fsdp_utils.synthetic import shard_name, tiny_model_config
+    from fsdp_utils.synthetic import tiny_model_config
 
     cache, model = tmp_path / "hub", tmp_path / "model"
     tiny_model_config("llama", vocab_size=128).save_pretrained(model)

@@ -64,6 +64,11 @@ class RunLayout:
         return self.root / "logs"
 
     @property
+    def chess_eval(self) -> Path:
+        """The chess evaluation's per-move and per-game records, a folder per evaluation."""
+        return self.root / "chess_eval"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 

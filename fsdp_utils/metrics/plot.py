@@ -7,7 +7,8 @@ gradient norm; a DPO run's rewards of the chosen and rejected answers with their
 reward accuracy and its log-probabilities, train and eval split (fields `rewards/...`,
 `logps/...`, `eval_rewards/...`); and the chess evaluation's skill measures (records of kind
 `chess_eval`: legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
-move, full-length continuations) when the run has them. Several runs overlay, one colour each, with their names in
+move, full-length continuations; with the engine judge, centipawn loss, Lichess accuracy, best-move
+and blunder rates) when the run has them. Several runs overlay, one colour each, with their names in
 the legend: run folders given one by one, or `--sweep DIR` for every run folder in DIR (what
 `slurm/submit.py --sweep` writes). A run resumed after a requeue is one folder and one curve
 (`fsdp_utils.metrics.logger.latest_history`); dotted vertical lines mark where it resumed.
@@ -142,7 +143,8 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
 
 # The chess evaluation's skill measures, one panel each (fsdp_utils.chess_eval.evaluator): the
 # counts beside them (games, moves judged, failures by kind, seconds) are for the log's table,
-# and a panel per count would bury the four curves that say whether the model learnt chess.
+# and a panel per count would bury the curves that say whether the model learnt chess. The
+# engine judge's panels appear only for runs that logged them.
 CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: legal-move rate", "share of generated moves",
      ("legal_move_rate", "legal_move_rate_opening", "legal_move_rate_middlegame",
@@ -150,6 +152,13 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
     ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
     ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
+    # The engine judge's (docs/chess-eval.md): over the legal moves it judged.
+    ("chess eval: centipawn loss (engine)", "mean centipawns lost per move",
+     ("engine_centipawn_loss", "engine_centipawn_loss_balanced")),
+    ("chess eval: accuracy (engine, Lichess)", "mean move accuracy, %",
+     ("engine_accuracy", "engine_accuracy_balanced")),
+    ("chess eval: best move, blunders (engine)", "share of judged moves",
+     ("engine_best_move_rate", "engine_blunder_rate")),
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
 

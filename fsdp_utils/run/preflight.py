@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp_utils.chess_eval.evaluator import EngineSettings
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
@@ -86,7 +87,22 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
         check_eval_tasks(config, assets.model_dir)
+    if config.chess_eval_every:  # --chess_eval_engine on without an engine: exit 2, how to install
+        EngineSettings.from_config(config)
     return plan, assets
+
+
+def check_chess_engine(config: TrainConfig) -> str | None:
+    """The preflight's line on the chess evaluation's engine judge (None: no chess eval). The
+    engine and the ladder's opponents are started once: the version is printed, and a binary
+    that is not a UCI engine, or a rung it refuses, fails here."""
+    if not config.chess_eval_every:
+        return None
+    settings, note = EngineSettings.from_config(config)
+    if settings is None:
+        return f"chess eval: {note}"
+    version = settings.check()
+    return f"chess eval: {note} ({version})"
 
 
 def check_basics(config: TrainConfig, world_size: int) -> str:
@@ -196,6 +212,9 @@ def preflight(
     storage check comes last: a run that does not fit in memory fails first."""
     plan, assets = check_run(config, world_size)
     lines = [_basics_line(config, plan, assets)]
+    engine = check_chess_engine(config)
+    if engine:
+        lines.append(engine)
     if not config.no_fsdp and gpu_memory != GPU_MEMORY_OFF:
         memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
         if memory is None:

@@ -92,7 +92,7 @@ def resolve_model_source(model: str, cache_dir: str | None = None) -> ModelSourc
         tokenizer_dir = weights_dir
     if not _has_tokenizer(tokenizer_dir):
         raise ValueError(
-            f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): benchmarks "
+            f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): evaluations "
             "write their prompts with the model's own tokenizer. A run's final/ folder and an "
             "exported checkpoint carry theirs; copy it beside the weights."
         )
