@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
     DEFAULT_DATASET_INCLUDE,
@@ -48,7 +49,7 @@ exit status: 0 ok, 1 --verify/--check-offline found problems, 2 bad input, 130 i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="download_models.py",
         description="Cache models and datasets for compute nodes without internet: pinned to "
         "a commit, verified against the Hub's checksums, recorded in a manifest.",
@@ -68,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--dataset-revision", metavar="REV", help="Dataset branch, tag or commit.")
     what.add_argument(
         "--eval_tasks",
-        "--eval-tasks",
         metavar="TASKS",
         help="Comma-separated lm-eval tasks or groups (arc_easy,hellaswag,gsm8k,mmlu,ifeval): "
         "cache the datasets (and NLTK data) they read, for python -m fsdp_utils.evaluate.",

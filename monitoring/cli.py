@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from monitoring.allocation import select_job_gpus
+from monitoring.arguments import ArgumentParser
 from monitoring.collect import (
     Accounting,
     JobEndedError,
@@ -161,7 +162,7 @@ def _from_file(path: Path, options: ReportOptions) -> Report:
             raise ReportError(
                 f"--plot draws GPU samples over time, and {path} is one moment (a {kind}). "
                 "Plot a job (python monitoring/gpu_report.py <jobid> --plot gpu.png), a run "
-                "folder (--run-dir DIR --plot gpu.png) or a sampler <node>.csv."
+                "folder (--run_dir DIR --plot gpu.png) or a sampler <node>.csv."
             )
         plot = _plot(samples, find_legs(samples), options.plot, f"GPU use: {path}", options)
     return Report(None, None, (m,), tuple(notes), bsc_load=tuple(bsc_nodes), plot=plot)
@@ -189,7 +190,7 @@ def load_history(
         others = ", ".join(j or "(outside Slurm)" for j in found.job_ids)
         raise ReportError(
             f"The GPU samples in {found.folder} are from job(s) {others}, not from job "
-            f"{job_id}. Pass the run folder of job {job_id} with --run-dir, or leave --run-dir "
+            f"{job_id}. Pass the run folder of job {job_id} with --run_dir, or leave --run_dir "
             "out to let gpu_report find it."
         )
     chosen = select_job_gpus(found.samples, found.starts, job)
@@ -228,7 +229,7 @@ def _no_plot(job_id: str | None, looked: str) -> ReportError:
         f"Nothing to plot for {what}: no GPU sampler files of it were found (looked in: "
         f"{looked}). --plot draws the sampler files (<run_dir>/gpu_samples/<node>.csv) over "
         f"the job's time; run without --plot for the report alone. {SAMPLER_HINT} If the run "
-        "folder is elsewhere, pass --run-dir <output_dir>."
+        "folder is elsewhere, pass --run_dir <output_dir>."
     )
 
 
@@ -256,7 +257,7 @@ def _live(
 
 
 def _from_run_dir(options: ReportOptions) -> Report:
-    """`--run-dir` without a job id: every sample in the folder, no Slurm needed."""
+    """`--run_dir` without a job id: every sample in the folder, no Slurm needed."""
     history, looked = load_history(None, None, options, "Samples")
     if history is None:
         raise ReportError(f"No GPU sampler files (<node>.csv) in {looked}. " + SAMPLER_HINT)
@@ -281,7 +282,7 @@ def _lookup(job_id: str, options: ReportOptions) -> JobInfo | None:
         raise ReportError(
             f"Job {job_id} is unknown: {unknown}. Check the id with `squeue --me` (queued and "
             "running jobs) or `sacct -X -S now-7days` (finished ones); for an older job pass "
-            "its run folder: --run-dir <output_dir>"
+            "its run folder: --run_dir <output_dir>"
         )
     if job is not None and job.is_pending:
         raise ReportError(
@@ -302,7 +303,7 @@ def _nothing_to_report(job_id: str, job: JobInfo | None, looked: str, note: str 
     state = job.state if job else "unknown state"
     return (
         f"Job {job_id} has ended ({state}) and no GPU samples of it were found (looked in: "
-        f"{looked}). {SAMPLER_HINT} If the run folder is elsewhere, pass --run-dir "
+        f"{looked}). {SAMPLER_HINT} If the run folder is elsewhere, pass --run_dir "
         f"<output_dir>. {note or ''}"
     ).strip()
 
@@ -415,7 +416,7 @@ def _reports_until_the_end(options: ReportOptions, refresh: float) -> Iterator[R
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python monitoring/gpu_report.py",
         description="How well does (or did) a Slurm job use its GPUs? Per node and GPU, a job "
         "summary and advice. Running jobs are measured live (srun --overlap + nvidia-smi, and "
@@ -424,13 +425,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     )
     parser.add_argument("job_id", nargs="?", help="Slurm job id (e.g. 123456 or 123456_7)")
     parser.add_argument(
-        "--run-dir",
+        "--run_dir",
         type=Path,
         help="the run folder (--output_dir of the run) holding gpu_samples/; "
         "default: found from the job's log and working directory",
     )
     parser.add_argument(
-        "--from-file",
+        "--from_file",
         type=Path,
         help="report on a saved output instead: nvidia-smi (table or --query-gpu CSV), "
         "bsc_load, or a sampler <node>.csv",
@@ -447,9 +448,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     parser.add_argument(
         "--plain", action="store_true", help="plain ASCII text (default when not a terminal)"
     )
-    parser.add_argument("--no-bsc-load", action="store_true", help="do not run bsc_load")
+    parser.add_argument("--no_bsc_load", action="store_true", help="do not run bsc_load")
     parser.add_argument(
-        "--timeline-bins", type=int, default=24, help="post-mortem timeline width (24)"
+        "--timeline_bins", type=int, default=24, help="post-mortem timeline width (24)"
     )
     parser.add_argument(
         "--plot",
@@ -462,9 +463,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
         parser.error(f"--plot {args.plot}: name a .png, .pdf or .svg file, e.g. --plot gpu.png")
     if args.job_id is None and args.run_dir is None and args.from_file is None:
-        parser.error("give a job id (or --run-dir / --from-file)")
+        parser.error("give a job id (or --run_dir / --from_file)")
     if args.refresh <= 0 or args.timeline_bins < 0:
-        parser.error("--refresh must be > 0 and --timeline-bins >= 0")
+        parser.error("--refresh must be > 0 and --timeline_bins >= 0")
     try:
         probe = ProbeOptions(samples=args.samples, interval=args.interval)
     except ReportError as error:

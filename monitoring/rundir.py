@@ -1,7 +1,7 @@
 """Finding and reading the sampler files of a job (`<run_dir>/gpu_samples/<node>.csv`).
 
 Where a job's samples are, in the order they are looked for:
-  1. `--run-dir DIR`: `DIR/gpu_samples/`, or `DIR` itself if the CSVs are directly in it.
+  1. `--run_dir DIR`: `DIR/gpu_samples/`, or `DIR` itself if the CSVs are directly in it.
   2. The job's Slurm log: `StdOut`/`StdErr` from `scontrol show job` (known to Slurm for a few
      minutes after the end), else `WorkDir/logs/*<jobid>*` and `WorkDir/*<jobid>*.out`. The run
      folder named in it (slurm/finetune.sh logs `... --output_dir <run_dir> ...`), then the

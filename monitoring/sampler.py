@@ -23,7 +23,6 @@ prints one line and exits 0, so a job on a node without GPUs is never failed by 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import TextIO
 
 from monitoring.allocation import Allocation, allocation_from_env, choose
+from monitoring.arguments import ArgumentParser
 from monitoring.parse import SAMPLER_START
 from monitoring.records import QUERY_APPS_FIELDS, QUERY_GPU_FIELDS
 
@@ -221,7 +221,7 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SamplerConfig:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m monitoring.sampler",
         description="Append nvidia-smi samples of this node's GPUs to <output>/<node>.csv "
         "until SIGTERM/SIGINT (or --count samples).",

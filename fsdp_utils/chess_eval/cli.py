@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
 from fsdp_utils.config.train_config import TrainConfig
 
@@ -43,7 +44,7 @@ EVAL_OPTIONS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.chess_eval",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

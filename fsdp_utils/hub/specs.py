@@ -16,12 +16,12 @@ look up, so fetching from it cannot miss anything the run needs.
 
 from __future__ import annotations
 
-import difflib
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdp_utils.arguments import did_you_mean
 from fsdp_utils.config.parse import config_from_dict, load_config_file
 from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
@@ -174,8 +174,7 @@ def _spec_from_item(item: Any, where: str) -> AssetSpec:
         raise ValueError(f"{where}: expected a mapping such as `- model: org/name`, got {item!r}.")
     for key in item:
         if key not in _ASSET_KEYS:
-            close = difflib.get_close_matches(str(key), _ASSET_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(str(key), _ASSET_KEYS)
             raise ValueError(f"{where}: unknown key {key!r}{hint}; allowed: {list(_ASSET_KEYS)}.")
     kinds = [k for k in ("model", "dataset") if item.get(k)]
     if len(kinds) != 1:
