@@ -29,7 +29,9 @@ from fsdp_utils.hub.specs import (
     AssetSpec,
     default_specs,
     load_assets_file,
+    looks_like_path,
     looks_local,
+    no_such_path,
     split_tasks,
 )
 
@@ -138,6 +140,8 @@ def parse_request(args: argparse.Namespace) -> Request:
     elif args.dataset_include is not None or args.dataset_revision:
         raise ValueError("--dataset-include and --dataset-revision need --dataset.")
     for spec in specs:
+        if looks_like_path(spec.repo_id) and not looks_local(spec.repo_id):
+            raise ValueError(no_such_path(f"--{spec.repo_type}", spec.repo_id))
         if looks_local(spec.repo_id):
             raise ValueError(
                 f"{spec.repo_id} is a local path: there is nothing to download, the trainer "
@@ -255,7 +259,9 @@ def _download_eval_tasks(args: argparse.Namespace, names: list[str], cache_dir: 
     from huggingface_hub import constants
 
     from fsdp_utils.lm_harness.task_cache import download_task_data
+    from fsdp_utils.lm_harness.tasks import require_known_tasks
 
+    require_known_tasks(names)  # a typo first: no download, offline or not, would help
     if constants.HF_HUB_OFFLINE:
         raise ValueError(
             "HF_HUB_OFFLINE is set in this shell, so no task data can be downloaded. On the "

@@ -507,6 +507,37 @@ def test_local_paths_resolve_as_before(tmp_path: Path) -> None:
     assert len(resolve_dataset_files(str(data))) == 2
 
 
+def test_a_missing_path_is_no_such_file_with_the_names_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48: a path that is not there was read as a hub id and answered with a download
+    command for `data/chat.jsonl`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("chats.jsonl", "prefs.jsonl"):
+        (tmp_path / "data" / name).write_text("{}\n")
+    (tmp_path / "runs" / "chat-sft").mkdir(parents=True)
+    cache = str(tmp_path / "hub")
+    for missing, flag, near in (
+        ("data/chat.jsonl", "--dataset", "chats.jsonl"),
+        ("./data/chat.jsonl", "--dataset", "chats.jsonl"),
+        ("dat/chat.jsonl", "--dataset", "data"),  # the first missing part is the folder
+    ):
+        with pytest.raises(MissingAssetError) as error:
+            resolve_dataset_files(missing, cache_dir=cache)
+        text = str(error.value)
+        assert text.startswith(f"{flag} {missing}: no such file or folder"), text
+        assert f"closest names are: {near}" in text and "download_models.py" not in text
+    with pytest.raises(MissingAssetError, match=r"closest names are: chat-sft\b"):
+        resolve_model_dir("runs/chat-sft-m/final", cache_dir=cache)
+    # A hub id (org/name, nothing of it here) is still something to download.
+    with pytest.raises(MissingAssetError, match="python download_models.py --dataset org/d"):
+        resolve_dataset_files("org/d", cache_dir=cache)
+    # ... and the login node's command says the same of the path.
+    assert main(["--dataset", "data/chat.jsonl", "--cache-dir", cache]) == 2
+    assert "no such file or folder. In data/ the closest" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
