@@ -531,7 +531,7 @@ def test_a_missing_path_is_no_such_file_with_the_names_beside_it(
     with pytest.raises(MissingAssetError, match=r"closest names are: chat-sft\b"):
         resolve_model_dir("runs/chat-sft-m/final", cache_dir=cache)
     # A hub id (org/name, nothing of it here) is still something to download.
-    with pytest.raises(MissingAssetError, match="python download_models.py --dataset org/d"):
+    with pytest.raises(MissingAssetError, match=r"python download_models\.py --dataset org/d"):
         resolve_dataset_files("org/d", cache_dir=cache)
     # ... and the login node's command says the same of the path.
     assert main(["--dataset", "data/chat.jsonl", "--cache-dir", cache]) == 2

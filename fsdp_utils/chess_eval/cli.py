@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_utils.arguments import ArgumentParser
+from fsdp_utils.config.model_path import model_path
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
 from fsdp_utils.config.train_config import TrainConfig
 
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="model folder, hub id (offline cache) or LoRA adapter folder")
+    parser.add_argument(
+        "model", help="model folder, hub id (offline cache), run folder or LoRA adapter folder"
+    )
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -115,30 +118,21 @@ def load_model_and_tokenizer(
     cache_dir: str | None,
     attn_implementation: str = "sdpa",
 ) -> tuple[Any, Any, Path]:
-    """(model, tokenizer, folder). A LoRA adapter folder gets its base model from its
-    `adapter_config.json` and is merged into it. The model runs the trainer's attention
-    implementation (`--attn_implementation`, by default the run's)."""
+    """(model, tokenizer, folder). `model` is read as every command reads `--model`
+    (`fsdp_utils.config.model_path`): a run folder is its final model, and a LoRA adapter is
+    merged into its base. The model runs the trainer's attention implementation
+    (`--attn_implementation`, by default the run's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_utils.hub.resolve import resolve_model_dir
     from fsdp_utils.model.attention import transformers_argument
 
-    folder = Path(model).expanduser()
-    adapter = folder / "adapter_config.json"
-    if adapter.is_file():
-        base_name = json.loads(adapter.read_text()).get("base_model_name_or_path")
-        if not base_name:
-            raise ValueError(
-                f"{adapter} names no base_model_name_or_path: the evaluation cannot tell which model the adapter belongs to."
-            )
-        base_dir = resolve_model_dir(str(base_name), None, cache_dir)
-        tokenizer_dir = (
-            Path(tokenizer) if tokenizer else (folder if _has_tokenizer(folder) else base_dir)
-        )
-    else:
-        folder = resolve_model_dir(model, None, cache_dir)
-        base_dir = folder
-        tokenizer_dir = Path(tokenizer) if tokenizer else folder
+    found = model_path(model)  # a run folder's final model; an adapter over its base
+    base_dir = resolve_model_dir(found.model, None, cache_dir)
+    folder = found.adapter or base_dir
+    tokenizer_dir = (
+        Path(tokenizer) if tokenizer else (folder if _has_tokenizer(folder) else base_dir)
+    )
     if not _has_tokenizer(tokenizer_dir):
         raise ValueError(
             f"The model folder {tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): "
@@ -154,7 +148,7 @@ def load_model_and_tokenizer(
     lm = AutoModelForCausalLM.from_pretrained(
         base_dir, dtype="auto", attn_implementation=transformers_argument(attn_implementation)
     )
-    if adapter.is_file():
+    if found.adapter is not None:
         from peft import PeftModel
 
         lm = PeftModel.from_pretrained(lm, folder).merge_and_unload()
@@ -173,8 +167,8 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
             "python -m fsdp_utils.chess_eval runs as one process (it loads the whole model); "
             "to evaluate under torchrun with FSDP, train with --chess_eval_every N."
         )
-    model_path = Path(args.model).expanduser()
-    config, source = resolve_config(args, model_path)
+    found = model_path(args.model)
+    config, source = resolve_config(args, found.adapter or Path(found.model).expanduser())
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA device is visible.")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

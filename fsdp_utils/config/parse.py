@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fsdp_utils.arguments import ArgumentParser, did_you_mean
+from fsdp_utils.config.model_path import with_model_path
 from fsdp_utils.config.train_config import SECTIONS, TrainConfig, validate_config
 
 # --- command line and config files ---------------------------------------------------------
@@ -148,7 +149,7 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
             f"{source}: num_epochs and max_training_steps both say how long to train; the "
             "steps of --num_epochs follow from the prepared data. Give one of them."
         )
-    config = TrainConfig(**checked)
+    config = with_model_path(TrainConfig(**checked))
     validate_config(config)
     return config
 

@@ -25,6 +25,7 @@ from .reference import (
     LiveReference,
     Reference,
     Released,
+    StartingAdapter,
     cache_folder,
     compute_reference_cache,
     is_cached,
@@ -60,7 +61,12 @@ class DPO(Method):
 
     def describe(self) -> str:
         c = self.config
-        if c.lora:
+        if c.reference_adapter:
+            reference = (
+                f"the starting adapter {c.lora_from}, a frozen copy beside the trained one "
+                "(the model fine-tuned before DPO; TRL's ref_adapter_name)"
+            )
+        elif c.lora:
             reference = "the model with its LoRA adapters off (no second model)"
         elif c.reference == "live":
             reference = "a frozen sharded copy of the starting model (--reference live)"
@@ -108,7 +114,9 @@ class DPO(Method):
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
         forward = self._forward(parts)
         reference: Reference
-        if self.config.lora:
+        if self.config.reference_adapter:
+            reference = StartingAdapter(model, forward)
+        elif self.config.lora:
             reference = AdaptersOff(model, forward)
         elif self.needs_frozen_copy(self.config):
             self.live = parts.frozen_copy()

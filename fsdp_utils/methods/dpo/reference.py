@@ -3,6 +3,9 @@ wrong device or a table read by rank:
 
 - `AdaptersOff` (--lora): the trained model itself with its LoRA adapters switched off, under
   no_grad: the base model, with no second copy in memory;
+- `StartingAdapter` (--lora --lora_from ADAPTER, a LoRA fine-tune continued): the model with
+  a frozen copy of the starting adapter active instead of the trained one (TRL's
+  `ref_adapter_name`): the model the user fine-tuned, for the adapter's few megabytes;
 - `CachedReference` (the default otherwise): computed once before training, sharded with FSDP2
   like the training forward (`compute_reference_cache`), and written beside the prepared data
   under a key of the model's files, the prepared data and the settings that change the numbers
@@ -35,6 +38,7 @@ from torch import nn
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
+from fsdp_utils.model.lora import reference_adapter_active
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import no_grad_pass
@@ -98,6 +102,16 @@ class AdaptersOff:
 
     def logps(self, batch: Batch) -> torch.Tensor:
         with adapters_disabled(self.model):
+            return self.forward.logps(self.model, batch)
+
+
+@dataclass
+class StartingAdapter:
+    model: nn.Module  # carrying the frozen reference adapter (`TrainConfig.reference_adapter`)
+    forward: ForwardSettings
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        with reference_adapter_active(self.model):
             return self.forward.logps(self.model, batch)
 
 
