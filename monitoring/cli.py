@@ -177,6 +177,7 @@ class History:
     legs: list[Leg]
     errors: list[NodeError]
     warnings: tuple[str, ...]  # doubts about which GPUs were the job's
+    replay: str | None = None  # a note: the samples replay recorded output, no measurement
 
 
 def load_history(
@@ -186,6 +187,8 @@ def load_history(
     found, looked = find_samples(job_id, job, options.run_dir)
     if found is None:
         return None, describe(looked)
+    if not found.samples and not found.job_ids:  # no CSV: the sampler's record says why
+        raise ReportError(_sampler_said(job_id, found.folder, found.errors))
     if not found.samples:
         others = ", ".join(j or "(outside Slurm)" for j in found.job_ids)
         raise ReportError(
@@ -196,6 +199,15 @@ def load_history(
     chosen = select_job_gpus(found.samples, found.starts, job)
     legs = find_legs(chosen.samples, found.starts)
     source = f"sampler files in {found.folder}"
+    replays = "; ".join(sorted({start.replay for start in found.starts if start.replay}))
+    replay = None
+    if replays:  # a stand-in's rows: say so wherever the numbers are shown
+        source = f"REPLAY, not measured: {replays} (from the {source})"
+        replay = (
+            f"These GPU numbers are a replay of recorded nvidia-smi output ({replays}), not a "
+            "measurement of this job: the nodes had a stand-in for nvidia-smi on PATH (the "
+            "local Slurm's, slurm/local/bin/). They show what the report looks like."
+        )
     m = measure(
         title,
         source,
@@ -205,7 +217,22 @@ def load_history(
         legs=legs,
         gpu_selection=chosen.rules,
     )
-    return History(m, chosen.samples, legs, list(found.errors), chosen.warnings), describe(looked)
+    history = History(m, chosen.samples, legs, list(found.errors), chosen.warnings, replay)
+    return history, describe(looked)
+
+
+def _sampler_said(job_id: str | None, folder: Path, said: Sequence[NodeError]) -> str:
+    what = f"job {job_id}" if job_id else str(folder.parent)
+    lines = "; ".join(dict.fromkeys(f"on {e.host}: {e.message}" for e in said))
+    fix = ""
+    if any("nvidia-smi not found" in e.message for e in said):
+        fix = (
+            " nvidia-smi must be on PATH on the compute nodes (the job inherits your PATH: load "
+            "your site's CUDA or driver module in the job's setup). On the local Slurm, which "
+            "has no GPUs, `source slurm/local/env.sh` puts a replay of recorded nvidia-smi "
+            "output on PATH for the jobs you submit (docs/local-slurm.md)."
+        )
+    return f"No GPU samples of {what}: the GPU sampler recorded in {folder}: {lines}.{fix}"
 
 
 def _plot(
@@ -263,6 +290,7 @@ def _from_run_dir(options: ReportOptions) -> Report:
         raise ReportError(f"No GPU sampler files (<node>.csv) in {looked}. " + SAMPLER_HINT)
     m = history.measurement
     notes = make_notes(m.gpus, m.summary, None, history.errors, options.thresholds)
+    notes += [Note("warning", history.replay)] if history.replay else []
     plot = None
     if options.plot is not None:
         title = f"GPU use: {options.run_dir}"
@@ -353,6 +381,7 @@ def build_report(options: ReportOptions) -> Report:
     else:
         notes = make_notes(basis.gpus, basis.summary, job, errors, options.thresholds)
     notes += [Note("warning", text) for text in (history.warnings if history else ())]
+    notes += [Note("warning", history.replay)] if history and history.replay else []
     plot = None
     if history is not None and options.plot is not None:
         name = f" ({job.name})" if job is not None and job.name else ""

@@ -649,6 +649,9 @@ def parse_sample_csv(text: str, host: str = "?") -> tuple[list[GpuSample], list[
 
 # `<node>.log` lines are `time<TAB>job_id<TAB>message`; a sampler's start is `sampler start {json}`.
 SAMPLER_START = "sampler start "
+# The first line a stand-in for nvidia-smi prints to say its rows are recorded output replayed,
+# not this machine's GPUs (slurm/local/bin/nvidia-smi on the local Slurm, which has none).
+REPLAY_PREFIX = "REPLAY: "
 
 
 def parse_sampler_log(text: str, host: str) -> list[tuple[str, NodeError | SamplerStart]]:
@@ -674,6 +677,7 @@ def parse_sampler_log(text: str, host: str) -> list[tuple[str, NodeError | Sampl
                             gpus=tuple(gpus) if gpus is not None else None,
                             node_gpus=record.get("node_gpus"),
                             rule=str(record.get("rule", "")),
+                            replay=record.get("replay"),
                         ),
                     )
                 )

@@ -61,6 +61,9 @@ class SamplerStart:
     gpus: tuple[int, ...] | None
     node_gpus: int | None  # how many GPUs nvidia-smi listed on the node
     rule: str
+    # Set when the nvidia-smi it ran said it replays recorded output (`REPLAY_PREFIX`): what
+    # it replays. The samples are then no measurement of this job.
+    replay: str | None = None
 
 
 @dataclass(frozen=True)

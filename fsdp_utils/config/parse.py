@@ -149,7 +149,7 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
             f"{source}: num_epochs and max_training_steps both say how long to train; the "
             "steps of --num_epochs follow from the prepared data. Give one of them."
         )
-    config = with_model_path(TrainConfig(**checked))
+    config = TrainConfig(**checked)
     validate_config(config)
     return config
 
@@ -160,6 +160,8 @@ def parse_config(
     """Parse the command line (and `--config FILE`) into a validated TrainConfig.
 
     Returns the config and the namespace (for CLI-only switches such as --print_config).
+    `--model` is read as every command reads it (`fsdp_utils.config.model_path`): a run
+    folder becomes its final model, an adapter folder its base with the adapter continued.
     """
     parser = parser or build_parser()
     args = parser.parse_args(argv)
@@ -168,7 +170,8 @@ def parse_config(
         values.update(load_config_file(args.config))
     field_names = {f.name for f in dataclasses.fields(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
-    return config_from_dict(values, source="the command line and config file"), args
+    config = config_from_dict(values, source="the command line and config file")
+    return with_model_path(config), args
 
 
 # The section of a command's own options in `--help`, before the config's sections.

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from fsdp_utils.arguments import closest, did_you_mean
+from fsdp_utils.config.model_path import with_model_path
 from fsdp_utils.config.parse import config_from_dict, load_config_file
 from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
@@ -182,8 +183,8 @@ class AssetsFile:
 def load_assets_file(path: str | Path) -> AssetsFile:
     """Assets and cache folder from an assets file or a training config file."""
     data = load_config_file(path)
-    if "assets" not in data:
-        config = config_from_dict(data, source=str(path))
+    if "assets" not in data:  # a training config: what its run will look up
+        config = with_model_path(config_from_dict(data, source=str(path)))
         tasks = split_tasks(config.eval_tasks)
         return AssetsFile(specs_from_train_config(config), config.cache_dir, config, tasks)
     unknown = sorted(set(data) - {"assets", "cache_dir", "eval_tasks"})
