@@ -507,6 +507,21 @@ def test_local_paths_resolve_as_before(tmp_path: Path) -> None:
     assert len(resolve_dataset_files(str(data))) == 2
 
 
+def test_the_log_says_local_files_are_the_ones_given(tmp_path: Path) -> None:
+    """Issue 48: a local file was described as one `download_models.py fetched`."""
+    from fsdp_utils.hub.resolve import describe_dataset_files
+
+    (tmp_path / "chat.jsonl").write_text("{}\n")
+    one = str(tmp_path / "chat.jsonl")
+    assert describe_dataset_files(resolve_dataset_files(one), None, one) == (
+        "1 file(s) (the file(s) given): chat.jsonl"
+    )
+    folder = str(tmp_path)
+    assert "(every data file of the folder(s) given; --dataset_include to choose)" in (
+        describe_dataset_files(resolve_dataset_files(folder), None, folder)
+    )
+
+
 def test_a_missing_path_is_no_such_file_with_the_names_beside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -202,6 +202,15 @@ def test_plan_that_does_not_fit_lists_fixes_that_fit_first():
     assert "--gradient_checkpointing" in fitting and "--optimizer sgd" in rest
 
 
+def test_the_header_counts_a_tiny_models_parameters_in_millions():
+    """Issue 48: a 0.13M model was headed `0.00B parameters`."""
+    import dataclasses
+
+    tiny = dataclasses.replace(_plan(80), model=ModelInfo("llama", 131_584, 98_816, 2, "L"))
+    assert "(llama, 0.13M parameters, 2 x L)" in format_plan(tiny)
+    assert "(llama, 3.22B parameters, 32 x LlamaDecoderLayer)" in format_plan(_plan(80))
+
+
 def test_layer_counts_for_extrapolation():
     from fsdp_utils.plan.extrapolate import layer_counts
 

@@ -38,7 +38,7 @@ def test_a_local_jobs_gpu_report_is_a_replay_named_as_such(
     env = {
         **shell,
         "PATH": sourced.stdout,
-        "SETUP": f"source {REPO / '.venv' / 'bin' / 'activate'}",
+        "SETUP": f"source {Path(sys.executable).parent / 'activate'}",  # this venv
         "MODEL": str(tiny_assets["model"]),
         "DATASET": str(tiny_assets["data"]),
         "OUTPUT_DIR": str(run_dir),

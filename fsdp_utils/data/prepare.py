@@ -221,7 +221,9 @@ def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSo
         log(f"data: {config.dataset_module}: {len(module.dataset):,} rows")
         return DataSource([], module, list(module.dataset.column_names))
     files = list(assets.dataset_files)
-    log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
+    log(
+        f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include, config.dataset)}"
+    )
     return DataSource(files, None, peek_columns(files))
 
 

@@ -138,9 +138,15 @@ def resolve_dataset_files(
     return files
 
 
-def describe_dataset_files(files: list[Path], include: str | None) -> str:
+def describe_dataset_files(files: list[Path], include: str | None, dataset: str) -> str:
     """Which data files a run uses and why, for its log: 'N file(s) (...): a, b, ... z'."""
-    if include is None:
+    names = [name.strip() for name in dataset.split(",") if name.strip()]
+    local = all(looks_local(name) for name in names)
+    if include is None and local and all(Path(n).expanduser().is_file() for n in names):
+        why = "the file(s) given"
+    elif include is None and local:
+        why = "every data file of the folder(s) given; --dataset_include to choose"
+    elif include is None:
         why = "those download_models.py fetched; --dataset_include to choose"
     elif include == "":
         why = "all data files: --dataset_include ''"
