@@ -42,7 +42,8 @@ def route(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # The newcomer's settings: eval_examples and the rest at their defaults.
         return argv
 
-    dpo = {"method": "dpo", "dataset": prefs, "lora": True, "lora_dropout": 0}
+    # --lora_dropout at its default (0.05): DPO turns dropout off, as TRL does.
+    dpo = {"method": "dpo", "dataset": prefs, "lora": True}
     runs = {
         # Enough steps at a high rate that the adapter moves the model away from its base.
         "sft": args(sft, lora=True, max_training_steps=4, learning_rate=3e-2),

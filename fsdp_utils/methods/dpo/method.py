@@ -33,6 +33,16 @@ from .reference import (
 from .step import PreferenceStep, build_preference_step, evaluate_pairs
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout of the model set to 0 (LoRA's --lora_dropout included), as TRL's DPOTrainer
+    does by default (`DPOConfig.disable_dropout`, `trl.trainer.utils.disable_dropout_in_model`):
+    the reference runs without dropout (eval mode), so a policy with it would not start at the
+    reference, and the first loss would not be ln 2."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
 class DPO(Method):
     """The reference and the DPO step of a run, set up collectively (every rank the same)."""
 
@@ -75,7 +85,8 @@ class DPO(Method):
         return (
             f"dpo: loss {c.dpo_loss}, beta {c.dpo_beta:g}"
             + (f", label smoothing {c.dpo_label_smoothing:g}" if c.dpo_label_smoothing else "")
-            + f"; batch sizes count pairs (2 sequences each); reference: {reference}"
+            + f"; batch sizes count pairs (2 sequences each); reference: {reference}; dropout "
+            "off (TRL's disable_dropout: the policy starts where the reference is)"
         )
 
     def needs_starting_weights(self) -> bool:
@@ -112,6 +123,7 @@ class DPO(Method):
         )
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
+        disable_dropout(model)
         forward = self._forward(parts)
         reference: Reference
         if self.config.reference_adapter:
