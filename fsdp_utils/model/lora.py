@@ -360,7 +360,7 @@ def reference_adapter_active(model: nn.Module) -> Iterator[None]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers and all(REFERENCE_ADAPTER in m.lora_A for m in layers), "no reference adapter"
+    assert layers and all(REFERENCE_ADAPTER in cast(Any, m).lora_A for m in layers), "no reference"
     before = [layer._active_adapter for layer in layers]
     for layer in layers:
         layer._active_adapter = REFERENCE_ADAPTER
