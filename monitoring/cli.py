@@ -275,6 +275,8 @@ def _live(
         source = (
             f"{p.samples} nvidia-smi samples {p.interval:g} s apart on each node (srun --overlap)"
         )
+        if probe.replay:
+            source = f"REPLAY, not measured: {probe.replay} (from {source})"
         m = measure("Live", source, samples, job, probe.processes, gpu_selection=chosen.rules)
         return m, errors, bsc_nodes
     if bsc_nodes:

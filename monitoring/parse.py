@@ -700,6 +700,7 @@ def parse_probe_output(text: str) -> Probe:
     processes: list[GpuProcess] = []
     errors: list[NodeError] = []
     hosts: list[str] = []
+    replays: list[str] = []
     for raw in text.splitlines():
         line = _SRUN_LABEL.sub("", raw, count=1).strip()
         if not line:
@@ -714,6 +715,8 @@ def parse_probe_output(text: str) -> Probe:
             hosts.append(host)
         body = "\n".join(record.get("lines", []))
         kind = record.get("kind")
+        if record.get("replay") and record["replay"] not in replays:
+            replays.append(str(record["replay"]))
         if kind == "gpu":
             found, bad = parse_query_gpu(body, host, QUERY_GPU_FIELDS, record.get("time"))
             samples.extend(found)
@@ -726,4 +729,5 @@ def parse_probe_output(text: str) -> Probe:
             errors.extend(bad)
         elif kind in ("missing", "error"):
             errors.append(NodeError(host, str(record.get("message", kind))))
-    return Probe(tuple(samples), tuple(processes), tuple(errors), tuple(hosts))
+    replay = "; ".join(replays) or None
+    return Probe(tuple(samples), tuple(processes), tuple(errors), tuple(hosts), replay)

@@ -92,6 +92,7 @@ class Probe:
     processes: tuple[GpuProcess, ...] = ()
     errors: tuple[NodeError, ...] = ()
     hosts: tuple[str, ...] = ()  # nodes that answered at all
+    replay: str | None = None  # what a stand-in for nvidia-smi said it replays (no measurement)
 
 
 @dataclass(frozen=True)

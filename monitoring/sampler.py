@@ -222,6 +222,7 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
                     "job_id": job_id,
                     "returncode": result.returncode,
                     "lines": lines,
+                    **({"replay": split.replay} if split.replay else {}),
                 },
             )
         if config.count is not None and taken >= config.count:
@@ -232,7 +233,12 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
         apps = run_query(config.nvidia_smi, "compute-apps", QUERY_APPS_FIELDS, config.timeout)
         _emit(
             out,
-            {"host": host, "kind": "apps", "returncode": apps.returncode, "lines": apps.lines},
+            {
+                "host": host,
+                "kind": "apps",
+                "returncode": apps.returncode,
+                "lines": [line for line in apps.lines if not line.startswith(REPLAY_PREFIX)],
+            },
         )
     return 0
 

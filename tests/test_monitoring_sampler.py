@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from monitoring.cli import ReportOptions, load_history
-from monitoring.parse import parse_sample_csv, parse_sampler_log, parse_scontrol_job
+from monitoring.parse import (
+    parse_probe_output,
+    parse_sample_csv,
+    parse_sampler_log,
+    parse_scontrol_job,
+)
 from monitoring.records import QUERY_GPU_FIELDS, JobInfo, SamplerStart
 from monitoring.report import Report, make_console, render
 from monitoring.rundir import find_samples
@@ -339,6 +344,9 @@ def test_the_local_replay_is_recorded_and_named_a_replay_in_the_report(tmp_path:
     text = json.dumps(document)
     assert "REPLAY, not measured: recorded nvidia-smi output of 8 x H200" in text
     assert "are a replay of recorded nvidia-smi output" in text
+    # The live probe (a running job's srun step) carries it too, and no row is lost to it.
+    probe = parse_probe_output(sampler("--output", "-", "--count", "1", env=env).stdout)
+    assert probe.replay == start.replay and len(probe.samples) == 8 and not probe.errors
     # With a real nvidia-smi on PATH, env.sh leaves it first.
     real = subprocess.run(
         ["bash", "-c", shell], cwd=REPO, env=env_with_fake(), capture_output=True, text=True,

@@ -10,8 +10,8 @@ command that takes a model (`chess_finetune.py` and its `--plan`, `python -m fsd
   adapter over it.
 
 A training run continues the adapter of an adapter folder (`--model ADAPTER --lora` is
-`--model BASE --lora --lora_from ADAPTER`; `normalize` rewrites the config so, and config.json
-records it); without `--lora` there is no adapter to train, and the message says how to get a
+`--model BASE --lora --lora_from ADAPTER`; `with_model_path` rewrites the config so, and
+config.json records it); without `--lora` there is no adapter to train, and the message says how to get a
 full model to fine-tune instead.
 """
 
@@ -36,16 +36,6 @@ class ModelPath:
     model: str
     adapter: Path | None = None
     run_dir: Path | None = None
-
-    def describe(self) -> str | None:
-        """A line for the log when `--model` named more than a model."""
-        parts = []
-        if self.run_dir is not None:
-            final = self.adapter if self.adapter is not None else Path(self.model)
-            parts.append(f"the final model of run {self.run_dir}: {final}")
-        if self.adapter is not None:
-            parts.append(f"a LoRA adapter over {self.model}")
-        return f"--model {self.requested}: {', '.join(parts)}" if parts else None
 
 
 def is_run_folder(path: Path) -> bool:

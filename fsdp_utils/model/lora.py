@@ -353,22 +353,34 @@ def _add_reference_adapter(model: nn.Module, lora_config: Any) -> None:
 
 
 @contextlib.contextmanager
-def reference_adapter_active(model: nn.Module) -> Iterator[None]:
-    """The model computing with its frozen reference adapter instead of the trained one (TRL's
-    `set_adapter(ref_adapter_name)`). The active name is set directly: peft's `set_adapter`
-    would also flip requires_grad, which FSDP2 tracks on its sharded parameters."""
+def _tuner_layers_with(model: nn.Module, attribute: str, value: Any) -> Iterator[None]:
+    """Every peft tuner layer's `attribute` set to `value` inside the block, then restored. Set
+    directly: peft's own setters (`set_adapter`, `enable_adapters`) also flip the adapters'
+    requires_grad, which FSDP2 tracks on its sharded parameters."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers and all(REFERENCE_ADAPTER in cast(Any, m).lora_A for m in layers), "no reference"
-    before = [layer._active_adapter for layer in layers]
+    assert layers, "LoRA but no adapter in the model"
+    before = [getattr(layer, attribute) for layer in layers]
     for layer in layers:
-        layer._active_adapter = REFERENCE_ADAPTER
+        setattr(layer, attribute, value)
     try:
         yield
     finally:
         for layer, was in zip(layers, before, strict=True):
-            layer._active_adapter = was
+            setattr(layer, attribute, was)
+
+
+def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
+    a PeftModel: ours injects the adapters into the transformers model): the base model."""
+    return _tuner_layers_with(model, "_disable_adapters", True)
+
+
+def reference_adapter_active(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model computing with its frozen reference adapter instead of the trained one (TRL's
+    `set_adapter(ref_adapter_name)`)."""
+    return _tuner_layers_with(model, "_active_adapter", REFERENCE_ADAPTER)
 
 
 def _adapter_mismatch(settings: LoraSettings, targets: list[str]) -> None:
