@@ -37,13 +37,12 @@ def route(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sft = root / "sft"
 
     def args(out: Path, **options: Any) -> list[str]:
-        flags = {"dataset_include": None, "eval_batches": 2, "max_training_steps": 2, **options}
-        argv = tiny_args(assets, out, root / "data_cache", **flags)
-        # The newcomer's settings: eval_examples and the rest at their defaults.
-        return argv
+        # tiny_args' short fp32 settings; --eval_examples (and the rest) at their defaults.
+        flags = {"dataset_include": None, "eval_batches": 2, **options}
+        return tiny_args(assets, out, root / "data_cache", **flags)
 
     # --lora_dropout at its default (0.05): DPO turns dropout off, as TRL does.
-    dpo = {"method": "dpo", "dataset": prefs, "lora": True}
+    dpo = {"method": "dpo", "dataset": prefs, "lora": True, "max_training_steps": 1}
     runs = {
         # Enough steps at a high rate that the adapter moves the model away from its base.
         "sft": args(sft, lora=True, max_training_steps=4, learning_rate=3e-2),
