@@ -204,9 +204,9 @@ def load_history(
     if replays:  # a stand-in's rows: say so wherever the numbers are shown
         source = f"REPLAY, not measured: {replays} (from the {source})"
         replay = (
-            f"These GPU numbers are a replay of recorded nvidia-smi output ({replays}), not a "
-            "measurement of this job: the nodes had a stand-in for nvidia-smi on PATH (the "
-            "local Slurm's, slurm/local/bin/). They show what the report looks like."
+            f"These GPU numbers are a replay, not a measurement of this job: {replays}. The "
+            "nodes had a stand-in for nvidia-smi on PATH (the local Slurm's, slurm/local/bin/); "
+            "the numbers show what the report looks like."
         )
     m = measure(
         title,

@@ -343,7 +343,7 @@ def test_the_local_replay_is_recorded_and_named_a_replay_in_the_report(tmp_path:
     document = json.loads(report.stdout)
     text = json.dumps(document)
     assert "REPLAY, not measured: recorded nvidia-smi output of 8 x H200" in text
-    assert "are a replay of recorded nvidia-smi output" in text
+    assert "These GPU numbers are a replay, not a measurement of this job" in text
     # The live probe (a running job's srun step) carries it too, and no row is lost to it.
     probe = parse_probe_output(sampler("--output", "-", "--count", "1", env=env).stdout)
     assert probe.replay == start.replay and len(probe.samples) == 8 and not probe.errors

@@ -66,6 +66,7 @@ def test_a_local_jobs_gpu_report_is_a_replay_named_as_such(
     flat = " ".join(report.stdout.split())
     assert f"sampler files in {run_dir / 'gpu_samples'}" in flat, flat
     assert "REPLAY, not measured: recorded nvidia-smi output of 8 x H200" in flat
-    assert "are a replay of recorded nvidia-smi output" in flat
-    # The job's 2 GPUs of the recording (CUDA_VISIBLE_DEVICES=0,1), not all 8.
-    assert "2 GPU" in flat or "GPUs 0, 1" in flat or "0,1" in flat, flat
+    assert "These GPU numbers are a replay, not a measurement of this job" in flat
+    # The job's 2 GPUs of the recording (Slurm gave it GPUs 0 and 1), not all 8.
+    assert "Job summary: 2 GPUs measured" in flat
+    assert "GPUs 0,1 of the 8 GPUs nvidia-smi lists (SLURM_STEP_GPUS=0,1)" in flat
