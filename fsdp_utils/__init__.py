@@ -25,8 +25,9 @@ checks it: see `.importlinter`):
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
 `export`, `plot` and `evaluate` (`python -m fsdp_utils.export|plot|evaluate`); `synthetic` builds the tiny models,
 tokenizers and datasets of the demo and the tests. Under every stage: `versions` (each command
-starts by checking the installed dependencies against pyproject.toml's ranges), `error_report`
-(a user mistake's one paragraph) and `atomic` (files written whole or not at all).
+starts by checking the installed dependencies against pyproject.toml's ranges), `arguments`
+(every command's parser: the closest flag for a misspelt one, dashes or underscores),
+`error_report` (a user mistake's one paragraph) and `atomic` (files written whole or not at all).
 """
 
 import logging

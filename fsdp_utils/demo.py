@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "vocab_size": 512}
 # Made by `python -m fsdp_utils.chess_eval.selfplay --games 1500 --seed 0 --depth 1
@@ -117,7 +119,7 @@ def training_command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
 from fsdp_utils.config.train_config import TrainConfig
@@ -60,12 +61,14 @@ EVAL_OPTIONS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.chess_eval",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="model folder, hub id (offline cache) or LoRA adapter folder")
+    parser.add_argument(
+        "model", help="model folder, hub id (offline cache), run folder or LoRA adapter folder"
+    )
     parser.add_argument(
         "--config",
         metavar="FILE",

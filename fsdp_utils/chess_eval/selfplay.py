@@ -30,6 +30,7 @@ from typing import Any
 import chess
 import chess.engine
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.chess_eval.judge import (
     EngineFailed,
     close_engine,
@@ -108,7 +109,7 @@ def self_play(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.chess_eval.selfplay",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -45,7 +45,7 @@ from .options.checkpoints import CheckpointOptions, ExportDtype
 from .options.data import DEFAULT_TEMPLATE, DataOptions
 from .options.evaluation import EvaluationOptions
 from .options.lora import LoraOptions
-from .options.method import MethodOptions
+from .options.method import REFERENCE_METHODS, MethodOptions
 from .options.metrics import MetricsOptions
 from .options.optimizer import OptimizerOptions
 from .options.parallelism import AttnImplementation, ParallelismOptions, Precision, Sharding
@@ -98,6 +98,14 @@ class TrainConfig(
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def reference_adapter(self) -> bool:
+        """A reference method continuing an adapter (`--method dpo --lora --lora_from A`): the
+        model carries a frozen copy of A beside the trained adapter (`fsdp_utils.model.lora`),
+        and the reference is the model with that copy active: the model the user fine-tuned,
+        not the base with the adapters off."""
+        return self.method in REFERENCE_METHODS and self.lora and self.lora_from is not None
 
 
 def validate_config(config: TrainConfig) -> None:

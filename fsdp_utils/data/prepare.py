@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_utils.config.options.evaluation import DEFAULT_EVAL_EXAMPLES
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, chat_template, check_end_of_turn
@@ -220,7 +221,9 @@ def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSo
         log(f"data: {config.dataset_module}: {len(module.dataset):,} rows")
         return DataSource([], module, list(module.dataset.column_names))
     files = list(assets.dataset_files)
-    log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
+    log(
+        f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include, config.dataset)}"
+    )
     return DataSource(files, None, peek_columns(files))
 
 
@@ -413,17 +416,33 @@ def split_rows(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
         order = order.astype(np.int32)
     if config.max_examples is not None:
         order = order[: min(config.max_examples, num_rows)]
-    n_eval = min(config.eval_examples, max(len(order) - 1, 0))
+    n_eval = eval_count(config, len(order))
     return {"eval": order[:n_eval], "train": order[n_eval:]}
 
 
-def _training_split(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
+def eval_count(config: TrainConfig, rows: int) -> int:
+    """The rows held out of `rows`: --eval_examples (all but one at most), or, for the default
+    on a set too small for it (more held out than left to train on), a tenth of the set."""
+    wanted = min(config.eval_examples, max(rows - 1, 0))
+    if config.eval_examples == DEFAULT_EVAL_EXAMPLES and wanted > rows - wanted:
+        return rows // 10
+    return wanted
+
+
+def _training_split(config: TrainConfig, num_rows: int, log: Any) -> dict[str, np.ndarray]:
     """`split_rows` for a training run, which must keep at least as much to train on as it
     evaluates. The default (200) suits the chess games and most published sets; on a small set
-    it would leave a handful of rows to train on, and the run would fail later with a message
-    about blocks. (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
+    it is scaled to a tenth (said in the log); a value given that holds out more than it
+    leaves would have the run fail later with a message about blocks, so it is refused here.
+    (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
     splits = split_rows(config, num_rows)
     n_eval, n_train = len(splits["eval"]), len(splits["train"])
+    if config.eval_examples == DEFAULT_EVAL_EXAMPLES and n_eval < DEFAULT_EVAL_EXAMPLES:
+        log(
+            f"data: holding out {n_eval:,} of {n_eval + n_train:,} documents for evaluation: "
+            f"a tenth, as the default {DEFAULT_EVAL_EXAMPLES} would leave fewer to train on "
+            "(--eval_examples N to choose)"
+        )
     if n_eval > n_train:
         raise ValueError(
             f"--eval_examples {config.eval_examples} would hold out {n_eval:,} of the "
@@ -527,7 +546,7 @@ def _build(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     num_rows = _count_rows(source)
-    splits = _training_split(config, num_rows)
+    splits = _training_split(config, num_rows, log)
     chess = choice.name == "chess"
     work = _EncodeDocuments(tokenizer, eos, config.template if chess else None, config.text_field)
     columns = list(CHESS_COLUMNS) if chess else [config.text_field]
@@ -650,7 +669,7 @@ def _build_rows(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     stats.update({"eos_token_id": eos, "pad_token_id": pad})
-    splits = _training_split(config, num_rows)
+    splits = _training_split(config, num_rows, log)
 
     def numbered(batches: Iterator[Batch]) -> Iterator[Batch]:
         start = 0

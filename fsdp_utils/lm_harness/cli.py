@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_utils.arguments import ArgumentParser
+
 if TYPE_CHECKING:
     from fsdp_utils.lm_harness.scoring import Scoring
 
@@ -40,7 +42,7 @@ RESULTS_FOLDER = "lm_eval"  # inside a run folder
 def build_parser() -> argparse.ArgumentParser:
     from fsdp_utils.lm_harness.scoring import add_scoring_arguments
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m fsdp_utils.evaluate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -16,7 +16,6 @@ the legend: run folders given one by one, or `--sweep DIR` for every run folder 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.metrics.figure import save_png_and_csv
 from fsdp_utils.metrics.logger import latest_history, read_metrics, scalar_fields
@@ -389,7 +389,7 @@ def load_runs(run_dirs: Sequence[Path], sweep: Path | None) -> list[RunCurves]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.plot",
         description="Plot runs' metrics against the optimizer step into a PNG (and the drawn "
         "numbers into a CSV beside it). No display needed.",

@@ -206,6 +206,11 @@ class MemoryPlan:
         return json.dumps(self.to_dict(), indent=2)
 
 
+def _count(parameters: int) -> str:
+    """6.74B, 0.13M: a tiny model's count is not 0.00B."""
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+
+
 def _gib(size: int) -> str:
     return f"{size / GIB:8.2f} GiB"
 
@@ -264,7 +269,7 @@ def format_plan(plan: MemoryPlan) -> str:
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
     lines = [
-        f"Memory plan: {plan.config.model} ({m.model_type}, {m.parameters / 1e9:.2f}B parameters, "
+        f"Memory plan: {plan.config.model} ({m.model_type}, {_count(m.parameters)} parameters, "
         f"{m.decoder_layers} x {m.decoder_layer_class})",
         f"  {describe_setup(plan.config, plan.cluster)}",
         f"  batch: {b.batch_size_per_device} per device x {_ranks(b)} x "

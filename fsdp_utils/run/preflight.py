@@ -114,7 +114,9 @@ def _basics_line(config: TrainConfig, plan: BatchPlan, assets: ResolvedAssets) -
     if config.dataset_module is not None:  # its rows come when the data is prepared
         data = f"rows from --dataset_module {config.dataset_module}"
     else:
-        data = describe_dataset_files(list(assets.dataset_files), config.dataset_include)
+        data = describe_dataset_files(
+            list(assets.dataset_files), config.dataset_include, config.dataset
+        )
     return f"preflight OK: {plan.describe()}; model {assets.model_dir}; data {data}"
 
 

@@ -24,6 +24,10 @@ ReferenceMode = Literal["cached", "live"]
 # count pairs (fsdp_utils/config/batch.py). It is said here, not by the methods package, because
 # those stages sit below it (`python -m fsdp_utils.data` prepares a run's data without it).
 PAIRED_METHODS = frozenset({"dpo"})
+# The methods that score the policy against a reference model: continuing a LoRA adapter
+# (--lora --lora_from), their reference is a frozen copy of it (`TrainConfig.reference_adapter`,
+# which the model stage builds), as TRL's DPOTrainer takes `ref_adapter_name`.
+REFERENCE_METHODS = frozenset({"dpo"})
 
 
 @dataclass
