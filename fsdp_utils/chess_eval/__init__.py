@@ -36,14 +36,19 @@ Standalone: `python -m fsdp_utils.chess_eval MODEL`; during training: `--chess_e
 """
 
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, Example, format_table, log_record
-from fsdp_utils.chess_eval.referee import FAILURES, Verdict, judge
+from fsdp_utils.chess_eval.judge import EngineJudge, MoveVerdict, find_engine
+from fsdp_utils.chess_eval.referee import FAILURES, Verdict
 
+# `judge` is the engine judge's module (fsdp_utils.chess_eval.judge); the referee's function
+# of that name is `fsdp_utils.chess_eval.referee.judge`.
 __all__ = [
     "FAILURES",
     "ChessEvaluator",
+    "EngineJudge",
     "Example",
+    "MoveVerdict",
     "Verdict",
+    "find_engine",
     "format_table",
-    "judge",
     "log_record",
 ]
