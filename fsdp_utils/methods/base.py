@@ -11,6 +11,7 @@ one micro-batch (`forward_backward`) and its own counts (`local_counts`), as DPO
 The hooks, in the order the trainer calls them:
 
     use_data(prepared)           the train and eval examples, from the prepared data
+    preflight(config)            its own checks before any work (also `--preflight`'s)
     identity()                   what it adds to the checkpoint's identity (resume refuses others)
     describe()                   its line in the log
     needs_starting_weights()     load the starting weights even when resuming (DPO's cache)
@@ -65,20 +66,27 @@ class MethodContext:
     sequence_parallel: SequenceParallel | None = None
 
 
+# Asked by the work before the first step between its pieces, and by a step that does long
+# work before its update (GRPO's rollout): the reason of a stop request (time limit, signal,
+# stop file), or None. Collective: every rank asks, all get one answer.
+StopCheck = Callable[[], str | None]
+
+
+def _never() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class StepParts:
     """What a method's step is built from besides the model: the forward's autocast, a
-    builder of a frozen copy of the starting model (sharded like the trained one), and whether
-    fp16-mixed gets its gradient scaler (not in the planner's trace)."""
+    builder of a frozen copy of the starting model (sharded like the trained one), whether
+    fp16-mixed gets its gradient scaler (not in the planner's trace), and the stop check a
+    step may ask inside itself (raising `fsdp_utils.train.step.StepInterrupted`)."""
 
     autocast: Callable[[], Any]
     frozen_copy: Callable[[], nn.Module]
     grad_scaler: bool = True
-
-
-# Asked by the work before the first step between its pieces: the reason of a stop request
-# (time limit, signal, stop file), or None. Collective: every rank asks, all get one answer.
-StopCheck = Callable[[], str | None]
+    stop: StopCheck = _never
 
 
 class Method:
@@ -86,6 +94,12 @@ class Method:
     `evaluate`; the other hooks have defaults that do nothing."""
 
     name: ClassVar[str] = ""
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps each sampled batch of examples serves (GRPO: --num_iterations, the
+        same rollouts trained on again); the step sampler moves on every that many steps."""
+        return 1
 
     def __init__(self, config: TrainConfig, context: MethodContext) -> None:
         # The trainer replaces it once the data is prepared when --num_epochs sets the steps.
@@ -101,6 +115,13 @@ class Method:
     def use_data(self, prepared: PreparedData) -> tuple[Examples, Examples]:
         """Collective: the train and eval examples of the prepared data."""
         raise NotImplementedError
+
+    @classmethod
+    def preflight(cls, config: TrainConfig) -> None:
+        """Checks of what the method needs besides the model and data, run once per process
+        before any work and by `--preflight` on the login node (GRPO: its reward functions
+        import, and a chess engine is there for the rewards that call one). ValueError: a user
+        mistake (exit 2)."""
 
     # --- the run's identity and log ------------------------------------------------------
 

@@ -28,9 +28,11 @@ decide rank, alpha, targets and DoRA.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
@@ -557,3 +559,23 @@ def describe(config: TrainConfig, model: nn.Module | None = None) -> str:
     if settings.note:
         text += f"\nlora: {settings.note}"
     return text
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
+    a PeftModel: ours injects the adapters into the transformers model). The flag is set
+    directly: peft's `enable_adapters` would also flip the adapters' requires_grad, which FSDP2
+    tracks on its sharded parameters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "--lora but no adapter in the model"
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            layer._disable_adapters = was

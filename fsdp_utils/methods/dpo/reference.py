@@ -18,12 +18,11 @@ batch, fp32 on the device, computed through the same forward as the policy's (tr
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +34,7 @@ from torch import nn
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
+from fsdp_utils.model.lora import adapters_disabled
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import no_grad_pass
@@ -52,26 +52,6 @@ class Reference(Protocol):
     def logps(self, batch: Batch) -> torch.Tensor:
         """[sequences] the reference's summed answer log-probabilities, fp32 on the device."""
         ...
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
-    a PeftModel: ours injects the adapters into the transformers model). The flag is set
-    directly: peft's `enable_adapters` would also flip the adapters' requires_grad, which FSDP2
-    tracks on its sharded parameters."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers, "--lora but no adapter in the model"
-    before = [layer._disable_adapters for layer in layers]
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer, was in zip(layers, before, strict=True):
-            layer._disable_adapters = was
 
 
 @dataclass
