@@ -69,7 +69,9 @@ def test_the_rows_are_the_measurements_issue_43_asks_for() -> None:
     assert (long.role, long.seq) == ("large", 32768)
     qlora = rows["8b-qlora-4k"]
     assert qlora.flags[-3:] == kit.QLORA and qlora.seq == 4096
-    assert {r.kind for r in rows.values()} == {"train", "checkpoint", "masking", "evaluate"}
+    assert {r.kind for r in rows.values()} == {"train", "checkpoint", "masking", "evaluate", "grpo"}
+    grpo = rows["1b-grpo"]  # issue 50's: GRPO on the 1B shape with G = 8
+    assert grpo.role == "small" and grpo.flags[grpo.flags.index("--num_generations") + 1] == "8"
     # The checkpoint row comes before the evaluation of its export.
     names = list(rows)
     assert names.index("1b-checkpoint") < names.index("1b-evaluate")
@@ -77,12 +79,12 @@ def test_the_rows_are_the_measurements_issue_43_asks_for() -> None:
 
 def test_the_prepared_call_fits_six_minutes_and_quick_fits_half() -> None:
     """The plan, by its estimates on one H100: every row issue 43 asks for within the budget,
-    which leaves 30 s of the 6 minutes to the wheels; QLoRA's row (issue 40's, about 40 s) and
-    the fp16 row come last and run only with time to spare (else a second call's --only);
-    --quick is the second try."""
+    which leaves 30 s of the 6 minutes to the wheels; QLoRA's row (issue 40's, about 40 s), the
+    fp16 row and GRPO's (issue 50's) come last and run only with time to spare (else a second
+    call's --only); --quick is the second try."""
     everything = kit.select_rows(kit.ROWS)
-    issue_43 = [r for r in everything if r.name not in ("8b-qlora-4k", "1b-fp16")]
-    assert everything[-2:] == [r for r in everything if r not in issue_43]
+    issue_43 = [r for r in everything if r.name not in ("8b-qlora-4k", "1b-fp16", "1b-grpo")]
+    assert everything[-3:] == [r for r in everything if r not in issue_43]
     assert kit.estimate_s(issue_43) <= kit.DEFAULT_BUDGET_S <= 330
     quick = kit.select_rows(kit.ROWS, quick=True)
     assert {r.role for r in quick} == {"small"}  # no 8B weights to write

@@ -49,7 +49,9 @@ def _stand_in(args: SimpleNamespace, logps: torch.Tensor) -> SimpleNamespace:
         ),
     )  # fmt: skip
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
-        logps, torch.zeros_like(logps), None
+        logps,
+        torch.zeros_like(logps),
+        None,
     )
     return trainer
 

@@ -90,7 +90,9 @@ def end_of_turn_id(tokenizer: Any, template: ChatTemplate) -> int | None:
     text = tokenizer.apply_chat_template(probe, chat_template=template.text, tokenize=False)
     after = text[text.rindex("Fine") + len("Fine") :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(getattr(tokenizer, "all_special_ids", []))
+    special |= {i for i, token in added.items() if getattr(token, "special", False)}
     first = next((i for i in ids if i in special), None)
     return None if first is None or first == tokenizer.eos_token_id else int(first)
 

@@ -95,7 +95,7 @@ def exact_answer(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 
 def length(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    """TRL's example reward (docs/source/grpo_trainer.md, `reward_len`): completions near 20
+    """TRL's example reward (its GRPO trainer's documentation, `reward_len`): completions near 20
     characters."""
     return [-abs(20 - len(_text(c))) for c in completions]
 
