@@ -8,7 +8,8 @@ One torchrun runs them all (tests/finetune_runs.py), each run through chess_fine
     legs 1-4  the same run in four legs: stopped after step 1 (mid-iteration: the rollout and
               its old log-probabilities kept), inside step 3's rollout (after its first
               micro-batch), between step 3's rollout and its update, then to the end
-    constant  a constant reward: no advantage, so at beta 0 the weights do not move
+    constant  a constant reward: no advantage, so at beta 0 the weights do not move (and the
+              chess engine's reward beside it, weighted 0: Stockfish starts and is ended)
     learns    30 steps of a reward the model rarely meets at first, judged on held-out prompts
     raises    a reward function that raises on rank 1 only: rank 0 says so, exit 2
 
@@ -66,12 +67,15 @@ def grpo(tiny_assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
         "leg2": args(legs_dir, legs_rewards, **same, save_every_steps=1),
         "leg3": args(legs_dir, legs_rewards, **same, save_every_steps=1),
         "leg4": args(legs_dir, legs_rewards, **same, save_every_steps=1),
+        # the engine's reward beside, weighted 0: it runs (and must end with the run, or the
+        # process would not exit) and changes nothing
         "constant": grpo_args(
             model,
             prompts,
             root / "constant",
             cache,
-            reward_funcs=f"{base_rewards}:constant",
+            reward_funcs=f"{base_rewards}:constant,chess_engine",
+            reward_weights="1,0",
             max_training_steps=2,
         ),
         "learns": grpo_args(
@@ -172,6 +176,7 @@ def test_a_run_stopped_anywhere_and_resumed_ends_with_the_same_weights(grpo):
 def test_a_constant_reward_leaves_the_weights_where_they_were(grpo):
     _ok(grpo, "constant")
     train = read_metrics(grpo["root"] / "constant")
+    assert "rewards/chess_engine/mean" in train[0]  # the engine judged the moves
     assert all(
         r["reward_std"] == 0 and r["frac_reward_zero_std"] == 1 for r in train if "reward" in r
     )

@@ -5,14 +5,13 @@ completes, every step trained once. A built-in reward (chess_legal): no file to 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests import local_slurm as slurm_fixture
 from tests.grpo_helpers import write_prompts
-from tests.local_slurm import LocalSlurm
+from tests.local_slurm import ONE_MINUTE_LEG, LocalSlurm, finetune_env
 from tests.train_helpers import read_metrics
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
@@ -27,18 +26,11 @@ def test_sbatch_grpo_survives_a_requeue(
 ) -> None:
     prompts = write_prompts(tiny_assets["data"], tmp_path / "prompts.jsonl")
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {
-        **os.environ,
-        "SETUP": f"source {REPO / '.venv' / 'bin' / 'activate'}",
-        "MODEL": str(tiny_assets["model"]),
-        "DATASET": str(prompts),
-        "TOTAL_BATCH_SIZE": "4",
-    }
+    env = finetune_env(tiny_assets["model"], prompts, 4)
     # Leg 1: a 1-minute limit and a 45 s margin leave too little for the steps: save, requeue
     steps = 300
     job = local_slurm.sbatch(
-        "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=1",
-        "--signal=B:USR1@40", f"--output={log}", "slurm/finetune.sh",
+        *ONE_MINUTE_LEG, f"--output={log}", "slurm/finetune.sh",
         "--method", "grpo", "--reward_funcs", "chess_legal", "--num_generations", "4",
         "--max_completion_length", "4", "--max_seq_length", "64", "--eval_examples", "16",
         "--eval_every", "0", "--precision", "fp32", "--output_dir", str(run_dir),

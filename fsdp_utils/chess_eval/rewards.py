@@ -14,13 +14,12 @@ start position). The referee's parsing rules apply (`referee.parse_uci`).
                     illegal or unparseable one
 
 The engine is one Stockfish process per training process (`shared_judge`), started at the
-first call and ended with the process; its searches of a position are cached, so the G
+first call and ended at the run's end (`close_shared`, from the method's `close`); its searches of a position are cached, so the G
 completions of one prompt cost one search of the position and one per distinct move.
 """
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,7 +75,6 @@ class EngineReward:
     def judge(self) -> EngineJudge:
         if self._judge is None:  # started at the first call, in the process that calls
             self._judge = EngineJudge(path=self.path, depth=self.depth)
-            atexit.register(self.close)
         return self._judge
 
     def reward(self, board: chess.Board, text: str) -> float:
@@ -89,6 +87,9 @@ class EngineReward:
         return [self.reward(b, str(c)) for b, c in zip(positions(kwargs), completions, strict=True)]
 
     def close(self) -> None:
+        """End the engine process and python-chess's thread that talks to it. A run closes it
+        at its end (`Method.close`); a script of one's own must too: Python waits for that
+        thread before it runs any atexit handler, so an engine left open keeps it alive."""
         if self._judge is not None:
             self._judge.close()
             self._judge = None
@@ -103,3 +104,9 @@ def shared_judge() -> EngineReward:
     if _SHARED is None:
         _SHARED = EngineReward()
     return _SHARED
+
+
+def close_shared() -> None:
+    """End the built-in's engine, if it started (the run's end: see EngineReward.close)."""
+    if _SHARED is not None:
+        _SHARED.close()

@@ -19,6 +19,7 @@ The hooks, in the order the trainer calls them:
     build_step(model, parts)     its TrainStep: the loss and metrics of a micro-batch
     evaluate(model, examples)    the held-out loss and metrics
     before_export()              drop what it holds before the final model is written
+    close()                      end what it started (every exit path)
 
 and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy` and
 `planned_step`. Methods whose examples are preference pairs are named in
@@ -177,3 +178,9 @@ class Method:
     def before_export(self) -> None:
         """Drop what the method holds (a frozen reference copy) before the final model is
         gathered and written."""
+
+    def close(self) -> None:
+        """On every exit path, the run's end or its failure: end the processes and threads the
+        method started (GRPO: a chess engine behind a reward; python-chess's engine thread
+        would keep the interpreter from exiting, as Python joins threads before its atexit
+        handlers)."""

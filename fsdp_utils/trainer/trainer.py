@@ -517,6 +517,11 @@ class Trainer:
             self.log.info(warning)
 
     def close(self) -> None:
+        """Every exit path (the CLI's `finally`): the method's outside resources (a chess
+        engine behind a reward), then the log."""
+        method = getattr(self, "method", None)
+        if method is not None:
+            method.close()
         self.log.close()
 
 

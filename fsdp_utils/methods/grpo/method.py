@@ -264,3 +264,13 @@ class GRPO(Method):
         if self.frozen is not None:  # the reference's shards are not needed any more
             self.step.reference = None
             self.frozen = None
+
+    def close(self) -> None:
+        """The rewards' engines (chess_engine's, or an EngineReward of a reward file)."""
+        from fsdp_utils.chess_eval.rewards import close_shared
+
+        for reward in self.rewards:
+            closer = getattr(reward.function, "close", None)
+            if callable(closer):
+                closer()
+        close_shared()

@@ -46,6 +46,14 @@ from .rollouts import (
 ReferenceLogps = Callable[[Batch], torch.Tensor]
 
 
+def _sequence_tokens(batch: Batch) -> int:
+    """Prompt and completion tokens of a teacher-forced batch (right-padded: each row ends at
+    its completion's last token, the last label that is not ignored)."""
+    labelled = batch["labels"] != -100
+    ends = labelled.shape[1] - labelled.flip(1).int().argmax(dim=1)
+    return int(ends.sum())
+
+
 def _logged_text(value: Any, width: int = 200) -> str:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     text = text.replace("\n", "\\n")
@@ -163,7 +171,7 @@ class GrpoStep(GrpoUpdate):
             float(sum(len(b[ADVANTAGES]) for b in batches)),
             float(sum(int(b[LOSS_MASK].sum()) for b in batches)),
             float(len(batches)),
-            float(sum(int((b["input_ids"] != self.rollouts.pad).sum()) for b in batches)),
+            float(sum(_sequence_tokens(b) for b in batches)),
         ]
         completions, tokens, micro_count, trained = dist_utils.all_reduce_host_sum(local)
         count = normalizer(
