@@ -141,13 +141,16 @@ class MemoryPlan:
         return self.update_peak_bytes > self.forward_backward_peak_bytes
 
     def largest_prompts_per_device(self) -> int | None:
-        """GRPO: the most prompts per micro-batch (x G completions) whose rollout and update
-        both fit the GPU, from the bytes of each phase that grow with the batch (see
-        `plan.rollout.largest_prompts`); None without a GPU size or a rollout phase."""
+        """GRPO: the most prompts per micro-batch (x G completions) that divide the total batch
+        per GPU and whose rollout and update both fit the GPU, from the bytes of each phase
+        that grow with the batch (see `plan.rollout.largest_prompts`); None without a GPU size
+        or a rollout phase."""
         if self.rollout is None or self.gpu is None:
             return None
+        per_rank = self.batch.total_batch_size // self.batch.world_size
         return largest_prompts(
             prompts=self.batch.batch_size_per_device,
+            candidates=[b for b in range(1, per_rank + 1) if per_rank % b == 0],
             update_state=self.state_bytes,
             update_peak=self.update_peak_bytes,
             rollout=self.rollout,

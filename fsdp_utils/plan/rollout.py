@@ -24,6 +24,7 @@ layer's (no fused kernels assumed).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.model.build import compute_dtype
 from fsdp_utils.model.qlora import quantized_parameters
+from fsdp_utils.plan.search import largest_fitting
 from fsdp_utils.plan.tracking import OPTIMIZER, PARAMETERS, Breakdown, StepMemory
 
 FLOAT64 = 8
@@ -126,23 +128,24 @@ def per_prompt_bytes(rollout: RolloutPlan, prompts: int) -> int:
 def largest_prompts(
     *,
     prompts: int,
+    candidates: Sequence[int],
     update_state: int,
     update_peak: int,
     rollout: RolloutPlan,
     memory_bytes: int,
-    required: Any,
+    required: Callable[[int], int],
 ) -> int:
-    """The most prompts per micro-batch (each G completions) whose two phases both fit in
-    `memory_bytes` with their margin (`required(peak) -> bytes`), the bytes of each phase that
-    grow with the batch taken as proportional to it (activations, the KV cache); 0 if none."""
+    """The most prompts per micro-batch (each G completions) among `candidates` (those that
+    divide the total batch per GPU) whose two phases both fit in `memory_bytes` with their
+    margin (`required(peak) -> bytes`), the bytes of each phase that grow with the batch taken
+    as proportional to it (activations, the KV cache); 0 if none."""
     update_per_prompt = max(update_peak - update_state, 0) / max(prompts, 1)
     rollout_fixed = rollout.resident + rollout.gathered
     rollout_per_prompt = per_prompt_bytes(rollout, prompts)
-    best, n = 0, 1
-    while n <= 1 << 20:
+
+    def fits(n: int) -> bool:
         update = update_state + update_per_prompt * n
         sampling = rollout_fixed + rollout_per_prompt * n
-        if max(required(round(update)), required(round(sampling))) > memory_bytes:
-            break
-        best, n = n, n + 1
-    return best
+        return max(required(round(update)), required(round(sampling))) <= memory_bytes
+
+    return largest_fitting(candidates, fits) or 0
