@@ -405,7 +405,7 @@ class TrainStep:
     def checkpoint_files(self) -> dict[str, Any]:
         """Collective: files the checkpoint keeps beside the shards ({name: picklable object},
         rank 0's written with torch.save): a method's work between steps (GRPO's rollouts
-        reused over several steps, or done before a stop). None by default."""
+        reused over several steps, or done before a stop). Nothing by default."""
         return {}
 
     def resume(
