@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.train_helpers import as_flags
+
 # Reward functions with TRL's signature, written to a file per test as users write theirs.
 REWARDS = '''
 import json
@@ -105,10 +107,4 @@ def grpo_args(
         "log_completions_every": 1,
     }
     options.update(overrides)
-    args: list[str] = []
-    for key, value in options.items():
-        if value is True:
-            args.append(f"--{key}")
-        elif value is not False and value is not None:
-            args += [f"--{key}", str(value)]
-    return args
+    return as_flags(options)
