@@ -57,6 +57,11 @@ def tiny_args(
         "save_every_minutes": 0,
     }
     options.update(overrides)
+    return as_flags(options)
+
+
+def as_flags(options: dict[str, Any]) -> list[str]:
+    """{name: value} as command-line flags: True a bare flag, False and None left out."""
     args: list[str] = []
     for key, value in options.items():
         if value is True:

@@ -126,10 +126,34 @@ def validate_config(config: TrainConfig) -> None:
             "--lora the reference is already the same model with its adapters off (no second "
             "model in memory). Drop --reference live."
         )
+    if config.method == "grpo":
+        _check_grpo(config)
     if config.method == "dpo" and config.train_on_prompt:
         raise ValueError(
             "--train_on_prompt with --method dpo: DPO compares the answers given the same "
             "prompt, so the prompt's tokens carry no loss. Drop --train_on_prompt."
+        )
+
+
+def _check_grpo(config: TrainConfig) -> None:
+    """GRPO's options against the other stages'."""
+    if config.max_completion_length >= config.max_seq_length:
+        raise ValueError(
+            f"--max_completion_length {config.max_completion_length} leaves no room for the "
+            f"prompt in --max_seq_length {config.max_seq_length} (a prompt and its completion "
+            "share it): raise --max_seq_length, e.g. to "
+            f"{config.max_completion_length + 256}, or lower --max_completion_length."
+        )
+    if config.sequence_parallel > 1:
+        raise ValueError(
+            "--sequence_parallel with --method grpo: the completions are sampled and scored "
+            "whole on each rank (as in TRL, which refuses sequence parallelism for GRPO too). "
+            "Drop --sequence_parallel."
+        )
+    if config.train_on_prompt:
+        raise ValueError(
+            "--train_on_prompt with --method grpo: GRPO's loss is on the completions the "
+            "model sampled; the prompts carry none. Drop --train_on_prompt."
         )
 
 

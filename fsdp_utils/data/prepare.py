@@ -54,9 +54,19 @@ from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, chat_template, check_end_of_turn
 from fsdp_utils.data.custom import ModuleRows, load_dataset_module
 from fsdp_utils.data.files import peek_columns
-from fsdp_utils.data.formats import FormatChoice, choose_format
+from fsdp_utils.data.formats import PROMPT_FORMAT, FormatChoice, choose_format
 from fsdp_utils.data.instruct import check_templates
 from fsdp_utils.data.preference import PAIR_ROWS, PreferenceEncoder, PreferencePairs, pair_sequences
+from fsdp_utils.data.prompts import (
+    PROMPT_COLUMN,
+    PromptEncoder,
+    PromptSet,
+    PromptSplit,
+    check_prompt_lengths,
+    end_of_turn_id,
+    is_messages,
+    jsonable,
+)
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
 from fsdp_utils.data.streaming import Batch, count_rows, dataset_batches, row_batches
@@ -74,6 +84,7 @@ FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic cha
 # The same for the masked formats (chat, prompt/completion, alpaca, templates): only their
 # keys carry it, so chess and text keep the keys (and caches) they had.
 MASKED_VERSION = 2  # 2: chat masks by character offsets, nothing after the end-of-turn token
+PROMPTS_VERSION = 1  # the same for prompt sets (--method grpo: fsdp_utils/data/prompts.py)
 TOKENIZER_SUBDIR = "tokenizer"  # with --chat_template: the tokenizer the final model carries
 
 
@@ -134,7 +145,13 @@ def source_spec(
     format, its templates, the chat template's text, the masking options) and the rows a
     --dataset_module returned."""
     extra: dict[str, Any] = {}
-    if choice.masked:
+    if choice.name == PROMPT_FORMAT:
+        extra["prompts"] = {
+            "version": PROMPTS_VERSION,
+            "chat_template": template.text if template else None,
+            "max_prompt_length": config.max_seq_length - config.max_completion_length,
+        }
+    elif choice.masked:
         extra["masked"] = {
             "version": MASKED_VERSION,
             "format": choice.name,
@@ -161,11 +178,15 @@ class PreparedData:
         """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
         return cls(folder, json.loads((folder / "meta.json").read_text()))
 
-    def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks | PreferencePairs:
-        """A split's blocks; with document masking their batches carry position ids that
-        restart at every document (fsdp_utils.data.document_masking): after each EOS for
-        chess and text, at the stored row starts for the masked formats. A padded (unpacked)
-        row holds one document anyway, so it gets none."""
+    def split(
+        self, name: str, *, document_masking: bool = False
+    ) -> TokenBlocks | PreferencePairs | PromptSet:
+        """A split's blocks (pairs, prompts); with document masking their batches carry
+        position ids that restart at every document (fsdp_utils.data.document_masking): after
+        each EOS for chess and text, at the stored row starts for the masked formats. A padded
+        (unpacked) row holds one document anyway, so it gets none."""
+        if "prompts" in self.meta["spec"]:
+            return PromptSet.load(self.folder, name)
         packed = bool(self.meta["spec"].get("packing", True))
         restart = document_masking and packed
         if self.meta["spec"].get("masked", {}).get("format") == "preference":
@@ -245,7 +266,7 @@ def prepare_dataset(
     choice = choose_format(source.columns, config)
     log(f"data: format {choice.name} ({choice.reason})")
     tokenizer = template = None
-    if choice.masked:
+    if choice.masked or choice.name == PROMPT_FORMAT:
         tokenizer = _load_tokenizer(model_dir)
         template = _chat_template_for(choice, tokenizer, config)
     extra = source_spec(config, choice, template, source.module)
@@ -266,7 +287,10 @@ def prepare_dataset(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if choice.masked:
+        if choice.name == PROMPT_FORMAT:
+            stats = _build_prompts(config, source, tokenizer, template, tmp, log)
+            _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
+        elif choice.masked:
             stats = _build_rows(config, source, choice, tokenizer, template, tmp, log, stop)
             _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
         else:
@@ -321,7 +345,10 @@ def _chat_template_for(
     --chat_template); prompt/completion rows need one only if they hold message lists."""
     if choice.name == "chat" or config.chat_template is not None:
         return chat_template(tokenizer, template_file=config.chat_template, model=config.model)
-    if choice.name in ("prompt_completion", "preference") and tokenizer.chat_template:
+    if (
+        choice.name in ("prompt_completion", "preference", PROMPT_FORMAT)
+        and tokenizer.chat_template
+    ):
         return chat_template(tokenizer, template_file=None, model=config.model)
     return None
 
@@ -381,7 +408,9 @@ def _describe(stats: dict[str, Any]) -> str:
     parts = []
     for split in ("train", "eval"):
         s = stats.get(split)
-        if s:
+        if s and stats.get("format") == PROMPT_FORMAT:
+            parts.append(f"{split} {s['documents']:,} prompts, {s['tokens']:,} tokens")
+        elif s:
             parts.append(
                 f"{split} {s['documents']:,} docs, {s['tokens']:,} tokens, {s['blocks']:,} blocks "
                 f"({100 * s['padding_fraction']:.2f}% padding)"
@@ -752,6 +781,59 @@ def _build_rows(
     return stats
 
 
+def _build_prompts(
+    config: TrainConfig,
+    source: DataSource,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+    out: Path,
+    log: Any,
+) -> dict[str, Any]:
+    """Prompts (--method grpo): each row's `prompt` encoded as TRL's GRPOTrainer encodes it
+    (fsdp_utils/data/prompts.py), its other columns kept for the rewards, per split. Prompt
+    sets are small (thousands of rows): read, encoded and written in one pass, in memory."""
+    num_rows = _count_rows(source)
+    if num_rows == 0:
+        raise ValueError("The dataset has no rows.")
+    encoder = PromptEncoder(tokenizer, template)
+    encoded: list[list[int]] = []
+    columns: list[dict[str, Any]] = []
+    for batch in _row_batches(source, None):
+        names = list(batch)
+        for j in range(len(batch[PROMPT_COLUMN])):
+            row = {name: jsonable(batch[name][j]) for name in names}
+            encoded.append(encoder(row[PROMPT_COLUMN], len(columns)))
+            columns.append(row)
+    limit = config.max_seq_length - config.max_completion_length
+    check_prompt_lengths(
+        [len(ids) for ids in encoded], range(len(encoded)), limit=limit,
+        max_seq_length=config.max_seq_length,
+    )  # fmt: skip
+    chat = any(is_messages(row[PROMPT_COLUMN]) for row in columns)
+    eos = int(tokenizer.eos_token_id)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
+    stats: dict[str, Any] = {
+        "format": PROMPT_FORMAT,
+        "format_reason": f"column `prompt` (--method {config.method})",
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "chat_template": template.source if chat and template is not None else None,
+        "end_of_turn_id": end_of_turn_id(tokenizer, template) if chat and template else None,
+    }
+    for name, order in _training_split(config, num_rows, log).items():
+        split = PromptSplit(
+            [encoded[i] for i in order], [int(i) for i in order], [columns[i] for i in order]
+        )
+        stats[name] = split.write(out, name)
+        log(
+            f"data: {name}: {stats[name]['documents']:,} prompts, {stats[name]['tokens']:,} "
+            f"tokens (longest {stats[name]['longest']}, limit {limit})"
+        )
+    if not stats["train"]["documents"]:
+        raise ValueError("No training prompts left: hold out fewer with --eval_examples.")
+    return stats
+
+
 def _dropped_text(stats: dict[str, Any]) -> str:
     causes: dict[str, int] = {}
     for split in ("train", "eval"):
@@ -775,7 +857,7 @@ def _drop_advice(stats: dict[str, Any]) -> str:
 
 def _summary(stats: dict[str, Any]) -> list[str]:
     """The masked formats' account of the rows and tokens, for the start of the log."""
-    if "format" not in stats:
+    if "format" not in stats or stats["format"] == PROMPT_FORMAT:
         return []
     splits = [stats[s] for s in ("train", "eval") if s in stats]
     read = sum(s["rows_read"] for s in splits)

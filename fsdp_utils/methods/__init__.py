@@ -6,6 +6,7 @@
     registry.py   `--method NAME` -> its Method (`METHODS`, `register_method`)
     sft.py        supervised fine-tuning: the token loss (the default)
     dpo/          Direct Preference Optimization: pairs, a reference, DPO's loss
+    grpo/         Group Relative Policy Optimization: prompts, rollouts, rewards, GRPO's loss
 
 The trainer (`fsdp_utils.trainer`) composes a method and never asks which one it is; the
 methods build on `fsdp_utils.train` (TrainStep, the chunked loss, the optimizer), which knows

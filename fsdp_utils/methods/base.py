@@ -11,6 +11,7 @@ one micro-batch (`forward_backward`) and its own counts (`local_counts`), as DPO
 The hooks, in the order the trainer calls them:
 
     use_data(prepared)           the train and eval examples, from the prepared data
+    preflight(config)            its own checks before any work (also `--preflight`'s)
     identity()                   what it adds to the checkpoint's identity (resume refuses others)
     describe()                   its line in the log
     needs_starting_weights()     load the starting weights even when resuming (DPO's cache)
@@ -18,6 +19,7 @@ The hooks, in the order the trainer calls them:
     build_step(model, parts)     its TrainStep: the loss and metrics of a micro-batch
     evaluate(model, examples)    the held-out loss and metrics
     before_export()              drop what it holds before the final model is written
+    close()                      end what it started (every exit path)
 
 and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy` and
 `planned_step`. Methods whose examples are preference pairs are named in
@@ -65,20 +67,27 @@ class MethodContext:
     sequence_parallel: SequenceParallel | None = None
 
 
+# Asked by the work before the first step between its pieces, and by a step that does long
+# work before its update (GRPO's rollout): the reason of a stop request (time limit, signal,
+# stop file), or None. Collective: every rank asks, all get one answer.
+StopCheck = Callable[[], str | None]
+
+
+def _never() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class StepParts:
     """What a method's step is built from besides the model: the forward's autocast, a
-    builder of a frozen copy of the starting model (sharded like the trained one), and whether
-    fp16-mixed gets its gradient scaler (not in the planner's trace)."""
+    builder of a frozen copy of the starting model (sharded like the trained one), whether
+    fp16-mixed gets its gradient scaler (not in the planner's trace), and the stop check a
+    step may ask inside itself (raising `fsdp_utils.train.step.StepInterrupted`)."""
 
     autocast: Callable[[], Any]
     frozen_copy: Callable[[], nn.Module]
     grad_scaler: bool = True
-
-
-# Asked by the work before the first step between its pieces: the reason of a stop request
-# (time limit, signal, stop file), or None. Collective: every rank asks, all get one answer.
-StopCheck = Callable[[], str | None]
+    stop: StopCheck = _never
 
 
 class Method:
@@ -86,6 +95,12 @@ class Method:
     `evaluate`; the other hooks have defaults that do nothing."""
 
     name: ClassVar[str] = ""
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps each sampled batch of examples serves (GRPO: --num_iterations, the
+        same rollouts trained on again); the step sampler moves on every that many steps."""
+        return 1
 
     def __init__(self, config: TrainConfig, context: MethodContext) -> None:
         # The trainer replaces it once the data is prepared when --num_epochs sets the steps.
@@ -101,6 +116,13 @@ class Method:
     def use_data(self, prepared: PreparedData) -> tuple[Examples, Examples]:
         """Collective: the train and eval examples of the prepared data."""
         raise NotImplementedError
+
+    @classmethod
+    def preflight(cls, config: TrainConfig) -> None:
+        """Checks of what the method needs besides the model and data, run once per process
+        before any work and by `--preflight` on the login node (GRPO: its reward functions
+        import, and a chess engine is there for the rewards that call one). ValueError: a user
+        mistake (exit 2)."""
 
     # --- the run's identity and log ------------------------------------------------------
 
@@ -156,3 +178,9 @@ class Method:
     def before_export(self) -> None:
         """Drop what the method holds (a frozen reference copy) before the final model is
         gathered and written."""
+
+    def close(self) -> None:
+        """On every exit path, the run's end or its failure: end the processes and threads the
+        method started (GRPO: a chess engine behind a reward; python-chess's engine thread
+        would keep the interpreter from exiting, as Python joins threads before its atexit
+        handlers)."""

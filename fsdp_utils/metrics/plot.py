@@ -174,17 +174,25 @@ DPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("logps/chosen", "logps/rejected")),
 )  # fmt: skip
 DPO_STYLES = ("-", "--", ":")
+# GRPO's (fsdp_utils.methods.grpo, TRL's names), drawn the same way: the held-out prompts'
+# rewards (`eval_reward`: sampled, `eval_greedy_reward`) as dots on the train reward's panel.
+GRPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("GRPO reward", "mean reward of the completions", ("reward", "greedy_reward")),
+    ("GRPO completions", "tokens", ("completions/mean_length", "completions/max_length")),
+    ("GRPO rollout and update", "seconds per step", ("rollout/seconds", "update/seconds")),
+    ("GRPO entropy and KL", "nats per token", ("entropy", "kl")),
+)  # fmt: skip
 
 
 def _logged_panels(
     table: Sequence[tuple[str, str, tuple[str, ...]]], records: Iterable[dict[str, Any]]
 ) -> list[tuple[str, str, list[str]]]:
-    """The panels of `table` whose fields some record has as a number: (title, y label,
-    fields)."""
+    """The panels of `table` whose fields some record has as a number (or as an evaluation's,
+    `eval_` before it): (title, y label, fields)."""
     logged = {key for record in records for key in scalar_fields(record)}
     panels = []
     for title, ylabel, fields in table:
-        present = [f for f in fields if f in logged]
+        present = [f for f in fields if f in logged or f"eval_{f}" in logged]
         if present:
             panels.append((title, ylabel, present))
     return panels
@@ -232,11 +240,17 @@ def plot_runs(
     memory = CUDA_MEMORY if cuda else HOST_MEMORY
     chess_panels = _logged_panels(CHESS_PANELS, (r for run in runs for r in run.chess))
     dpo_panels = _logged_panels(DPO_PANELS, (r for run in runs for r in run.train))
+    grpo_records = (r for run in runs for r in [*run.train, *run.evals])
+    dpo_panels += _logged_panels(GRPO_PANELS, grpo_records)
     dpo_only = bool(dpo_panels) and all(
         any("rewards/accuracies" in r for r in run.train) for run in runs
     )
+    grpo_only = all(any("reward" in r for r in run.train) for run in runs)
+    loss_label = "cross-entropy (nats/token)"
+    if dpo_only or grpo_only:
+        loss_label = "DPO loss, mean over pairs" if dpo_only else "GRPO loss (--loss_type's mean)"
     panels: list[tuple[str, str]] = [  # (title, y label)
-        ("loss", "DPO loss, mean over pairs" if dpo_only else "cross-entropy (nats/token)"),
+        ("loss", loss_label),
         ("learning rate", "learning rate"),
         ("throughput", "tokens/s (all processes)"),
         ("memory", "GiB"),
@@ -327,7 +341,9 @@ def plot_runs(
             )  # fmt: skip
     for title_, _, fields in dpo_panels:
         # Line styles say which series, dots the eval split's; colours say which run.
-        labels = [name.split("/")[1] for name in fields] if len(fields) > 1 else ["train"]
+        labels = [name.split("/")[-1] for name in fields] if len(fields) > 1 else ["train"]
+        if len(set(labels)) < len(labels):  # rollout/seconds, update/seconds: say which
+            labels = [name.split("/")[0] for name in fields]
         handles = [Line2D([], [], color="0.3", ls=ls, label=label)
                    for label, ls in zip(labels, DPO_STYLES, strict=False)]  # fmt: skip
         handles.append(Line2D([], [], color="0.3", lw=1.0, marker="o", ms=4, label="eval"))

@@ -247,6 +247,21 @@ def on_main_rank(
     return None
 
 
+def raise_from_any_rank(message: str | None) -> None:
+    """Collective: a user mistake that some rank found in work every rank does (a reward
+    function failing on its own batch) stops every rank. Rank 0 raises it as a ValueError
+    (the command prints it once and exits 2); the others put it in their error file and raise
+    `PeerFailure`. None on every rank: nothing happens."""
+    messages = all_gather_objects(message)
+    first = next((m for m in messages if m), None)
+    if first is None:
+        return
+    if not is_distributed() or dist.get_rank() == 0:
+        raise ValueError(first)
+    report_error(first, show=False)
+    raise PeerFailure(user_error=True)
+
+
 def broadcast_object(value: T, src: int = 0) -> T:
     """Rank `src`'s picklable `value` on every rank, over the CPU (gloo) half of the group."""
     if not is_distributed():

@@ -65,7 +65,8 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     resolved assets). The trainer's process calls it once and
     passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
-    method_class(config.method)  # registered in this process (fsdp_utils.methods.registry)
+    # registered in this process (fsdp_utils.methods.registry), and its own needs met
+    method_class(config.method).preflight(config)
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
     hf_config = assets.model_config

@@ -149,6 +149,18 @@ class LossChunking:
             chunk_size, transform, note=f"loss: in chunks of {chunk_size:,} target tokens ({how})"
         )
 
+    def at_temperature(self, temperature: float) -> LossChunking:
+        """The same chunks with the logits divided by `temperature` after the family's own
+        transform: the sampling distribution a policy-gradient loss scores (GRPO)."""
+        if temperature == 1.0 or not self.chunk_size:
+            return self
+        family = self.transform
+
+        def scaled(logits: torch.Tensor) -> torch.Tensor:
+            return (family(logits) if family is not None else logits) / temperature
+
+        return LossChunking(self.chunk_size, scaled, self.note)
+
 
 def output_layer(model: nn.Module) -> nn.Module:
     """The module that turns the last hidden states into logits (`lm_head`, GPT-NeoX's
@@ -200,6 +212,28 @@ def _chunk_nll(
     return F.cross_entropy(logits.float(), tokens, reduction="none")
 
 
+def _chunk_nll_entropy(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_nll` and the entropy of each target position's distribution (no gradient: a
+    metric), from the same logits."""
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, tokens[:, None]).squeeze(1)
+    detached = logp.detach()
+    return nll, -(detached.exp() * detached).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    """[batch, predicting positions] entropy of each position's next-token distribution (no
+    gradient), 0 where the label is ignored: the unchunked counterpart of the chunks'."""
+    logp = torch.log_softmax(logits[:, : following.shape[1]].detach().float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return entropy.masked_fill(following == IGNORE_INDEX, 0.0)
+
+
 def chunked_target_nll(
     head: nn.Module,
     hidden: torch.Tensor,
@@ -208,9 +242,11 @@ def chunked_target_nll(
     chunk_size: int,
     transform: LogitTransform | None = None,
     summed: bool = False,
+    entropy: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
-    recomputing any chunk where `fused_applies`), from the last hidden states
+    recomputing any chunk where `fused_applies`; `entropy`: a list that gets the [targets]
+    entropies of the same distributions, detached), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
     `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
     backward.
@@ -223,8 +259,13 @@ def chunked_target_nll(
     rows, tokens = targets.rows, targets.tokens
     if rows.numel() == 0:
         nll = _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
+        if entropy is not None:
+            entropy.append(nll.detach())
         return nll.sum() if summed else nll
     picked = flat.index_select(0, rows)
+    if entropy is not None:
+        assert not summed, "entropies are per target"
+        return _nll_and_entropy(head, transform, picked, tokens, chunk_size, entropy)
     if summed and fused_applies(head, transform, hidden):
         return _LinearNLLSum.apply(picked, head.weight, tokens, chunk_size)
     starts = range(0, rows.numel(), chunk_size)
@@ -244,6 +285,35 @@ def _checkpointed(
     head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
 ) -> torch.Tensor:
     return checkpoint(_chunk_nll, head, transform, hidden, tokens, use_reentrant=False)
+
+
+def _nll_and_entropy(
+    head: nn.Module,
+    transform: LogitTransform | None,
+    picked: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk_size: int,
+    entropy: list[torch.Tensor],
+) -> torch.Tensor:
+    """`chunked_target_nll`'s chunks with the entropies beside (each chunk but the last under
+    checkpoint, as there)."""
+    starts = range(0, tokens.numel(), chunk_size)
+    nlls, entropies = [], []
+    for start in starts:
+        args = (
+            head,
+            transform,
+            picked[start : start + chunk_size],
+            tokens[start : start + chunk_size],
+        )
+        if start == starts[-1]:
+            nll, ent = _chunk_nll_entropy(*args)
+        else:
+            nll, ent = checkpoint(_chunk_nll_entropy, *args, use_reentrant=False)
+        nlls.append(nll)
+        entropies.append(ent)
+    entropy.append(torch.cat(entropies))
+    return nlls[0] if len(nlls) == 1 else torch.cat(nlls)
 
 
 class _LinearNLLSum(torch.autograd.Function):
