@@ -18,13 +18,13 @@ each line of OUT.jsonl holds:
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.chess_eval.games import render_prompt
 from fsdp_utils.chess_eval.referee import board_after
 from fsdp_utils.config.train_config import DEFAULT_TEMPLATE
@@ -73,7 +73,7 @@ def read_games(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.chess_eval.prompt_set",
         description="Positions from chess games as GRPO prompts (jsonl), in the run's template.",
     )
