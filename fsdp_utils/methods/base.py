@@ -10,17 +10,22 @@ one micro-batch (`forward_backward`) and its own counts (`local_counts`), as DPO
 
 The hooks, in the order the trainer calls them:
 
+    check(config, assets)        its own checks before the run (the preflight: a teacher in the
+                                 offline cache), a ValueError naming the fix
     use_data(prepared)           the train and eval examples, from the prepared data
     identity()                   what it adds to the checkpoint's identity (resume refuses others)
     describe()                   its line in the log
     needs_starting_weights()     load the starting weights even when resuming (DPO's cache)
     before_first_step(...)       work before the first step (DPO's reference pass); may stop
+    trains()                     False: that work was the whole job (a distillation teacher's
+                                 cache, --teacher_cache_only): no step, no final model
     build_step(model, parts)     its TrainStep: the loss and metrics of a micro-batch
     evaluate(model, examples)    the held-out loss and metrics
     before_export()              drop what it holds before the final model is written
 
-and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy` and
-`planned_step`. Methods whose examples are preference pairs are named in
+and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy`,
+`planned_step`, `frozen_models` (what it holds beside the trained model) and `memory_fixes`
+(changes of its own to try when a run does not fit). Methods whose examples are preference pairs are named in
 `fsdp_utils.config.options.method.PAIRED_METHODS`, which the stages below read.
 """
 
@@ -37,6 +42,7 @@ from torch import nn
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import PreparedData
+from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.step import Batch, TrainStep
@@ -96,6 +102,12 @@ class Method:
         # evaluation reads the data-parallel rank's share (fsdp_utils/parallel/sequence.py).
         self.sequence_parallel = context.sequence_parallel or SequenceParallel.off(context.env)
 
+    @classmethod
+    def check(cls, config: TrainConfig, assets: ResolvedAssets) -> None:
+        """Checks of its own before the run, with the run's assets resolved (the preflight and
+        every process's start, `fsdp_utils.run.preflight.check_run`): a ValueError naming the
+        fix. None by default."""
+
     # --- data -----------------------------------------------------------------------------
 
     def use_data(self, prepared: PreparedData) -> tuple[Examples, Examples]:
@@ -133,6 +145,12 @@ class Method:
         first, what it finished kept (the next leg carries on from there)."""
         return None
 
+    def trains(self) -> bool:
+        """False when the work before the first step is the whole job (a distillation
+        teacher's cache written in a job of its own): the trainer then builds no step, trains
+        nothing and writes no final model, and the run ends "completed"."""
+        return True
+
     # --- the step and the evaluation ------------------------------------------------------
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
@@ -144,6 +162,18 @@ class Method:
         """The step the planner traces on fake tensors: `build_step` unless the method has
         state it cannot trace (DPO's cache of reference log-probabilities)."""
         return self.build_step(model, parts)
+
+    def frozen_models(self) -> list[nn.Module]:
+        """Models it holds beside the trained one, built by itself (a distillation teacher):
+        the planner counts their shards as resident, since its tracker sees the trained
+        model's only."""
+        return []
+
+    @classmethod
+    def memory_fixes(cls, config: TrainConfig) -> list[tuple[str, str, TrainConfig]]:
+        """Changes of its own the planner tries, each planned, when a run does not fit:
+        (the flags, what they cost, the changed config). None by default."""
+        return []
 
     def evaluate(
         self, model: nn.Module, examples: Examples, *, batch_size: int, max_batches: int

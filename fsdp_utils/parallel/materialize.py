@@ -39,3 +39,21 @@ def build_model(
         model = wrap_ddp(model, env.device)
     model.train()
     return model
+
+
+def build_frozen_model(
+    meta: MetaModel,
+    config: TrainConfig,
+    env: DistEnv,
+    model_dir: Path,
+    key_map: dict[str, WeightSource],
+) -> nn.Module:
+    """A model that only runs forward (a distillation teacher: `fsdp_utils.model.teacher`):
+    sharded by FSDP2 over the same mesh as the trained model, materialised, loaded, frozen and
+    in eval mode (no dropout). No DDP wrapper with --no_fsdp: nothing of it is reduced."""
+    model = parallelize_model(meta, config, env)
+    materialize(model, env.device)
+    load_initial_weights(model, model_dir, key_map, config, resuming=False)
+    model.requires_grad_(False)
+    model.eval()
+    return model

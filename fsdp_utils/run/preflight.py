@@ -64,7 +64,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     resolved assets). The trainer's process calls it once and
     passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
-    method_class(config.method)  # registered in this process (fsdp_utils.methods.registry)
+    method = method_class(config.method)  # registered in this process (methods.registry)
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
     hf_config = assets.model_config
@@ -86,6 +86,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
         check_eval_tasks(config, assets.model_dir)
+    method.check(config, assets)  # its own (a distillation teacher in the offline cache)
     return plan, assets
 
 

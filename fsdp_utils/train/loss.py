@@ -28,6 +28,7 @@ it runs as in the model's own forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -212,38 +213,58 @@ def chunked_target_nll(
     """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
     recomputing any chunk where `fused_applies`), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
-    `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
-    backward.
+    `chunk_size` target tokens at a time (`chunked_over_targets`).
 
-    Only positions with a target go through the output layer (answers-only masks and padding
-    cost nothing). A batch without targets still runs one position through the output layer
-    (its loss dropped), so that the layer takes part in every backward, as with the unchunked
-    loss (DDP expects it)."""
-    flat = hidden.flatten(0, 1)
-    rows, tokens = targets.rows, targets.tokens
-    if rows.numel() == 0:
-        nll = _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
-        return nll.sum() if summed else nll
-    picked = flat.index_select(0, rows)
-    if summed and fused_applies(head, transform, hidden):
-        return _LinearNLLSum.apply(picked, head.weight, tokens, chunk_size)
-    starts = range(0, rows.numel(), chunk_size)
-    pieces = [
-        # The last chunk keeps its logits for backward, which begins right after it: the peak
-        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
-        (_chunk_nll if start == starts[-1] else _checkpointed)(
-            head, transform, picked[start : start + chunk_size], tokens[start : start + chunk_size]
-        )
-        for start in starts
-    ]
-    nll = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    A batch without targets still runs one position through the output layer (its loss
+    dropped), so that the layer takes part in every backward, as with the unchunked loss (DDP
+    expects it)."""
+    if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
+        picked = hidden.flatten(0, 1).index_select(0, targets.rows)
+        return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)
+    compute = functools.partial(_chunk_nll, head, transform)
+    nll = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
     return nll.sum() if summed else nll
 
 
-def _checkpointed(
-    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+ChunkCompute = Callable[..., torch.Tensor]
+
+
+def chunked_over_targets(
+    compute: ChunkCompute,
+    hidden: torch.Tensor,
+    targets: Targets,
+    *,
+    chunk_size: int,
+    per_target: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
-    return checkpoint(_chunk_nll, head, transform, hidden, tokens, use_reentrant=False)
+    """`compute(hidden chunk [c, hidden], target tokens [c], *per_target chunks)` -> [c, ...]
+    for every target token ([targets, ...]), from the last hidden states [batch, seq, hidden],
+    `chunk_size` target tokens at a time, each chunk but the last under `torch.utils.checkpoint`
+    (its logits freed after the forward and recomputed in backward). `per_target`: tensors with
+    a row per target token that `compute` reads beside them (a teacher's hidden states or
+    cached log-probabilities: fsdp_utils/methods/distill/).
+
+    Only positions with a target are computed (answers-only masks and padding cost nothing); a
+    batch without targets computes one position, dropped."""
+    flat = hidden.flatten(0, 1)
+    rows, tokens = targets.rows, targets.tokens
+    if rows.numel() == 0:
+        pads = (x.new_zeros((1, *x.shape[1:])) for x in per_target)
+        return compute(flat[:1], tokens.new_zeros(1), *pads)[:0]
+    picked = flat.index_select(0, rows)
+    starts = range(0, rows.numel(), chunk_size)
+    checkpointed = functools.partial(checkpoint, compute, use_reentrant=False)
+    pieces = [
+        # The last chunk keeps its logits for backward, which begins right after it: the peak
+        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
+        (compute if start == starts[-1] else checkpointed)(
+            picked[start : start + chunk_size],
+            tokens[start : start + chunk_size],
+            *(x[start : start + chunk_size] for x in per_target),
+        )
+        for start in starts
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class _LinearNLLSum(torch.autograd.Function):

@@ -75,24 +75,27 @@ def model_forward(
         )
 
 
-def forward_target_nll(
+HiddenLoss = Callable[[nn.Module, torch.Tensor, Targets], torch.Tensor]
+
+
+def forward_target_chunks(
     model: nn.Module,
     batch: Batch,
     device: torch.device,
     autocast: Callable[[], Any],
-    chunking: LossChunking,
-    *,
-    summed: bool = False,
+    loss_of_hidden: HiddenLoss,
     **extra: Any,
 ) -> tuple[Any, torch.Tensor, Targets]:
-    """`model_forward` with the loss in chunks (train/loss.py): the model's outputs (logits of no
-    position), -log p of each target token, and where the targets are.
+    """`model_forward` whose output layer runs on the target positions only, through
+    `loss_of_hidden(output layer, last hidden states, targets)` (train/loss.py's chunks): the
+    model's outputs (logits of no position), what `loss_of_hidden` returned, and where the
+    targets are.
 
     Two hooks for the length of the forward: the output layer gets no positions (the hidden
-    states it would have got are kept), and the chunks run at the end of the outermost module's
-    forward, before FSDP's post-forward hook: FSDP still holds the root's parameters (the output
-    layer's among them) gathered, and the result joins the outputs (as `loss`: -log p of each
-    target), on which FSDP hangs its pre-backward hook that gathers them again for the chunks'
+    states it would have got are kept), and `loss_of_hidden` runs at the end of the outermost
+    module's forward, before FSDP's post-forward hook: FSDP still holds the root's parameters
+    (the output layer's among them) gathered, and the result joins the outputs (as `loss`), on
+    which FSDP hangs its pre-backward hook that gathers them again for the chunks'
     recompute."""
     targets = Targets.of(next_token_labels(batch), batch["input_ids"].shape[1]).to(device)
     head = output_layer(model)
@@ -106,14 +109,7 @@ def forward_target_nll(
         assert len(hidden) == 1, "the output layer ran more than once in a forward"
         stop.remove()  # the chunks call the output layer themselves
         # In the outputs' `loss` field (None without labels): FSDP hooks only dataclass fields
-        outputs["loss"] = chunked_target_nll(
-            head,
-            hidden[0],
-            targets,
-            chunk_size=chunking.chunk_size,
-            transform=chunking.transform,
-            summed=summed,
-        )
+        outputs["loss"] = loss_of_hidden(head, hidden[0], targets)
         return outputs
 
     stop = head.register_forward_pre_hook(stop_before_head)
@@ -124,6 +120,28 @@ def forward_target_nll(
         stop.remove()
         run.remove()
     return outputs, outputs.loss, targets
+
+
+def forward_target_nll(
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    chunking: LossChunking,
+    *,
+    summed: bool = False,
+    **extra: Any,
+) -> tuple[Any, torch.Tensor, Targets]:
+    """`model_forward` with the loss in chunks (train/loss.py, `forward_target_chunks`): the
+    model's outputs, -log p of each target token (`summed`: their sum), where the targets are."""
+
+    def nll(head: nn.Module, hidden: torch.Tensor, targets: Targets) -> torch.Tensor:
+        return chunked_target_nll(
+            head, hidden, targets, chunk_size=chunking.chunk_size,
+            transform=chunking.transform, summed=summed,
+        )  # fmt: skip
+
+    return forward_target_chunks(model, batch, device, autocast, nll, **extra)
 
 
 def forward_loss_sum(
