@@ -197,3 +197,258 @@ def test_a_cache_of_the_whole_vocabulary_equals_the_live_teacher(loss, beta):
 
 def test_the_terms_are_named_in_the_order_the_chunks_return_them():
     assert TERMS == ("ce", "divergence", "teacher_kl", "top1_agreement")
+
+
+# --- real runs ----------------------------------------------------------------------------------
+
+STEPS = 12
+STUDENT = {
+    "method": "distill", "max_examples": 60, "eval_examples": 20, "max_training_steps": STEPS,
+    "log_every": 1, "eval_every": STEPS, "eval_batches": 8, "learning_rate": 3e-3,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """Chess games with their BPE tokenizer (512 tokens), the student (2 layers of 64), a
+    teacher to train first (3 layers of 96) and one to keep in 4 bits (2 layers of 256), all
+    of the one tokenizer."""
+    from transformers import AutoTokenizer
+
+    from fsdp_utils.synthetic import build_demo_assets, save_tiny_model
+
+    root = tmp_path_factory.mktemp("distill")
+    demo = build_demo_assets(root / "assets", num_games=200, num_shards=1)
+    tokenizer = AutoTokenizer.from_pretrained(demo["model"])
+    teacher = save_tiny_model(root / "teacher_init", tokenizer, hidden_size=96, num_layers=3, seed=1)
+    nf4 = save_tiny_model(root / "teacher_nf4", tokenizer, hidden_size=256, num_layers=2, seed=2)
+    return {**demo, "root": root, "teacher_init": teacher, "teacher_nf4": nf4,
+            "teacher": root / "teacher" / "final", "cache": root / "teacher_cache"}  # fmt: skip
+
+
+def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
+    from tests.train_helpers import tiny_args
+
+    options: dict[str, Any] = {**STUDENT, "teacher": assets.get("teacher"), **overrides}
+    if options["method"] != "distill":
+        options["teacher"] = None
+    return tiny_args(assets, out, assets["root"] / "data_cache", **options)
+
+
+def _trainer_runs(nproc: int, runs: list[dict[str, Any]], root: Path) -> str:
+    from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "runs.json").write_text(json.dumps(runs, default=str))
+    script = [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
+    command = (
+        [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *script]
+        if nproc > 1
+        else [sys.executable, *script]
+    )
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    check_ok(result)
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(assets) -> dict[str, Any]:
+    """One torchrun of 2 processes: the teacher's own fine-tune (all 200 games, 40 steps); on
+    60 of them, a student distilled from it live and one fine-tuned (SFT) the same steps; the
+    same distillation from a cache of the teacher's whole distribution (K = vocabulary) in three
+    legs (the cache pass stopped after 3 batches, training stopped after 5 steps, then the
+    rest); two steps with the teacher in 4 bits."""
+    root = assets["root"]
+    teacher = {"model": assets["teacher_init"], "data": assets["data"], "root": root}
+    cached = _args(assets, root / "cached", teacher_cache=assets["cache"], teacher_top_k=512)
+    runs = [
+        {"args": _args(teacher, root / "teacher", method="sft", max_examples=None,
+                       max_training_steps=40, learning_rate=5e-3, eval_every=0)},
+        {"args": _args(assets, root / "live")},
+        {"args": _args(assets, root / "sft", method="sft")},
+        {"args": cached, "stop_after_teacher_cache_batches": 3},
+        {"args": [*cached, "--stop_after_steps", "5"]},
+        {"args": cached},
+        {"args": _args(assets, root / "nf4", teacher=assets["teacher_nf4"],
+                       teacher_quantize="nf4", max_training_steps=2, eval_every=0)},
+    ]  # fmt: skip
+    stdout = _trainer_runs(2, runs, root / "w2")
+    return {"stdout": stdout, **{name: root / name for name in ("live", "sft", "cached", "nf4")}}
+
+
+def _losses(folder: Path) -> list[float]:
+    from tests.train_helpers import read_metrics
+
+    return [r["loss"] for r in read_metrics(folder)]
+
+
+@pytest.mark.slow
+def test_a_cache_of_the_whole_vocabulary_stopped_and_resumed_trains_as_the_live_teacher(runs):
+    from tests.train_helpers import read_metrics
+
+    live, cached = read_metrics(runs["live"]), read_metrics(runs["cached"])
+    assert [r["step"] for r in cached] == list(range(1, STEPS + 1))
+    assert [r["batch_id"] for r in cached] == [r["batch_id"] for r in live]
+    for name in ("loss", "distill/ce", "distill/teacher_kl", "distill/top1_agreement"):
+        np.testing.assert_allclose(
+            [r[name] for r in cached], [r[name] for r in live], rtol=1e-5, atol=1e-6, err_msg=name
+        )
+    assert [r["step"] for r in read_metrics(runs["cached"], "resumed")] == [5]
+    out = runs["stdout"]
+    assert "distill: the teacher cache stopped at 12 of " in out  # 3 batches x 2 ranks x 2
+    assert "stopping before the first step: stop file during --method distill's work" in out
+    assert "blocks kept, " in out and "distill: teacher cache complete in" in out
+    meta = json.loads((runs["cached"].parent / "teacher_cache" / "meta.json").read_text())
+    assert meta["complete"] and meta["top_k"] == 512
+
+
+@pytest.mark.slow
+def test_one_process_gives_the_losses_of_two(runs, assets):
+    out = assets["root"] / "live_1"
+    _trainer_runs(1, [{"args": _args(assets, out, stop_after_steps=4)}], assets["root"] / "w1")
+    np.testing.assert_allclose(_losses(out), _losses(runs["live"])[:4], rtol=1e-5, atol=1e-6)
+
+
+def _held_out_kl(assets: dict[str, Path], student: Path, run: Path) -> float:
+    """KL(teacher || student) per target token on the held-out blocks of `run`, from the two
+    models' full logits through transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.data.prepare import PreparedData
+
+    config = json.loads((run / "config.json").read_text())
+    blocks = PreparedData.load(Path(config["resolved"]["prepared_data"])).split("eval")
+    batch = blocks.batch(np.arange(len(blocks)))
+    models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in
+              (assets["teacher"], student)]  # fmt: skip
+    with torch.no_grad():
+        t_log, s_log = (
+            torch.log_softmax(m(input_ids=batch["input_ids"]).logits[:, :-1], -1) for m in models
+        )
+    mask = batch["labels"][:, 1:] != IGNORE_INDEX
+    kl = (t_log.exp() * (t_log - s_log)).sum(-1)
+    return float(kl[mask].mean())
+
+
+@pytest.mark.slow
+def test_the_distilled_student_is_closer_to_the_teacher_than_sft_on_the_same_data(runs, assets):
+    """The teacher learnt the games' patterns from 200 of them; the students see 40, which show
+    them only weakly. On the held-out games, the distilled student's KL to the teacher is below
+    the fine-tuned one's (computed here from the exported models' full logits), and the run's own
+    evaluation says the same KL."""
+    from tests.train_helpers import read_metrics
+
+    distilled = _held_out_kl(assets, runs["live"] / "final", runs["live"])
+    fine_tuned = _held_out_kl(assets, runs["sft"] / "final", runs["live"])
+    base = _held_out_kl(assets, assets["model"], runs["live"])
+    assert distilled < 0.8 * fine_tuned < 0.8 * base, (distilled, fine_tuned, base)
+    evaluated = read_metrics(runs["live"], "eval")[-1]
+    assert evaluated["eval_distill/teacher_kl"] == pytest.approx(distilled, rel=0.05)
+    train = read_metrics(runs["live"])
+    assert set(TERMS) <= {name.removeprefix("distill/") for name in train[-1]}
+    assert train[-1]["distill/teacher_kl"] < train[0]["distill/teacher_kl"]
+
+
+@pytest.mark.slow
+def test_a_4_bit_teacher_distils(runs):
+    from tests.train_helpers import read_metrics
+
+    assert "NF4 base: 14 linear weights" in runs["stdout"] or "NF4 base:" in runs["stdout"]
+    records = read_metrics(runs["nf4"])
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+# --- the user's mistakes: exit 2, one paragraph -----------------------------------------------
+
+
+def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from fsdp_utils import cli
+
+    code = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def _one_paragraph(err: str) -> str:
+    assert "Traceback" not in err
+    message = err.strip().removeprefix("error: ")
+    assert "\n\n" not in message, message
+    return message
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_by_name(assets, tmp_path, capsys):
+    from fsdp_utils.synthetic import save_chat_model
+
+    other = save_chat_model(tmp_path / "chat_teacher", "chatml")
+    argv = [*_args(assets, tmp_path / "run", teacher=other), "--preflight", "--world_size", "1"]
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    message = _one_paragraph(err)
+    assert f"The teacher {other} has another vocabulary than the student {assets['model']}" in message
+    assert "choose a teacher of the student's family" in message
+
+
+def test_a_missing_cache_without_a_teacher_names_the_teacher_s_job(assets, tmp_path, capsys):
+    argv = _args(assets, tmp_path / "run", teacher=None, teacher_cache=tmp_path / "empty")
+    code, err = _exit_code([*argv, "--preflight", "--world_size", "1"], capsys)
+    assert code == 2
+    message = _one_paragraph(err)
+    assert f"--teacher_cache {tmp_path / 'empty'} holds no teacher cache" in message
+    assert "--teacher_cache_only" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"teacher": "student"}, "was written by another teacher"),
+        ({"max_seq_length": 32}, "holds the teacher's log-probabilities of another data set"),
+        ({"distill_temperature": 2.0}, "holds log-probabilities at --distill_temperature 1"),
+    ],
+)
+def test_a_cache_of_another_teacher_data_set_or_temperature_is_refused(
+    runs, assets, tmp_path, capsys, change, says
+):
+    """The cache the runs wrote (its teacher, its data), read by a run that differs."""
+    if change.get("teacher") == "student":
+        change = {"teacher": assets["model"]}
+    argv = _args(assets, tmp_path / "run", teacher_cache=assets["cache"], **change)
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    message = _one_paragraph(err)
+    assert f"--teacher_cache {assets['cache']} " in message and says in message
+
+
+def test_the_planner_counts_the_teacher_and_offers_the_teacher_s_own_job(assets):
+    """The teacher's shards (fp32 under --precision fp32, half on each of 2 GPUs) are planned
+    as frozen parameters (bench/distill_memory.py plans the cache's runs too). Its own job is
+    among the changes the planner tries for a run that does not fit."""
+    from transformers import AutoConfig
+
+    from fsdp_utils.config.parse import config_from_dict
+    from fsdp_utils.methods.distill.method import Distill
+    from fsdp_utils.plan import plan_memory
+
+    def options(**more: Any) -> Any:
+        base = {"model": str(assets["model"]), "max_seq_length": 64, "total_batch_size": 4,
+                "batch_size_per_device": 2, "precision": "fp32", "method": "distill"}  # fmt: skip
+        return config_from_dict({**base, **more})
+
+    live = options(teacher=str(assets["teacher_init"]))
+    plan = plan_memory(live, nodes=1, gpus_per_node=2, gpu_memory_bytes=None, suggest_fixes=False)
+    teacher = AutoConfig.from_pretrained(assets["teacher_init"])
+    params = sum(p.numel() for p in _meta_model(teacher).parameters())
+    assert plan.frozen_bytes == params * 4 // 2
+    fixes = dict((flags, trial) for flags, _, trial in Distill.memory_fixes(live))
+    assert fixes["--teacher_cache DIR"].teacher is None
+    assert fixes["--teacher_quantize nf4"].teacher_quantize == "nf4"
+
+
+def _meta_model(hf_config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
