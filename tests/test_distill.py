@@ -67,8 +67,12 @@ def trl_generalized_jsd_loss(
             ),
             dim=0,
         )
-        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
-        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+        kl_teacher = F.kl_div(
+            mixture_log_probs, teacher_log_probs, reduction="none", log_target=True
+        )
+        kl_student = F.kl_div(
+            mixture_log_probs, student_log_probs, reduction="none", log_target=True
+        )
         jsd = beta_t * kl_teacher + (1 - beta_t) * kl_student
     if labels is not None:
         mask = labels != -100
@@ -76,7 +80,9 @@ def trl_generalized_jsd_loss(
     return jsd.sum()  # reduction="sum"
 
 
-def _direct(student: torch.Tensor, teacher: torch.Tensor, loss: str, beta: float, t: float) -> torch.Tensor:
+def _direct(
+    student: torch.Tensor, teacher: torch.Tensor, loss: str, beta: float, t: float
+) -> torch.Tensor:
     """[tokens] the divergence written out from the softmaxes, no library KL."""
     q, p = torch.softmax(student / t, -1), torch.softmax(teacher / t, -1)
     if loss == "forward_kl":
@@ -138,7 +144,9 @@ def _full_logits_terms(h: _Heads, settings: DistillSettings) -> torch.Tensor:
     return torch.stack([ce, div, kl, agree], dim=1)
 
 
-def _chunked(h: _Heads, compute: Any, chunk: int, per_target: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _chunked(
+    h: _Heads, compute: Any, chunk: int, per_target: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
     # All 13 rows of a [1, 13, hidden] batch are targets, in order.
     targets = Targets(rows=torch.arange(13), shifted=torch.arange(13), tokens=h.tokens)
     return chunked_over_targets(
@@ -177,9 +185,7 @@ def test_a_cache_of_the_whole_vocabulary_equals_the_live_teacher(loss, beta):
     h.hidden.grad = None
     cached = functools.partial(cached_terms, settings, (h.student, None))
     for k in (40, 6):
-        entries = teacher_top_k(
-            (h.teacher, None), h.teacher_hidden, k=k, temperature=1.5, vocab=40
-        )
+        entries = teacher_top_k((h.teacher, None), h.teacher_hidden, k=k, temperature=1.5, vocab=40)
         terms = _chunked(h, cached, 5, entries)
         if k == 40:
             torch.testing.assert_close(terms, expected, rtol=1e-9, atol=1e-9)
@@ -189,7 +195,7 @@ def test_a_cache_of_the_whole_vocabulary_equals_the_live_teacher(loss, beta):
             assert (terms[:, 1] <= expected[:, 1] + 1e-12).all()
             assert (terms[:, 1] < expected[:, 1] - 1e-6).any()
             torch.testing.assert_close(terms[:, 0], expected[:, 0])  # the labels' CE
-            ids, top, rest = entries
+            _, top, rest = entries
             assert (top[:, :-1] >= top[:, 1:]).all()  # most likely first
             total = torch.logsumexp(torch.cat([top, rest[:, None]], 1), dim=1)
             torch.testing.assert_close(total, torch.zeros(13, dtype=torch.float64))
@@ -220,7 +226,9 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("distill")
     demo = build_demo_assets(root / "assets", num_games=200, num_shards=1)
     tokenizer = AutoTokenizer.from_pretrained(demo["model"])
-    teacher = save_tiny_model(root / "teacher_init", tokenizer, hidden_size=96, num_layers=3, seed=1)
+    teacher = save_tiny_model(
+        root / "teacher_init", tokenizer, hidden_size=96, num_layers=3, seed=1
+    )
     nf4 = save_tiny_model(root / "teacher_nf4", tokenizer, hidden_size=256, num_layers=2, seed=2)
     return {**demo, "root": root, "teacher_init": teacher, "teacher_nf4": nf4,
             "teacher": root / "teacher" / "final", "cache": root / "teacher_cache"}  # fmt: skip
@@ -387,7 +395,9 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_name(assets, tmp_path, ca
     code, err = _exit_code(argv, capsys)
     assert code == 2
     message = _one_paragraph(err)
-    assert f"The teacher {other} has another vocabulary than the student {assets['model']}" in message
+    assert (
+        f"The teacher {other} has another vocabulary than the student {assets['model']}" in message
+    )
     assert "choose a teacher of the student's family" in message
 
 

@@ -74,9 +74,7 @@ def output_width(hf_config: Any) -> int:
     return int(hf_config.get_text_config().vocab_size)
 
 
-def check_same_vocabulary(
-    student: tuple[str, Path, Any], teacher: tuple[str, Path, Any]
-) -> int:
+def check_same_vocabulary(student: tuple[str, Path, Any], teacher: tuple[str, Path, Any]) -> int:
     """The output width both models' losses read (`shared_vocab`), or a ValueError naming both
     models and where their tokenizers differ. Each of `student`, `teacher`: (name, folder,
     transformers config)."""

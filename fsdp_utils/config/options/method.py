@@ -167,8 +167,7 @@ class MethodOptions:
     distill_max_new_tokens: int = field(
         default=128,
         metadata=_distill(
-            "With --lmbda: at most this many tokens per sampled completion (TRL's "
-            "max_new_tokens)."
+            "With --lmbda: at most this many tokens per sampled completion (TRL's max_new_tokens)."
         ),
     )
 
@@ -228,7 +227,9 @@ def _check_distill(options: MethodOptions) -> None:
     if options.distill_beta != 0.5 and options.distill_loss != "jsd":
         raise ValueError("--distill_beta weighs --distill_loss jsd's mixture: add it or drop beta.")
     if not options.distill_temperature > 0:
-        raise ValueError(f"--distill_temperature must be above 0, got {options.distill_temperature}.")
+        raise ValueError(
+            f"--distill_temperature must be above 0, got {options.distill_temperature}."
+        )
     if not 0.0 <= options.distill_alpha <= 1.0:
         raise ValueError(f"--distill_alpha must be in [0, 1], got {options.distill_alpha}.")
     if not 0.0 <= options.lmbda <= 1.0:

@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -163,7 +163,7 @@ class CacheArrays:
     """One split's arrays in a cache folder, memory-mapped (read-only unless `writable`)."""
 
     def __init__(self, folder: Path, split: str, *, writable: bool = False) -> None:
-        mode = "r+" if writable else "r"
+        mode: Literal["r+", "r"] = "r+" if writable else "r"
         self.arrays = {
             key: np.load(folder / f"{split}_{name}.npy", mmap_mode=mode)
             for key, name in _ARRAYS.items()
@@ -172,8 +172,11 @@ class CacheArrays:
 
     @staticmethod
     def create(folder: Path, split: str, blocks: int, positions: int, k: int) -> None:
-        shapes = {"ids": (blocks, positions, k), "logps": (blocks, positions, k)}
-        shapes["rest"] = (blocks, positions)
+        shapes: dict[str, tuple[int, ...]] = {
+            "ids": (blocks, positions, k),
+            "logps": (blocks, positions, k),
+            "rest": (blocks, positions),
+        }
         dtypes = {"ids": np.int32, "logps": np.float32, "rest": np.float32}
         for name, shape in shapes.items():
             np.lib.format.open_memmap(
@@ -212,18 +215,19 @@ def start_cache(
 ) -> dict[str, Any]:
     """Rank 0: a new cache's meta.json and empty arrays in `folder` (its meta, incomplete)."""
     folder.mkdir(parents=True, exist_ok=True)
+    shapes = {
+        name: {"blocks": len(blocks), "positions": int(blocks.input_ids.shape[1]) - 1}
+        for name, blocks in splits.items()
+    }
+    for name, info in shapes.items():
+        CacheArrays.create(folder, name, info["blocks"], info["positions"], k)
     meta = {
         "key": asdict(key),
         "top_k": k,
-        "splits": {
-            name: {"blocks": len(blocks), "positions": int(blocks.input_ids.shape[1]) - 1}
-            for name, blocks in splits.items()
-        },
+        "splits": shapes,
         "complete": False,
         "world_size": world_size,
     }
-    for name, info in meta["splits"].items():
-        CacheArrays.create(folder, name, info["blocks"], info["positions"], k)
     _write_meta(folder, meta)
     return meta
 

@@ -141,9 +141,7 @@ def live_terms(
     return _terms(settings, nll, student_log, teacher_log, agree)
 
 
-def top_k_buckets(
-    log_probs: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
+def top_k_buckets(log_probs: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[tokens, K + 1] log-probabilities of the tokens `ids` [tokens, K] and of all the others
     together, from one model's log-softmax and its logits (the rest's mass is summed from the
     logits it leaves out, not as 1 - the top K's, which would cancel to noise)."""

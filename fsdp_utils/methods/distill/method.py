@@ -28,8 +28,8 @@ from fsdp_utils.train.step import TrainStep
 
 from ..base import Examples, Method, MethodContext, StepParts, StopCheck
 from .cache import (
-    CacheKey,
     CachedBlocks,
+    CacheKey,
     check_key,
     compute_teacher_cache,
     missing_cache_message,
@@ -140,7 +140,10 @@ class Distill(Method):
             )
             if self.meta is not None:
                 check_key(
-                    self.cache, self.meta, self._key(prepared), teacher_known=bool(self.config.teacher)
+                    self.cache,
+                    self.meta,
+                    self._key(prepared),
+                    teacher_known=bool(self.config.teacher),
                 )
             elif self.config.teacher is None:
                 raise ValueError(missing_cache_message(self.cache, None))
@@ -304,7 +307,9 @@ class Distill(Method):
             f"--teacher: top {config.teacher_top_k} log-probabilities per token, "
             f"{8 * config.teacher_top_k + 4} bytes per token on disk"
         )
-        fixes.append(("--teacher_cache DIR", cost, config.replace(teacher=None, teacher_cache="DIR")))
+        fixes.append(
+            ("--teacher_cache DIR", cost, config.replace(teacher=None, teacher_cache="DIR"))
+        )
         return fixes
 
     def evaluate(

@@ -164,11 +164,11 @@ def evaluate_distill(
             totals[0] += objective.to(torch.float64)
             totals[1:-1] += sums
             totals[-1] += float(host_targets(batch).rows.numel())
-    loss_sum, *sums, count = dist_utils.all_reduce_sum(totals).tolist()
+    loss_sum, *term_sums, count = dist_utils.all_reduce_sum(totals).tolist()
     if count == 0:
         return None
     return {
         "eval_loss": loss_sum / count,
-        **term_means(sums, count, prefix="eval_"),
+        **term_means(term_sums, count, prefix="eval_"),
         "eval_tokens": int(count),
     }
