@@ -13,6 +13,15 @@ same tokens whichever batch, place or rank it lands in, so a run on one process 
 agree token for token (up to the rounding of the logits themselves: a forward of another batch
 shape may differ in the last bits, which changes a token only when a draw falls within that
 distance of a boundary between two tokens' probabilities).
+
+Rollouts (`Rollout`, `RolloutEngine`, `PolicyEngine`): completions sampled by the policy that
+is being trained, for methods that learn from their own samples (GRPO: fsdp_utils/methods/grpo/;
+on-policy distillation). Prompts' token ids and a seed per row go in; the completions' ids (the
+stop token that ended one included), the log-probability of each sampled token, and whether it
+ran out of tokens come out, with the masks and the teacher-forced batch a training step reads.
+`PolicyEngine` samples in the training processes themselves, its parameters gathered for the
+whole rollout phase (`gathered_parameters`: one all-gather per shard group, not one per token);
+an inference server (vLLM) would be another `RolloutEngine` behind the same two calls.
 """
 
 from __future__ import annotations
@@ -20,20 +29,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from fsdp_utils.data.blocks import IGNORE_INDEX
 from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.parallelize import gathered_parameters, no_grad_pass
 
 
 @dataclass
 class Generated:
     tokens: list[int]  # the continuation, without the EOS
     eos: bool  # the model wrote EOS
+    stop_token: int | None = None  # which EOS (one of `eos_token_id`'s), when it wrote one
+    # With `logprobs=True`: log p of each token of `tokens`, then of the EOS when it wrote one,
+    # under the sampling temperature (`Sampling.logprobs`).
+    logprobs: list[float] = field(default_factory=list)
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -96,6 +111,16 @@ class Sampling:
             scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return scores.softmax(dim=-1)
 
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(rows,) float64 log p(token) under the logits divided by `temperature`, before the
+        top-k and top-p filters: the distribution a policy-gradient method's training forward
+        computes for the same token (TRL's GRPOTrainer scores its completions so)."""
+        logp = torch.log_softmax(logits.double() / self.temperature, dim=-1)
+        return logp.gather(-1, tokens.to(logp.device).view(-1, 1)).view(-1)
+
+
+GREEDY_LOGPROBS = Sampling(1.0)  # greedy decoding's log-probabilities: the plain softmax's
+
 
 def row_seed(seed: int, *item: object) -> int:
     """The seed of the item named `item` (an index, or a task, document and repeat) in a run
@@ -123,18 +148,22 @@ def continue_prompts(
     prompts: Sequence[Sequence[int]],
     *,
     pad_token_id: int,
-    eos_token_id: int,
+    eos_token_id: int | Collection[int],
     max_new_tokens: int,
-    is_done: Callable[[int, list[int]], bool],
+    is_done: Callable[[int, list[int]], bool] | None = None,
     device: torch.device,
     sampling: Sampling | None = None,
     seeds: Sequence[int] | None = None,
     autocast: Callable[[], Any] | None = None,
+    logprobs: bool = False,
 ) -> list[Generated]:
     """Continue each prompt token by token (greedy, or drawn as `sampling` says from a
-    generator per row seeded with `seeds[b]`), with a KV cache. Row b stops at EOS, when
-    `is_done(b, tokens)` says its verdict is known, or after `max_new_tokens`. Collective under
-    FSDP: every rank must call it equally often."""
+    generator per row seeded with `seeds[b]`), with a KV cache. Row b stops at an EOS (any of
+    `eos_token_id`'s), when `is_done(b, tokens)` says its verdict is known, or after
+    `max_new_tokens`. `logprobs`: record each token's log-probability (`Generated.logprobs`).
+    Collective under FSDP: every rank must call it equally often."""
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    scoring = sampling or GREEDY_LOGPROBS
     rows = len(prompts)
     length = max(len(p) for p in prompts)
     input_ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
@@ -166,15 +195,19 @@ def continue_prompts(
             picked = [int(t) for t in last.argmax(dim=-1).tolist()]
         else:
             picked = _draw(sampling.probabilities(last), generators)
+        scores = scoring.logprobs(last, torch.tensor(picked)).tolist() if logprobs else None
         for b, token in enumerate(picked):
             if done[b]:
                 continue
-            if token == eos_token_id:
+            if scores is not None:
+                results[b].logprobs.append(scores[b])
+            if token in stops:
                 results[b].eos = True
+                results[b].stop_token = token
                 done[b] = True
                 continue
             results[b].tokens.append(token)
-            done[b] = is_done(b, results[b].tokens)
+            done[b] = is_done is not None and is_done(b, results[b].tokens)
         if step == max_new_tokens - 1 or _everyone_done(all(done), device):
             break
         feed = torch.tensor(
@@ -212,3 +245,144 @@ def top1_hits(
     predicted = logits[:, :-1].argmax(dim=-1)
     match = (predicted == input_ids[:, 1:]).cpu().tolist()
     return [[False, *row[: len(seq) - 1]] for row, seq in zip(match, sequences, strict=True)]
+
+
+# --- rollouts: completions sampled by the policy, for methods that learn from them ---------
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Completions of prompts, one per row, as the policy sampled them."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # the sampled tokens; the stop token last when one ended it
+    # log p of each completion token when it was sampled (`Sampling.logprobs`: under the
+    # temperature, before top-k/top-p), computed by the decoding forward with its KV cache
+    logprobs: list[list[float]]
+    truncated: list[bool]  # no stop token within the maximum number of new tokens
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Rollout]) -> Rollout:
+        return cls(
+            [p for r in parts for p in r.prompt_ids],
+            [c for r in parts for c in r.completion_ids],
+            [lp for r in parts for lp in r.logprobs],
+            [t for r in parts for t in r.truncated],
+        )
+
+    def select(self, rows: Sequence[int]) -> Rollout:
+        return Rollout(
+            [self.prompt_ids[i] for i in rows],
+            [self.completion_ids[i] for i in rows],
+            [self.logprobs[i] for i in rows],
+            [self.truncated[i] for i in rows],
+        )
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(c) for c in self.completion_ids]
+
+    def completion_mask(self) -> torch.Tensor:
+        """[rows, longest completion] bool: which positions hold a completion token."""
+        width = max(self.lengths, default=0)
+        return torch.arange(width)[None, :] < torch.tensor(self.lengths)[:, None]
+
+    def padded_completions(self, pad_token_id: int) -> torch.Tensor:
+        """[rows, longest completion] int64, right-padded with `pad_token_id`."""
+        out = torch.full(self.completion_mask().shape, pad_token_id, dtype=torch.long)
+        for b, ids in enumerate(self.completion_ids):
+            out[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+    def padded_logprobs(self) -> torch.Tensor:
+        """[rows, longest completion] float64 sampling log-probabilities, 0 on padding."""
+        out = torch.zeros(self.completion_mask().shape, dtype=torch.float64)
+        for b, values in enumerate(self.logprobs):
+            out[b, : len(values)] = torch.tensor(values, dtype=torch.float64)
+        return out
+
+    def training_batch(self, pad_token_id: int) -> dict[str, torch.Tensor]:
+        """The teacher-forced batch of prompt + completion: `input_ids` [rows, longest prompt +
+        completion], right-padded (causal attention needs no mask: padding only follows), and
+        `labels` holding the completion tokens only (IGNORE_INDEX on prompts and padding), so
+        that the training forward's log-probabilities of `next_token_labels` are exactly the
+        completion's tokens, positions [prompt length - 1, ...) of the shifted labels."""
+        pairs = list(zip(self.prompt_ids, self.completion_ids, strict=True))
+        width = max((len(p) + len(c) for p, c in pairs), default=0)
+        input_ids = torch.full((len(self), width), pad_token_id, dtype=torch.long)
+        labels = torch.full((len(self), width), IGNORE_INDEX, dtype=torch.long)
+        for b, (prompt, completion) in enumerate(pairs):
+            sequence = torch.tensor([*prompt, *completion], dtype=torch.long)
+            input_ids[b, : len(sequence)] = sequence
+            labels[b, len(prompt) : len(sequence)] = sequence[len(prompt) :]
+        return {"input_ids": input_ids, "labels": labels}
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How completions are sampled: at most `max_new_tokens`, ended by any of `stop_token_ids`
+    (the tokenizer's EOS, the chat template's end of turn), drawn as `sampling` says (None:
+    greedy), rows padded with `pad_token_id`."""
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    pad_token_id: int
+    sampling: Sampling | None
+
+
+class RolloutEngine(Protocol):
+    """Where a method's completions come from. `rollout_phase()` brackets a phase of
+    generation (the policy's current weights made available to the sampler; given back to
+    training at its end) and `generate` samples one batch inside it. Both are collective
+    when the engine is the sharded policy itself. An inference server (vLLM, SGLang) would
+    implement the same two: weights synced into it on entering the phase, `generate` sent
+    to it; none is built here (nothing here could test it)."""
+
+    def rollout_phase(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> Rollout: ...
+
+
+class PolicyEngine:
+    """Rollouts from the policy being trained, in its own processes: under FSDP2 with every
+    shard group's parameters gathered for the whole phase, a KV cache, one tiny all-reduce per
+    token (every rank decodes until every rank's rows are done). Row b's tokens come from a
+    generator seeded with `seeds[b]`, so a row samples the same completion whichever batch,
+    place, rank or world size it lands in (`continue_prompts`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: RolloutSettings,
+        *,
+        device: torch.device,
+        autocast: Callable[[], Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.device = device
+        self.autocast = autocast
+
+    @contextlib.contextmanager
+    def rollout_phase(self) -> Iterator[None]:
+        """Eval mode, no gradients, parameters gathered; resharded and back in training mode
+        after (`no_grad_pass`)."""
+        with no_grad_pass(self.model), gathered_parameters(self.model):
+            yield
+
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> Rollout:
+        s = self.settings
+        generated = continue_prompts(
+            self.model, prompts, pad_token_id=s.pad_token_id, eos_token_id=s.stop_token_ids,
+            max_new_tokens=s.max_new_tokens, device=self.device, sampling=s.sampling,
+            seeds=seeds, autocast=self.autocast, logprobs=True,
+        )  # fmt: skip
+        return Rollout(
+            [list(p) for p in prompts],
+            [g.tokens + ([g.stop_token] if g.stop_token is not None else []) for g in generated],
+            [g.logprobs for g in generated],
+            [not g.eos for g in generated],
+        )

@@ -244,6 +244,34 @@ def no_grad_pass(model: nn.Module) -> Iterator[None]:
         reshard(model)
 
 
+@contextlib.contextmanager
+def gathered_parameters(model: nn.Module) -> Iterator[None]:
+    """Within: every FSDP2 shard group keeps its parameters gathered after its forward, so the
+    many small forwards of token-by-token decoding all-gather each group once (at the first
+    forward) rather than once per token, as torchtune's GRPO recipe generates with
+    `reshard_after_forward=False`. The price is the whole model's parameters, unsharded in
+    the compute dtype, on every rank for as long as it lasts (the memory planner counts them
+    for a rollout phase). On leaving, each group gets back its own setting and is resharded.
+    No-op for DDP and single-device models."""
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    before = [_reshards_after_forward(m) for m in groups]
+    for module in groups:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module, setting in zip(groups, before, strict=True):
+            module.set_reshard_after_forward(setting, recurse=False)
+        reshard(model)
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    """A shard group's reshard_after_forward as `parallelize` set it. FSDP2 has a setter and no
+    getter: its parameter groups keep a post-forward mesh exactly when they reshard."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(group.post_forward_mesh_info is not None for group in groups)
+
+
 def reshard(model: nn.Module) -> None:
     """Free every FSDP2 shard group's gathered parameters now. A forward under no_grad leaves
     the groups that do not reshard after forward (the root, the last decoder layer) gathered,
