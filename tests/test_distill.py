@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -221,7 +222,13 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     of the one tokenizer."""
     from transformers import AutoTokenizer
 
-    from fsdp_utils.synthetic import build_demo_assets, save_tiny_model
+    from fsdp_utils.synthetic import (
+        build_demo_assets,
+        chat_tokenizer,
+        random_words,
+        save_tiny_model,
+    )
+    from tests.chat_helpers import write_jsonl
 
     root = tmp_path_factory.mktemp("distill")
     demo = build_demo_assets(root / "assets", num_games=200, num_shards=1)
@@ -230,8 +237,21 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         root / "teacher_init", tokenizer, hidden_size=96, num_layers=3, seed=1
     )
     nf4 = save_tiny_model(root / "teacher_nf4", tokenizer, hidden_size=256, num_layers=2, seed=2)
+    # Prompts and answers for the student's own samples (--lmbda), in a chat tokenizer
+    chat = chat_tokenizer("chatml")
+    rng = random.Random(0)
+    rows = [
+        {
+            "prompt": random_words(rng, rng.randint(2, 6)),
+            "completion": " " + random_words(rng, rng.randint(1, 5)),
+        }
+        for _ in range(120)
+    ]
     return {**demo, "root": root, "teacher_init": teacher, "teacher_nf4": nf4,
-            "teacher": root / "teacher" / "final", "cache": root / "teacher_cache"}  # fmt: skip
+            "teacher": root / "teacher" / "final", "cache": root / "teacher_cache",
+            "chat_student": save_tiny_model(root / "chat_student", chat, seed=0),
+            "chat_teacher": save_tiny_model(root / "chat_teacher", chat, hidden_size=96, seed=1),
+            "prompts": write_jsonl(root / "prompts.jsonl", rows)}  # fmt: skip
 
 
 def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
@@ -272,6 +292,7 @@ def runs(assets) -> dict[str, Any]:
     root = assets["root"]
     teacher = {"model": assets["teacher_init"], "data": assets["data"], "root": root}
     cached = _args(assets, root / "cached", teacher_cache=assets["cache"], teacher_top_k=512)
+    split = _on_policy_args(assets, root / "on_policy_split")
     runs = [
         {"args": _args(teacher, root / "teacher", method="sft", max_examples=None,
                        max_training_steps=40, learning_rate=5e-3, eval_every=0)},
@@ -282,9 +303,23 @@ def runs(assets) -> dict[str, Any]:
         {"args": cached},
         {"args": _args(assets, root / "nf4", teacher=assets["teacher_nf4"],
                        teacher_quantize="nf4", max_training_steps=2, eval_every=0)},
+        {"args": _on_policy_args(assets, root / "on_policy")},
+        {"args": [*split, "--stop_after_steps", "3"]},
+        {"args": split},
     ]  # fmt: skip
     stdout = _trainer_runs(2, runs, root / "w2")
-    return {"stdout": stdout, **{name: root / name for name in ("live", "sft", "cached", "nf4")}}
+    names = ("live", "sft", "cached", "nf4", "on_policy", "on_policy_split")
+    return {"stdout": stdout, **{name: root / name for name in names}}
+
+
+def _on_policy_args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
+    """Half the steps on the student's own samples: prompt/completion rows, one per block."""
+    chat = {"model": assets["chat_student"], "data": assets["prompts"], "root": assets["root"]}
+    return _args(
+        chat, out, teacher=assets["chat_teacher"], lmbda=0.5, no_packing=True,
+        max_seq_length=48, distill_max_new_tokens=12, max_examples=None, eval_every=0,
+        max_training_steps=6, **overrides,
+    )  # fmt: skip
 
 
 def _losses(folder: Path) -> list[float]:
@@ -314,10 +349,41 @@ def test_a_cache_of_the_whole_vocabulary_stopped_and_resumed_trains_as_the_live_
 
 
 @pytest.mark.slow
-def test_one_process_gives_the_losses_of_two(runs, assets):
-    out = assets["root"] / "live_1"
-    _trainer_runs(1, [{"args": _args(assets, out, stop_after_steps=4)}], assets["root"] / "w1")
-    np.testing.assert_allclose(_losses(out), _losses(runs["live"])[:4], rtol=1e-5, atol=1e-6)
+def test_one_process_gives_the_losses_and_samples_of_two(runs, assets):
+    """The live teacher's run, and the on-policy run (the same steps on the student's samples,
+    and the same samples: their losses are the teacher's verdicts on them), on 1 process."""
+    from tests.train_helpers import read_metrics
+
+    root = assets["root"]
+    one = [
+        {"args": _args(assets, root / "live_1", stop_after_steps=4)},
+        {"args": _on_policy_args(assets, root / "on_policy_1")},
+    ]
+    _trainer_runs(1, one, root / "w1")
+    np.testing.assert_allclose(_losses(root / "live_1"), _losses(runs["live"])[:4], rtol=1e-5)
+    flags = [r["distill/on_policy"] for r in read_metrics(root / "on_policy_1")]
+    assert flags == [r["distill/on_policy"] for r in read_metrics(runs["on_policy"])]
+    np.testing.assert_allclose(_losses(root / "on_policy_1"), _losses(runs["on_policy"]), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_on_policy_steps_are_the_lmbda_share_score_the_samples_and_resume_exactly(runs):
+    """lmbda 0.5: some steps on the data, some on the student's samples, the same in a run
+    stopped at step 3 and resumed; a sampled step's loss is the divergence alone."""
+    from tests.train_helpers import read_metrics
+
+    whole, split = read_metrics(runs["on_policy"]), read_metrics(runs["on_policy_split"])
+    flags = [r["distill/on_policy"] for r in whole]
+    assert 0 < sum(flags) < len(flags), flags
+    assert flags == [r["distill/on_policy"] for r in split]
+    np.testing.assert_allclose([r["loss"] for r in split], [r["loss"] for r in whole], rtol=1e-5)
+    for record in whole:
+        if record["distill/on_policy"]:
+            assert record["loss"] == pytest.approx(record["distill/divergence"], rel=1e-6)
+        else:  # alpha 0.5 of each
+            mixed = 0.5 * (record["distill/divergence"] + record["distill/ce"])
+            assert record["loss"] == pytest.approx(mixed, rel=1e-6)
+    assert "on-policy (--lmbda 0.5)" in runs["stdout"]
 
 
 def _held_out_kl(assets: dict[str, Path], student: Path, run: Path) -> float:

@@ -66,9 +66,10 @@ def _distillation(m: dict[str, Any], prefix: str = "") -> str:
     kl = m.get(f"{prefix}distill/teacher_kl")
     if kl is None:
         return ""
+    sampled = " (student's samples)" if m.get(f"{prefix}distill/on_policy") else ""
     return (
         f" | kl {kl:.4f} ce {m[f'{prefix}distill/ce']:.4f} "
-        f"top-1 agree {100 * m[f'{prefix}distill/top1_agreement']:.1f}%"
+        f"top-1 agree {100 * m[f'{prefix}distill/top1_agreement']:.1f}%{sampled}"
     )
 
 

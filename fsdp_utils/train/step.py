@@ -347,13 +347,18 @@ class TrainStep:
         objective = loss_sum
         if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)
             objective = loss_sum + router.objective_term(outputs, batch_targets(batch))
-        # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
-        # average into the sum over all ranks' tokens, divided by the global token count.
+        self.backward(objective, global_targets)
+        return loss_sum.detach().to(torch.float64)
+
+    def backward(self, objective: torch.Tensor, global_targets: float) -> None:
+        """Backward of a micro-batch's summed objective, normalised by the step's count (of all
+        micro-batches and ranks) and scaled for fp16-mixed. FSDP and DDP average gradients over
+        ranks; multiplying by the world size turns that average into the sum over all ranks'
+        tokens, divided by the global token count."""
         loss = objective * (self.world_size / max(global_targets, 1.0))
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-        return loss_sum.detach().to(torch.float64)
 
     def clip_gradients(self) -> torch.Tensor | None:
         """Clip to --grad_clip and return the global gradient norm, on the device (no sync)."""

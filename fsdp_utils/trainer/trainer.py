@@ -205,7 +205,7 @@ class Trainer:
         if stopped is not None:
             raise StoppedBeforeFirstStep(stopped, f"--method {config.method}'s work")
         if not self.method.trains():  # that work was the job: no step, no final model
-            self.work_only = f"--method {config.method}'s work before training is done"
+            self.work_only = f"--method {config.method}'s work before the first step was the job"
             return
         self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)

@@ -43,6 +43,8 @@ CACHE_VERSION = 1  # bump when what the cache holds, or how it is computed, chan
 META = "meta.json"
 # The batch's keys for the cache's rows (`CachedBlocks`), in the order the chunks read them.
 CACHE_KEYS = ("teacher_ids", "teacher_logps", "teacher_rest")
+# ... and for its rows' block indices in their split: what names a row's samples (--lmbda)
+BLOCK_ROWS = "block_rows"
 _ARRAYS = dict(zip(CACHE_KEYS, ("ids", "logps", "rest"), strict=True))
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -96,46 +98,51 @@ def progress(folder: Path, meta: dict[str, Any]) -> tuple[int, int]:
     return done, total
 
 
+def _teacher(name: str, files: dict[str, Any]) -> str:
+    commit = files.get("commit")
+    return f"{name} (commit {commit[:10]})" if commit else f"{name} (a local folder)"
+
+
 def check_key(folder: Path, meta: dict[str, Any], key: CacheKey, *, teacher_known: bool) -> None:
     """A ValueError naming what differs when the cache in `folder` is not this run's: another
     data set, another teacher (when the run names one), another temperature or vocabulary."""
     saved = meta["key"]
-    fix = (
-        f"Point --teacher_cache at another (empty) folder to write this run's, or delete "
+    other = (
+        f"point --teacher_cache at another (empty) folder to write this run's, or delete "
         f"{folder} if its cache is no longer needed."
     )
     if saved.get("version") != key.version:
         raise ValueError(
             f"--teacher_cache {folder} was written by another version of this code (cache "
-            f"format {saved.get('version')}, this one reads {key.version}). {fix}"
+            f"format {saved.get('version')}, this one reads {key.version}). Rerun the teacher's "
+            f"job, or {other}"
         )
     if saved["data"] != key.data:
         raise ValueError(
             f"--teacher_cache {folder} holds the teacher's log-probabilities of another data "
             f"set (prepared as {saved['data']}; this run's is {key.data}: other files, "
-            "tokenizer or preparation options such as --max_seq_length). Its rows would not be "
-            f"this run's tokens. {fix}"
+            "tokenizer or preparation options such as --max_seq_length), whose rows are not "
+            f"this run's tokens. Give this run the data flags of the teacher's job, or {other}"
         )
     if teacher_known and (
         saved["teacher_files"] != key.teacher_files or saved["teacher"] != key.teacher
     ):
         raise ValueError(
-            f"--teacher_cache {folder} was written by another teacher ({saved['teacher']}, "
-            f"commit {saved['teacher_files'].get('commit') or 'local'}) than this run's "
-            f"--teacher {key.teacher} (commit {key.teacher_files.get('commit') or 'local'}, "
-            "or its files differ). Drop --teacher to train from the cache as it is, or: "
-            f"{fix}"
+            f"--teacher_cache {folder} was written by another teacher, "
+            f"{_teacher(saved['teacher'], saved['teacher_files'])}, than this run's --teacher "
+            f"{_teacher(key.teacher, key.teacher_files)} (or its files have changed since). Drop "
+            f"--teacher to train from the cache as it is, or {other}"
         )
     if saved["temperature"] != key.temperature:
         raise ValueError(
             f"--teacher_cache {folder} holds log-probabilities at --distill_temperature "
             f"{saved['temperature']:g}, this run asks for {key.temperature:g}. Run with "
-            f"--distill_temperature {saved['temperature']:g}, or: {fix}"
+            f"--distill_temperature {saved['temperature']:g}, or {other}"
         )
     if saved["vocab"] != key.vocab:
         raise ValueError(
             f"--teacher_cache {folder} covers {saved['vocab']:,} output columns, this run's "
-            f"student and teacher share {key.vocab:,}. {fix}"
+            f"student and teacher share {key.vocab:,}: {other}"
         )
 
 
@@ -296,9 +303,10 @@ def compute_teacher_cache(
 
 
 class CachedBlocks:
-    """A split's blocks whose batches also carry the teacher cache's rows (`CACHE_KEYS`)
-    once `attach` has opened them: the step reads the teacher from the batch, so a batch is
-    whole wherever it is built (the trainer's next step, an evaluation)."""
+    """A split's blocks whose batches also carry their block indices (`BLOCK_ROWS`) and the
+    teacher cache's rows (`CACHE_KEYS`) once `attach` has opened them: the step reads the
+    teacher from the batch, so a batch is whole wherever it is built (the trainer's next step,
+    an evaluation)."""
 
     def __init__(self, blocks: TokenBlocks, split: str) -> None:
         self.blocks = blocks
@@ -313,6 +321,7 @@ class CachedBlocks:
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         batch = self.blocks.batch(indices)
+        batch[BLOCK_ROWS] = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         if self.arrays is not None:
             batch.update(self.arrays.read(np.asarray(indices)))
         return batch

@@ -6,6 +6,7 @@ whose loss of a micro-batch is distillation's (step.py)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,7 +25,7 @@ from fsdp_utils.hub.resolve import (
 from fsdp_utils.model.teacher import check_same_vocabulary, output_width
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.train.loss import LossChunking, logit_transform
-from fsdp_utils.train.step import TrainStep
+from fsdp_utils.train.step import TrainStep, build_train_step
 
 from ..base import Examples, Method, MethodContext, StepParts, StopCheck
 from .cache import (
@@ -38,7 +39,14 @@ from .cache import (
     teacher_files,
 )
 from .loss import DistillSettings
-from .step import DistillLoss, DistillStep, build_distill_step, evaluate_distill
+from .on_policy import OnPolicy, describe_data_problem
+from .step import (
+    DistillLoss,
+    DistillStep,
+    TeacherPassStep,
+    build_distill_step,
+    evaluate_distill,
+)
 from .teacher import CachedStandIn, CachedTeacher, LiveTeacher, TeacherSource
 
 # --loss_chunk_size 0 (unchunked): the whole micro-batch's targets in one chunk
@@ -63,6 +71,12 @@ def _known_logits(hf_config: Any, who: str) -> None:
         )
 
 
+def _pad_token_id(hf_config: Any, stop_token_ids: list[int]) -> int:
+    """The token the samples are padded with (never read: the labels ignore padding)."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    return int(pad) if pad is not None else int(stop_token_ids[0]) if stop_token_ids else 0
+
+
 class Distill(Method):
     name: ClassVar[str] = "distill"
     step: DistillStep  # set by build_step
@@ -77,6 +91,7 @@ class Distill(Method):
         self.live: LiveTeacher | None = None
         self.vocab: int | None = None
         self.prepared: PreparedData | None = None
+        self.stop_token_ids: list[int] = []  # the data's (--lmbda's samples end at one)
 
     # --- checks and the teacher's files -------------------------------------------------------
 
@@ -151,6 +166,14 @@ class Distill(Method):
             self.prepared = prepared
             if self.cached:
                 self._attach()
+        if self.config.lmbda > 0:
+            problem = describe_data_problem(prepared.meta["spec"])
+            if problem is not None:
+                raise ValueError(
+                    f"--lmbda {self.config.lmbda}: the student samples the answers of the data's "
+                    f"prompts, but {problem} (docs/distillation.md#on-policy)."
+                )
+            self.stop_token_ids = prepared.stop_token_ids(self.context.model_dir)
         return self.splits["train"], self.splits["eval"]
 
     def _key(self, prepared: PreparedData) -> CacheKey:
@@ -185,7 +208,14 @@ class Distill(Method):
             )
         else:
             teacher = f"{c.teacher}, sharded beside the student, run at every micro-batch"
-        return f"distill: {settings}; teacher: {teacher}"
+        on_policy = (
+            f"; on-policy (--lmbda {c.lmbda:g}): on that share of the steps the student samples "
+            f"the answers (at most {c.distill_max_new_tokens} tokens) and the live teacher "
+            f"{c.teacher} scores them"
+            if c.lmbda > 0
+            else ""
+        )
+        return f"distill: {settings}; teacher: {teacher}{on_policy}"
 
     def before_first_step(self, model: nn.Module, parts: StepParts, stop: StopCheck) -> str | None:
         """Collective: the teacher's cache of every block (train and eval) when it is to be
@@ -230,8 +260,14 @@ class Distill(Method):
             return stopped
         self.cached = True
         self._attach()
-        teacher.close()  # the data's batches read the cache from now on
-        self.live = None
+        if c.teacher_cache_only:
+            self.context.log(
+                f"distill: the teacher's job is done (--teacher_cache_only); train the student "
+                f"with --teacher_cache {self.cache} and without --teacher (no teacher loaded)"
+            )
+        if c.lmbda == 0:  # the data's batches read the cache from now on
+            teacher.close()
+            self.live = None
         return None
 
     def trains(self) -> bool:
@@ -251,37 +287,71 @@ class Distill(Method):
         return self.live
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
+        c = self.config
         teacher: TeacherSource = (
             CachedTeacher(self.env.device) if self.cached else self._live(parts)
         )
-        return self._step(model, parts, teacher, self._vocab())
+        on_policy = None
+        if c.lmbda > 0:
+            settings = OnPolicy.settings(
+                max_new_tokens=c.distill_max_new_tokens, stop_token_ids=self.stop_token_ids,
+                pad_token_id=_pad_token_id(self.context.hf_config, self.stop_token_ids),
+                temperature=c.distill_temperature,
+            )  # fmt: skip
+            on_policy = OnPolicy(
+                model, seed=c.seed, lmbda=c.lmbda, settings=settings, device=self.env.device,
+                autocast=parts.autocast,
+            )  # fmt: skip
+        live = self._live(parts) if on_policy is not None else None
+        return self._step(model, parts, teacher, self._vocab(), on_policy=on_policy, live=live)
 
     def planned_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
-        """The planner's: the teacher built on fake tensors (its config.json is all it reads),
-        or a stand-in for the cache's rows."""
+        """The planner's: the teacher built on fake tensors (its config.json is all it reads)
+        when the run holds it, a stand-in for the cache's rows when the data's batches read
+        them. (The sampling phase of --lmbda is not traced.)"""
         c = self.config
-        if c.teacher is None or c.teacher_cache is not None:
-            k = c.teacher_top_k
+        cached = c.teacher is None or (c.teacher_cache is not None and not c.teacher_cache_only)
+        k = c.teacher_top_k
+        if c.teacher is None or (cached and c.lmbda == 0):
             return self._step(model, parts, CachedStandIn(self.env.device, k), None)
         teacher_config = load_model_config(self.teacher_dir(c, config_only=True))
-        self.live = LiveTeacher.build(
+        teacher = self.live = LiveTeacher.build(
             c, self.env, model_dir=None, hf_config=teacher_config, autocast=parts.autocast,
             log=self.context.log,
         )  # fmt: skip
         vocab = min(output_width(teacher_config), output_width(self.context.hf_config))
-        return self._step(model, parts, self.live, vocab)
+        if c.teacher_cache_only:  # the teacher's job of its own: its pass, nothing trained
+            top_k = functools.partial(
+                teacher.top_k_entries, k=min(k, vocab), temperature=c.distill_temperature,
+                vocab=vocab, chunk_size=self.chunking.chunk_size,
+            )  # fmt: skip
+            return build_train_step(
+                model, c, world_size=self.env.world_size, device=self.env.device,
+                hf_config=self.context.hf_config, autocast=parts.autocast, grad_scaler=False,
+                step_class=TeacherPassStep, router_loss=None, chunking=self.chunking,
+                teacher=teacher, top_k=top_k,
+            )  # fmt: skip
+        data: TeacherSource = CachedStandIn(self.env.device, k) if cached else teacher
+        return self._step(model, parts, data, vocab, live=teacher)
 
     def _step(
-        self, model: nn.Module, parts: StepParts, teacher: TeacherSource, vocab: int | None
+        self,
+        model: nn.Module,
+        parts: StepParts,
+        teacher: TeacherSource,
+        vocab: int | None,
+        *,
+        on_policy: OnPolicy | None = None,
+        live: TeacherSource | None = None,
     ) -> TrainStep:
         distill_loss = DistillLoss(
             teacher, DistillSettings.of(self.config, vocab), chunking=self.chunking,
-            device=self.env.device, autocast=parts.autocast,
+            device=self.env.device, autocast=parts.autocast, live=live,
         )  # fmt: skip
         self.step = build_distill_step(
             model, self.config, world_size=self.env.world_size, device=self.env.device,
             hf_config=self.context.hf_config, chunking=self.chunking, distill_loss=distill_loss,
-            autocast=parts.autocast, grad_scaler=parts.grad_scaler,
+            on_policy=on_policy, autocast=parts.autocast, grad_scaler=parts.grad_scaler,
         )  # fmt: skip
         return self.step
 

@@ -27,14 +27,13 @@ from fsdp_utils.train.loss import LossChunking, Targets, chunked_over_targets
 from fsdp_utils.train.step import Batch, TrainStep, build_train_step, forward_target_chunks
 
 from .loss import TERMS, DistillSettings
-from .teacher import TeacherSource, host_targets
-
-# Batches the student sampled (--lmbda) carry this key: their loss is the divergence alone.
-ON_POLICY = "on_policy"
+from .on_policy import ON_POLICY, OnPolicy
+from .teacher import LiveTeacher, TeacherSource, host_targets
 
 
 class DistillLoss:
-    """Distillation's loss of one micro-batch and the sums of its terms."""
+    """Distillation's loss of one micro-batch and the sums of its terms. `teacher` scores the
+    data's batches (live or cached), `live` the student's own samples (--lmbda)."""
 
     def __init__(
         self,
@@ -44,8 +43,10 @@ class DistillLoss:
         chunking: LossChunking,
         device: torch.device,
         autocast: Callable[[], Any],
+        live: TeacherSource | None = None,
     ) -> None:
         self.teacher = teacher
+        self.live = live
         self.settings = settings
         self.chunking = chunking
         self.device = device
@@ -54,12 +55,15 @@ class DistillLoss:
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed loss of the batch's targets, differentiable; the sums of `TERMS` [4]
         fp64). The teacher first: under no_grad, its activations are freed before the
-        student's. Call `teacher.release()` after the backward."""
-        per_target = self.teacher.per_target(batch, host_targets(batch))
+        student's. Call `release` after the backward."""
+        sampled = ON_POLICY in batch
+        teacher = self.live if sampled else self.teacher
+        assert teacher is not None, "the student's own samples need the live teacher"
+        per_target = teacher.per_target(batch, host_targets(batch))
         settings = self.settings
 
         def loss_of_hidden(head: nn.Module, hidden: torch.Tensor, targets: Targets) -> torch.Tensor:
-            compute = self.teacher.terms(settings, (head, self.chunking.transform))
+            compute = teacher.terms(settings, (head, self.chunking.transform))
             return chunked_over_targets(
                 compute, hidden, targets, chunk_size=self.chunking.chunk_size,
                 per_target=per_target,
@@ -68,9 +72,16 @@ class DistillLoss:
         _, terms, _ = forward_target_chunks(
             model, batch, self.device, self.autocast, loss_of_hidden
         )
-        ce_weight = 0.0 if ON_POLICY in batch else 1.0 - settings.alpha
-        objective = (settings.alpha * terms[:, 1] + ce_weight * terms[:, 0]).sum()
+        # The student's own samples: the divergence alone, at its full weight (TRL's GKD)
+        weights = (1.0, 0.0) if sampled else (settings.alpha, 1.0 - settings.alpha)
+        objective = (weights[0] * terms[:, 1] + weights[1] * terms[:, 0]).sum()
         return objective, terms.detach().sum(dim=0).to(torch.float64)
+
+    def release(self) -> None:
+        """After the backward (or an evaluation batch): the live teacher's gathered root."""
+        for teacher in (self.teacher, self.live):
+            if teacher is not None:
+                teacher.release()
 
 
 class DistillStep(TrainStep):
@@ -78,34 +89,69 @@ class DistillStep(TrainStep):
     targets, normalised by the step's targets as TrainStep's, and the step's metrics carry
     the terms' means over them (on checked steps: one more all-reduce)."""
 
-    def __init__(self, *args: Any, distill_loss: DistillLoss, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        distill_loss: DistillLoss,
+        on_policy: OnPolicy | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.distill_loss = distill_loss
+        self.on_policy = on_policy
         self._sums = torch.zeros(len(TERMS), dtype=torch.float64, device=self.device)
 
-    def __call__(self, micro_batches: list[Batch], **kwargs: Any) -> dict[str, Any]:
+    def __call__(
+        self,
+        micro_batches: list[Batch],
+        *,
+        step: int,
+        global_counts: list[float] | None = None,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        sampled = self.on_policy is not None and self.on_policy.takes(step)
+        if sampled:  # the student's completions of the batches' prompts (--lmbda)
+            assert self.on_policy is not None
+            micro_batches = self.on_policy.sample(micro_batches, step)
+            global_counts = None  # the completions' targets, reduced anew
         self._sums.zero_()
         targets = self.local_counts(micro_batches)[0]
-        metrics = super().__call__(micro_batches, **kwargs)
-        if kwargs.get("check", True):
+        metrics = super().__call__(
+            micro_batches, step=step, global_counts=global_counts, check=check
+        )
+        if check:
             reduced = torch.cat([self._sums, self._sums.new_tensor([targets])])
             *sums, total = dist_utils.all_reduce_sum(reduced).tolist()
             metrics["logged"] = term_means(sums, total)
+            if self.on_policy is not None:
+                metrics["logged"]["distill/on_policy"] = float(sampled)
         return metrics
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
         try:
             objective, sums = self.distill_loss(self.model, batch)
             self._sums += sums
-            # FSDP averages gradients over ranks: times the world size, the sum over all
-            # ranks' targets, divided by the step's targets.
-            loss = objective * (self.world_size / max(global_targets, 1.0))
-            if self.scaler is not None:
-                loss = self.scaler.scale(loss)
-            loss.backward()
+            self.backward(objective, global_targets)
         finally:
-            self.distill_loss.teacher.release()
+            self.distill_loss.release()
         return objective.detach().to(torch.float64)
+
+
+class TeacherPassStep(TrainStep):
+    """The step the memory planner traces for the teacher's job of its own
+    (--teacher_cache_only): per micro-batch the teacher's forward and the top K of each chunk,
+    as the cache pass computes them; nothing trained, so the optimizer creates no state."""
+
+    def __init__(
+        self, *args: Any, teacher: LiveTeacher, top_k: Callable[..., Any], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher
+        self.top_k = top_k
+
+    def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
+        self.top_k(batch)
+        return torch.zeros((), dtype=torch.float64, device=self.device)
 
 
 def term_means(sums: list[float], targets: float, prefix: str = "") -> dict[str, float]:
@@ -124,6 +170,7 @@ def build_distill_step(
     hf_config: Any,
     chunking: LossChunking,
     distill_loss: DistillLoss,
+    on_policy: OnPolicy | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     grad_scaler: bool = True,
 ) -> DistillStep:
@@ -132,7 +179,7 @@ def build_distill_step(
     step = build_train_step(
         model, config, world_size=world_size, device=device, hf_config=hf_config,
         autocast=autocast, grad_scaler=grad_scaler, step_class=DistillStep, router_loss=None,
-        chunking=chunking, distill_loss=distill_loss,
+        chunking=chunking, distill_loss=distill_loss, on_policy=on_policy,
     )  # fmt: skip
     assert isinstance(step, DistillStep)
     return step
@@ -160,7 +207,7 @@ def evaluate_distill(
             try:
                 objective, sums = distill_loss(model, batch)
             finally:
-                distill_loss.teacher.release()
+                distill_loss.release()
             totals[0] += objective.to(torch.float64)
             totals[1:-1] += sums
             totals[-1] += float(host_targets(batch).rows.numel())

@@ -148,21 +148,32 @@ class LiveTeacher:
     def per_target(self, batch: Batch, targets: Targets) -> tuple[torch.Tensor, ...]:
         return (self.hidden_states(batch),)
 
+    def top_k_entries(
+        self, batch: Batch, *, k: int, temperature: float, vocab: int | None, chunk_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Collective: the teacher's top K at the batch's target positions, chunk by chunk of
+        them (`loss.teacher_top_k`), on the device."""
+        hidden = self.hidden_states(batch)
+        head = (output_layer(self.loaded), self.transform)
+        try:
+            return [
+                teacher_top_k(head, hidden[s : s + chunk_size], k=k, temperature=temperature,
+                              vocab=vocab)
+                for s in range(0, hidden.shape[0], chunk_size)
+            ]  # fmt: skip
+        finally:
+            self.release()
+
     def cache_entries(
         self, batch: Batch, *, k: int, temperature: float, vocab: int | None, chunk_size: int
     ) -> dict[str, np.ndarray]:
         """Collective: the teacher cache's rows of a batch (`cache.CACHE_KEYS`: [rows,
-        positions, K] ids and log-probabilities, [rows, positions] the rest's), its top K
-        computed chunk by chunk of target positions; zeros where there is no target."""
+        positions, K] ids and log-probabilities, [rows, positions] the rest's), zeros where
+        there is no target."""
         targets = host_targets(batch)
-        hidden = self.hidden_states(batch)
-        head = (output_layer(self.loaded), self.transform)
-        pieces = [
-            teacher_top_k(head, hidden[s : s + chunk_size], k=k, temperature=temperature,
-                          vocab=vocab)
-            for s in range(0, hidden.shape[0], chunk_size)
-        ]  # fmt: skip
-        self.release()
+        pieces = self.top_k_entries(
+            batch, k=k, temperature=temperature, vocab=vocab, chunk_size=chunk_size
+        )
         rows, positions = next_token_labels(batch).shape
         out = {}
         for index, (key, tail) in enumerate(zip(CACHE_KEYS, ((k,), (k,), ()), strict=True)):
