@@ -119,3 +119,39 @@ def test_every_rank_that_fails_for_a_user_mistake_carries_the_message(
     assert report["message"].startswith("error: --collective_timeout_minutes must be positive")
     assert report["extraInfo"]["py_callstack"] == report["message"]
     assert capsys.readouterr().err == ""
+
+
+def test_cpu_offload_creates_the_shards_on_the_host_and_the_buffers_on_the_device(fake_world):
+    """--cpu_offload on a GPU: FSDP2's CPUOffloadPolicy needs its shards in host memory.
+    `materialize` once made them on the GPU, and the first H100 run failed loading the weights
+    ("Attempted to set the storage of a tensor on device cpu to a storage on different device
+    cuda:0"). Here the meta device stands for the GPU: the shards must land on the CPU, the
+    buffers (rotary frequencies) on the compute device, and without offload everything there."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_utils.model.build import find_decoder_layers, materialize
+    from fsdp_utils.synthetic import tiny_model_config
+
+    mesh = build_mesh(_env(8, per_node=4), "full")
+    for offload in (True, False):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_model_config("llama", 64))
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else None
+        kwargs = {"mesh": mesh, **({"offload_policy": policy} if policy else {})}
+        for layer in find_decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        # The buffers' real values are made on the CPU before (build_meta_model does so).
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = torch.ones(buf.shape, dtype=buf.dtype)
+        assert any(True for _ in model.buffers())
+        materialize(model, torch.device("meta"), offload=offload)
+        params = list(model.parameters())
+        assert params and all(isinstance(p, DTensor) for p in params)
+        shards_on = {p.to_local().device.type for p in params}
+        assert shards_on == ({"cpu"} if offload else {"meta"}), (offload, shards_on)
+        assert {b.device.type for b in model.buffers()} == {"meta"}

@@ -91,6 +91,17 @@ def test_the_knobs_move_memory_the_way_they_should(configs):
     assert offloaded.peak_bytes < base.peak_bytes
 
 
+def test_compile_is_planned_as_its_eager_layers(configs):
+    """--compile: the planner traces the eager layers (tracing compiled ones ran dynamo on the
+    planner's CPU and gave no answer in 60 s on the first H100 run) and says so; a compiled
+    step held 0.84x the eager peak there, so the eager plan is the safe side."""
+    eager = _plan(configs["llama"])
+    compiled = _plan(configs["llama"], compile=True)
+    assert compiled.peak_bytes == eager.peak_bytes
+    assert "--compile traced eager" in compiled.trace_method
+    assert "--compile" not in eager.trace_method
+
+
 def test_find_max_batch_and_cheapest_fixes(configs):
     """A GPU size between what batch 2 and batch 4 need: 2 is the largest that fits, and a
     plan at batch 4 suggests going back to 2 (or other changes), each one planned."""

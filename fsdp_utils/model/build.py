@@ -237,22 +237,51 @@ def active_parameters(model: nn.Module, hf_config: Any, non_embedding: int) -> i
 # --- materialisation and weight loading -----------------------------------------------------
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, *, offload: bool = False) -> None:
     """Allocate the (sharded) parameters on `device`; restore the real non-persistent buffers.
 
     `to_empty` keeps FSDP2's DTensor sharding, so each rank allocates only its shard.
+    `offload` (--cpu_offload): FSDP2's CPUOffloadPolicy keeps the sharded parameters in host
+    memory and copies them to the GPU per layer, so they must be created on the CPU; a shard
+    created on the GPU fails at the first state_dict ("Attempted to set the storage of a tensor
+    on device cpu to a storage on different device cuda:0", the first H100 run). Buffers and
+    the parameters FSDP2 does not manage (an NF4 weight left unsplit) stay on `device`: the
+    forward reads them there (torchtitan: init_device "cpu", buffer_device the GPU).
     """
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    buffers = {
+        name: buf.detach().clone() for name, buf in model.named_buffers(remove_duplicate=False)
+    }
     for name, buf in buffers.items():
         assert buf.device.type != "meta", f"buffer {name} was built on meta"
     tied = tied_parameter_names(model)
-    model.to_empty(device=device)
+    params_on = parameter_device(device, offload=offload)
+    model.to_empty(device=params_on)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[name].to(buf.dtype))
+        for module_name, module in model.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    saved = buffers[f"{module_name}.{name}" if module_name else name]
+                    module._buffers[name] = saved.to(device=device, dtype=buf.dtype)
+            if params_on != device:
+                for name, param in module._parameters.items():
+                    if param is not None and not _is_dtensor(param):
+                        module._parameters[name] = nn.Parameter(
+                            param.to(device), requires_grad=param.requires_grad
+                        )
     _retie(model, tied)
     for param in model.parameters():
-        _materialize_inner_tensors(param, device)
+        _materialize_inner_tensors(param, params_on if _is_dtensor(param) else device)
+
+
+def parameter_device(device: torch.device, *, offload: bool) -> torch.device:
+    """Where `materialize` creates the parameters FSDP2 shards: the host under CPU offload."""
+    return torch.device("cpu") if offload else device
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _materialize_inner_tensors(param: torch.Tensor, device: torch.device) -> None:

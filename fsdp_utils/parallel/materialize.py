@@ -33,7 +33,7 @@ def build_model(
     --freeze_layers run loads its frozen part anyway, since its checkpoints hold only what
     trains (`load_initial_weights`)."""
     model = parallelize_model(meta, config, env)
-    materialize(model, env.device)
+    materialize(model, env.device, offload=config.cpu_offload)
     load_initial_weights(model, model_dir, key_map, config, resuming=not load_weights)
     if config.no_fsdp:
         model = wrap_ddp(model, env.device)

@@ -22,15 +22,20 @@ class Margin:
     `torch.cuda.max_memory_allocated` reports on a real run).
 
     runtime_bytes: memory outside PyTorch's allocator: the CUDA context with the cuBLAS/cuDNN
-        kernels and workspaces (typically 0.5-1 GiB) and NCCL's communication buffers (a few
-        hundred MiB for a node's worth of peers).
+        kernels and workspaces, and NCCL's communication buffers. Measured on one H100
+        (2026-11-27, docs/gpu-check.md): 1.30-1.32 GiB of nvidia-smi's memory.used beyond
+        torch's reserved peak on eight configurations; 2 GiB leaves the rest for NCCL's
+        buffers with peers, which one GPU could not measure.
     allocator_fraction: PyTorch's caching allocator reserves more than the tensors it holds:
         blocks are rounded up, split blocks fragment, and memory freed on one CUDA stream is
-        reused by another (FSDP2's all-gather and reduce-scatter streams) only later.
+        reused by another (FSDP2's all-gather and reduce-scatter streams) only later. On that
+        H100 the reserved peak was 3% (32k tokens) to 22% above the allocated one; 10% is the
+        share that put the planner's peak x (1 + share) nearest every measured reserved peak
+        (within 7.6% on all eight). Where the card is nearly full the allocator frees cached
+        blocks before it fails, so the largest share measured on a roomy card overstates need.
 
-    Both are assumptions (no GPU was at hand to measure them), kept on the safe side; compare
-    them with `cuda_peak_reserved_gib` in a real run's metrics.jsonl. These defaults are the one
-    place the margin is set (the command line's defaults are read from here): calibrate here.
+    These defaults are the one place the margin is set (the command line's defaults are read
+    from here): calibrate here, with `bench/gpu_check.py`'s fitted share.
     """
 
     runtime_bytes: int = 2 * GIB
