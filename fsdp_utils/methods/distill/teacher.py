@@ -34,7 +34,7 @@ from fsdp_utils.model.qlora import describe as describe_nf4
 from fsdp_utils.model.qlora import is_nf4, local_bytes
 from fsdp_utils.model.teacher import meta_teacher
 from fsdp_utils.parallel.distributed import DistEnv
-from fsdp_utils.parallel.materialize import build_frozen_model
+from fsdp_utils.parallel.materialize import build_model
 from fsdp_utils.parallel.parallelize import parallelize_model, reshard
 from fsdp_utils.train.loss import LogitTransform, LossChunking, Targets, output_layer
 from fsdp_utils.train.step import Batch, forward_target_chunks
@@ -104,12 +104,15 @@ class LiveTeacher:
             with unset_fake_temporarily():
                 built = meta_teacher(hf_config, model_dir, config)
                 model = parallelize_model(built.meta, built.config, env)
-            materialize(model, env.device)
+            materialize(model, env.device, offload=config.cpu_offload)
             model.requires_grad_(False)
             model.eval()
         else:
             built = meta_teacher(hf_config, model_dir, config)
-            model = build_frozen_model(built.meta, built.config, env, model_dir, built.key_map)
+            model = build_model(
+                built.meta, built.config, env, model_dir, built.key_map, load_weights=True,
+                frozen=True,
+            )  # fmt: skip
             dense = (p for p in model.parameters() if not is_nf4(p))
             stored = local_bytes(model)[0] + sum(_local_bytes(p) for p in dense)
             how = (
