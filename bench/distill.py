@@ -15,9 +15,9 @@ in bf16 or NF4, from the cache (top 64), and the teacher's own job (--teacher_ca
 **Measured** (CPU, gloo, 2 processes, fp32): the student a Llama of 4 layers of 256 (5.5M
 parameters), the teacher bench/qlora.py's Llama of 24 layers of 1024 (283.6M parameters, stored
 in fp32 under --precision fp32: 1.13 GB, 0.57 GB per process), the chess tokenizer (512 words),
-100 games, 128 tokens per sequence, 1 per device, 4 per step, 6 steps. Every 5 ms a sampler
+50 games, 128 tokens per sequence, 1 per device, 4 per step, 6 steps. Every 5 ms a sampler
 reads each worker's VmRSS (bench/qlora.py's `Sampler`); the table gives the highest of any
-worker over the whole run. The plan of the same configuration (tensor bytes on a device, no
+worker from the model's build on (the data's preparation, in the first run, is left out). The plan of the same configuration (tensor bytes on a device, no
 CUDA context) is set beside it: on CPU the process also holds the interpreter, torch and the
 data, so the runs are compared by their differences from the student alone.
 
@@ -27,6 +27,7 @@ Writes bench/results/distill.json and prints markdown tables, with the load aver
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -38,14 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s own modules
-
-from plan_table import LLAMA_3_8B, LLAMA_3_70B, config_folder  # noqa: E402
-from qlora import Sampler  # noqa: E402
-from qlora import assets as qlora_assets  # noqa: E402
-
-from fsdp_utils.config.train_config import TrainConfig  # noqa: E402
-from fsdp_utils.plan import plan_memory  # noqa: E402
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.plan import plan_memory
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -53,12 +48,23 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 GIB, MIB = 2**30, 2**20
 
 
+def _bench(name: str) -> Any:
+    """A sibling benchmark's module (bench/ is not a package): the shapes of plan_table.py,
+    the sampler and the 284M model of qlora.py."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --- the planner's rows ---------------------------------------------------------------------
 
 
 def plan_rows(lengths: tuple[int, ...] = (4096, 8192)) -> tuple[str, list[dict[str, Any]]]:
-    student = config_folder("Llama-3-8B", LLAMA_3_8B)
-    teacher = str(config_folder("Llama-3-70B", LLAMA_3_70B))
+    shapes = _bench("plan_table")
+    student = shapes.config_folder("Llama-3-8B", shapes.LLAMA_3_8B)
+    teacher = str(shapes.config_folder("Llama-3-70B", shapes.LLAMA_3_70B))
     setups: dict[str, dict[str, Any]] = {
         "SFT (no teacher)": {},
         "teacher live, bf16": {"method": "distill", "teacher": teacher},
@@ -77,6 +83,8 @@ def plan_rows(lengths: tuple[int, ...] = (4096, 8192)) -> tuple[str, list[dict[s
     records = []
     for seq in lengths:
         for name, options in setups.items():
+            if seq != lengths[0] and ("NF4" in name or "own job" in name):
+                continue  # at the longer length, the three runs whose activations grow
             config = TrainConfig(
                 model=str(student), max_seq_length=seq, total_batch_size=8,
                 batch_size_per_device=1, gradient_checkpointing=True, **options,
@@ -95,13 +103,16 @@ def plan_rows(lengths: tuple[int, ...] = (4096, 8192)) -> tuple[str, list[dict[s
             )
             records.append({"tokens": seq, "run": name, **plan.to_dict()})
             print(rows[-1], flush=True)
-    rows += ["", f"GiB per GPU at the peak (its parts sum to it). Margin: {plan.margin.describe()}."]
+    rows += [
+        "",
+        f"GiB per GPU at the peak (its parts sum to it). Margin: {plan.margin.describe()}.",
+    ]
     return "\n".join(rows), records
 
 
 # --- measured on CPU ------------------------------------------------------------------------
 
-SEQ, TOTAL, STEPS, GAMES, K = 128, 4, 6, 100, 64
+SEQ, TOTAL, STEPS, GAMES, K = 128, 4, 6, 50, 64
 
 
 def cpu_assets() -> dict[str, Path]:
@@ -111,7 +122,7 @@ def cpu_assets() -> dict[str, Path]:
 
     from fsdp_utils.synthetic import save_tiny_model
 
-    paths = qlora_assets()
+    paths = _bench("qlora").assets()
     student = RESULTS / "distill_assets" / "student"
     if not (student / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(paths["model"])
@@ -133,7 +144,8 @@ def _flags(paths: dict[str, Path], name: str, extra: list[str]) -> list[str]:
 
 
 def measured_run(paths: dict[str, Path], name: str, extra: list[str]) -> dict[str, Any]:
-    """One 2-process run under the sampler: the highest VmRSS of any worker, its time."""
+    """One 2-process run under the sampler: the highest VmRSS of any worker from the model's
+    build on (the data is prepared by then: its preparation's peak is not the run's), its time."""
     shutil.rmtree(RESULTS / "distill_runs" / name, ignore_errors=True)
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "chess_finetune.py")]
     command += _flags(paths, name, extra)
@@ -142,17 +154,22 @@ def measured_run(paths: dict[str, Path], name: str, extra: list[str]) -> dict[st
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    sampler = Sampler(proc.pid)
+    sampler = _bench("qlora").Sampler(proc.pid)
     thread = threading.Thread(target=sampler.run, daemon=True)
     thread.start()
     assert proc.stdout is not None
-    lines = list(proc.stdout)
+    lines, built = [], float("inf")
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(("model:", "distill:")):
+            built = min(built, time.monotonic())
     proc.wait()
     sampler.stop()
     thread.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{''.join(lines[-40:])}")
-    top = max((s for s in sampler.samples if "VmRSS" in s.kib), key=lambda s: s.kib["VmRSS"])
+    after = [s for s in sampler.samples if "VmRSS" in s.kib and s.t >= built]
+    top = max(after, key=lambda s: s.kib["VmRSS"])
     return {
         "run": name,
         "peak_rss_mib": top.kib["VmRSS"] / 1024,
@@ -166,9 +183,7 @@ def _plan(paths: dict[str, Path], extra: list[str]) -> Any:
     from fsdp_utils.config.parse import build_parser, parse_config
 
     config, _ = parse_config(_flags(paths, "plan", extra), build_parser())
-    return plan_memory(
-        config, nodes=1, gpus_per_node=2, gpu_memory_bytes=None, suggest_fixes=False
-    )
+    return plan_memory(config, nodes=1, gpus_per_node=2, gpu_memory_bytes=None, suggest_fixes=False)
 
 
 def measured(paths: dict[str, Path]) -> tuple[str, list[dict[str, Any]]]:
@@ -189,7 +204,7 @@ def measured(paths: dict[str, Path]) -> tuple[str, list[dict[str, Any]]]:
         "(MiB) | over the student alone | wall |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    records = []
+    records: list[dict[str, Any]] = []
     base_rss = base_plan = 0.0
     for name, extra in runs.items():
         record = measured_run(paths, re.sub(r"[^a-z0-9]+", "_", name.split(" (")[0]), extra)
@@ -240,7 +255,9 @@ def main() -> None:
     results["load_average_end"] = os.getloadavg()
     print(f"load average: {results['load_average']} -> {results['load_average_end']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "distill.json").write_text(json.dumps(results, indent=2, default=str))
+    out = RESULTS / "distill.json"  # the other part's results, from an earlier run, are kept
+    kept = json.loads(out.read_text()) if out.is_file() else {}
+    out.write_text(json.dumps({**kept, **results}, indent=2, default=str))
 
 
 if __name__ == "__main__":
