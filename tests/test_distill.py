@@ -424,13 +424,22 @@ def test_the_distilled_student_is_closer_to_the_teacher_than_sft_on_the_same_dat
     train = read_metrics(runs["live"])
     assert set(TERMS) <= {name.removeprefix("distill/") for name in train[-1]}
     assert train[-1]["distill/teacher_kl"] < train[0]["distill/teacher_kl"]
+    # The run's plot draws the terms as logged, train and eval split.
+    from fsdp_utils.metrics.plot import RunCurves, plot_runs
+
+    _, drawn = plot_runs([RunCurves.load(runs["live"], "live")])
+    lines = {d.series: d.points() for d in drawn}
+    for name in ("distill/teacher_kl", "distill/top1_agreement"):
+        assert lines[name] == [(r["step"], r[name]) for r in train]
+        assert lines[f"eval_{name}"] == [(evaluated["step"], evaluated[f"eval_{name}"])]
 
 
 @pytest.mark.slow
 def test_a_4_bit_teacher_distils(runs):
     from tests.train_helpers import read_metrics
 
-    assert "NF4 base: 14 linear weights" in runs["stdout"] or "NF4 base:" in runs["stdout"]
+    line = next(x for x in runs["stdout"].splitlines() if "teacher_nf4: llama" in x)
+    assert "; NF4 base: 14 linear weights of the decoder layers" in line, line
     records = read_metrics(runs["nf4"])
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
 
@@ -528,3 +537,13 @@ def _meta_model(hf_config: Any) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config)
+
+
+def test_download_models_fetches_the_teacher_with_the_run_s_config():
+    from fsdp_utils.config.parse import config_from_dict
+    from fsdp_utils.hub.specs import AssetSpec, specs_from_train_config
+
+    config = config_from_dict(
+        {"model": "org/small", "method": "distill", "teacher": "org/big", "teacher_revision": "v2"}
+    )
+    assert AssetSpec("org/big", "model", revision="v2") in specs_from_train_config(config)

@@ -77,6 +77,17 @@ def _pad_token_id(hf_config: Any, stop_token_ids: list[int]) -> int:
     return int(pad) if pad is not None else int(stop_token_ids[0]) if stop_token_ids else 0
 
 
+def _not_split(config: TrainConfig) -> None:
+    """Refused at the preflight, and in the planner (which then does not offer it)."""
+    if config.sequence_parallel > 1:
+        raise ValueError(
+            "--method distill with --sequence_parallel: the teacher's forward is not split over "
+            "a sequence-parallel group. Drop --sequence_parallel (a shorter --max_seq_length, "
+            "--gradient_checkpointing or the teacher as a job of its own, --teacher_cache, for "
+            "the memory)."
+        )
+
+
 class Distill(Method):
     name: ClassVar[str] = "distill"
     step: DistillStep  # set by build_step
@@ -97,12 +108,7 @@ class Distill(Method):
 
     @classmethod
     def check(cls, config: TrainConfig, assets: ResolvedAssets) -> None:
-        if config.sequence_parallel > 1:
-            raise ValueError(
-                "--method distill with --sequence_parallel: the teacher's forward is not split "
-                "over a sequence-parallel group. Drop --sequence_parallel (shorter "
-                "--max_seq_length, or --gradient_checkpointing, for the memory)."
-            )
+        _not_split(config)
         _known_logits(assets.model_config, "student")
         if config.teacher is not None:
             teacher_dir = cls.teacher_dir(config)
@@ -310,6 +316,7 @@ class Distill(Method):
         when the run holds it, a stand-in for the cache's rows when the data's batches read
         them. (The sampling phase of --lmbda is not traced.)"""
         c = self.config
+        _not_split(c)
         cached = c.teacher is None or (c.teacher_cache is not None and not c.teacher_cache_only)
         k = c.teacher_top_k
         if c.teacher is None or (cached and c.lmbda == 0):
