@@ -208,7 +208,7 @@ def test_the_terms_are_named_in_the_order_the_chunks_return_them():
 
 # --- real runs ----------------------------------------------------------------------------------
 
-STEPS = 12
+STEPS = 10
 STUDENT = {
     "method": "distill", "max_examples": 60, "eval_examples": 20, "max_training_steps": STEPS,
     "log_every": 1, "eval_every": STEPS, "eval_batches": 8, "learning_rate": 3e-3,
@@ -284,7 +284,7 @@ def _trainer_runs(nproc: int, runs: list[dict[str, Any]], root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(assets) -> dict[str, Any]:
-    """One torchrun of 2 processes: the teacher's own fine-tune (all 200 games, 40 steps); on
+    """One torchrun of 2 processes: the teacher's own fine-tune (all 200 games, 25 steps); on
     60 of them, a student distilled from it live and one fine-tuned (SFT) the same steps; the
     same distillation from a cache of the teacher's whole distribution (K = vocabulary) in three
     legs (the cache pass stopped after 3 batches, training stopped after 5 steps, then the
@@ -295,7 +295,7 @@ def runs(assets) -> dict[str, Any]:
     split = _on_policy_args(assets, root / "on_policy_split")
     runs = [
         {"args": _args(teacher, root / "teacher", method="sft", max_examples=None,
-                       max_training_steps=40, learning_rate=5e-3, eval_every=0)},
+                       max_training_steps=25, learning_rate=8e-3, eval_every=0)},
         {"args": _args(assets, root / "live")},
         {"args": _args(assets, root / "sft", method="sft")},
         {"args": cached, "stop_after_teacher_cache_batches": 3},
