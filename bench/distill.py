@@ -205,6 +205,11 @@ def measured(paths: dict[str, Path]) -> tuple[str, list[dict[str, Any]]]:
         "(MiB) | over the student alone | wall |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    # The data prepared first, in a process of its own: the memory a preparation leaves
+    # resident would otherwise count in the first run's peak only.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    prepare = [sys.executable, "-m", "fsdp_utils.data", *_flags(paths, "prepare", [])]
+    subprocess.run(prepare, cwd=REPO, env=env, check=True, capture_output=True)
     records: list[dict[str, Any]] = []
     base_rss = base_plan = 0.0
     for name, extra in runs.items():
