@@ -59,7 +59,7 @@ for _path in (str(REPO), str(BENCH)):  # the device runs the checkout, not an in
 
 EXIT_NO_GPU = 2
 GIB = 1024**3
-DEFAULT_BUDGET_S = 420.0  # of the 8.5 minutes a prepared device call may take
+DEFAULT_BUDGET_S = 460.0  # of the 9 minutes a prepared device call may take
 STARTED_ENV = "GPU_CHECK_STARTED"  # the first start's clock, kept across the re-run with wheels
 EVAL_TASK = "arc_easy"
 EVAL_DOCUMENTS = 400  # 1,600 requests (four answers each) on a GPU
@@ -101,6 +101,11 @@ AC = ("--gradient_checkpointing",)
 LORA = ("--lora",)
 # The QLoRA row's flags (issue 40).
 QLORA = ("--lora", "--quantize", "nf4")
+# GRPO (issue 50): G = 8 completions of up to GRPO_COMPLETION tokens per prompt, the chess
+# legality reward (no file, no engine), on prompts made from the kit's games.
+GRPO_COMPLETION = 128
+GRPO = ("--method", "grpo", "--reward_funcs", "chess_legal", "--num_generations", "8",
+        "--log_completions_every", "0")  # fmt: skip
 # torchao's NF4 quantizes in blocks of 64 weights with one 8-bit scale per 256 blocks: a weight it
 # can hold has a multiple of this many elements (one process: FSDP2 splits nothing).
 NF4_ELEMENTS = 16_384
@@ -138,9 +143,11 @@ class Row:
 
 
 # In order of value: what the first GPU measurement needs most comes first (issue 43); the last
-# three (QLoRA, fp16, compiled) run when the rows before them beat their estimates, else a second
-# call runs them: --only 8b-qlora-4k,1b-fp16,1b-bf16-compile (docs/gpu-check.md). The estimates
-# are the first H100 call's wall times (2026-11-27, one H100 80GB HBM3), rounded up.
+# three (QLoRA, fp16, compiled: measured on the first H100 call) run when the rows before them
+# beat their estimates, else a second call runs them: --only 8b-qlora-4k,1b-fp16,1b-bf16-compile
+# (docs/gpu-check.md). GRPO's row (issue 50) runs before them: it has never run on a GPU. The
+# estimates are the first H100 call's wall times (2026-11-27, one H100 80GB HBM3), rounded up;
+# GRPO's is its own guess.
 ROWS: tuple[Row, ...] = (
     Row("1b-bf16", "train", "small", 2048, 4, 12, BF16, 32, quick=True),
     Row("1b-bf16-ac", "train", "small", 2048, 4, 12, (*BF16, *AC), 28, quick=True),
@@ -151,6 +158,7 @@ ROWS: tuple[Row, ...] = (
     Row("1b-evaluate", "evaluate", "small", 2048, 0, 0, (), 36, quick=True),
     Row("1b-bf16-offload", "train", "small", 2048, 4, 4, (*BF16, "--cpu_offload"), 45,
         needs_cuda=True),
+    Row("1b-grpo", "grpo", "small", 1024, 2, 5, (*BF16, *GRPO), 45),
     Row("8b-qlora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *QLORA), 40),
     Row("1b-fp16", "train", "small", 2048, 4, 12, ("--precision", "fp16-mixed"), 32),
     # torch.compile per decoder layer: what MFU the eager 1b-bf16 row leaves on the table.
@@ -248,6 +256,17 @@ def build_data(folder: Path, games: int) -> tuple[Path, Any]:
     write_chess_shards(played, folder / "data", num_shards=1)
     tokenizer = train_chess_tokenizer(list(iter_rendered(played)), vocab_size=512)
     return folder / "data", tokenizer
+
+
+def build_prompts(games: Path, out: Path) -> Path:
+    """The GRPO row's prompts: positions of the games after at most 8 plies (short enough for
+    the dry run's 64 tokens), in the default template (fsdp_utils.chess_eval.prompt_set)."""
+    from fsdp_utils.chess_eval.prompt_set import positions, read_games
+    from fsdp_utils.config.train_config import DEFAULT_TEMPLATE
+
+    rows = positions(read_games(games), template=DEFAULT_TEMPLATE, per_game=2, seed=0, max_plies=8)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out
 
 
 class MemoryWatch:
@@ -500,10 +519,17 @@ class Kit:
         self.plans: dict[str, concurrent.futures.Future[dict[str, Any] | None]] = {}
         self.final_model: Path | None = None
         self.data = work / "data"  # build_data writes it
+        self.prompts = work / "prompts.jsonl"  # build_prompts writes it (the GRPO row)
 
     # --- commands -----------------------------------------------------------------------------
 
     def common_flags(self, model: Path, data: Path, out: Path, row: Row) -> list[str]:
+        if row.kind == "grpo":  # its prompts, a completion's share of the sequence
+            completion = min(GRPO_COMPLETION, row.seq // 4)
+            data = self.prompts
+            row = dataclasses.replace(
+                row, flags=(*row.flags, "--max_completion_length", str(completion))
+            )
         return [
             "--model", str(model), "--dataset", str(data), "--dataset_include", "",
             "--data_cache_dir", str(self.work / "prepared"), "--output_dir", str(out),
@@ -611,6 +637,41 @@ class Kit:
         result["allocated_over_plan"] = ratio(result["peak_allocated_gib"], planned)
         result["reserved_over_plan"] = ratio(result["peak_reserved_gib"], planned)
         result["used_over_required"] = ratio(result["smi_peak_gib"], required)
+        return result
+
+    def grpo_row(self, model: Path, row: Row, timeout: float) -> dict[str, Any]:
+        """GRPO: rollout and update tokens/s (medians after the first step, metrics.jsonl's
+        rollout/* and update/*) and the peak memory against the plan of both phases."""
+        result = self.train_row(model, self.data, row, timeout)
+        if result.get("status") == "failed" or "reason" in result:
+            return result
+        train = [r for r in run_records(self.work / "runs" / row.name) if r.get("kind") == "train"]
+        steady = [r for r in train[1:] if "rollout/tokens_per_s" in r] or train
+
+        def median(key: str) -> float | None:
+            values = [r[key] for r in steady if r.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        plan = self.planned(row, timeout=60) or {}
+        rollout = plan.get("rollout") or {}
+        result.update(
+            rollout_tokens_per_s=median("rollout/tokens_per_s"),
+            update_tokens_per_s=median("update/tokens_per_s"),
+            rollout_s=median("rollout/seconds"),
+            update_s=median("update/seconds"),
+            planned_rollout_gib=rollout["total"] / GIB if rollout else None,
+            planned_update_gib=plan["update_peak_bytes"] / GIB if plan else None,
+            dominating_phase=plan.get("dominating_phase"),
+        )
+        result["summary"] = (
+            f"rollout {_fmt(result['rollout_tokens_per_s'], ',.0f')} new tokens/s "
+            f"({_fmt(result['rollout_s'], '.2f')} s), update "
+            f"{_fmt(result['update_tokens_per_s'], ',.0f')} tokens/s ({_fmt(result['update_s'], '.2f')} s); "
+            f"peak alloc {_fmt(result.get('peak_allocated_gib'), '.2f')} GiB against the plan's "
+            f"{_fmt(result.get('planned_peak_gib'), '.2f')} (rollout "
+            f"{_fmt(result['planned_rollout_gib'], '.2f')}, update "
+            f"{_fmt(result['planned_update_gib'], '.2f')}: the {result['dominating_phase']} dominates)"
+        )
         return result
 
     def checkpoint_row(self, model: Path, data: Path, row: Row, timeout: float) -> dict[str, Any]:
@@ -1023,6 +1084,7 @@ def run_rows(
     )
     t = time.perf_counter()
     kit.data, tokenizer = build_data(kit.work, args.games)
+    build_prompts(kit.data, kit.prompts)
     print(f"gpu-check: {kit.gpus} x {report.result['gpu']}; data ({time.perf_counter() - t:.0f}s)")
     rows = [scaled(r, shapes) for r in rows]
     longest = {role: max((r.seq for r in rows if r.role == role), default=2048) for role in shapes}
@@ -1031,7 +1093,7 @@ def run_rows(
         for role, name in shapes.items()
     }
     for row in rows:
-        if row.kind == "train" and row.name in {r.name for r in runnable}:
+        if row.kind in ("train", "grpo") and row.name in {r.name for r in runnable}:
             kit.plan_later(configs[row.role], kit.data, row)
     models: dict[str, Path] = {}
     unwritten: set[str] = set()
@@ -1084,6 +1146,8 @@ def run_rows(
             outcome = kit.train_row(model, kit.data, row, timeout)
         elif row.kind == "checkpoint":
             outcome = kit.checkpoint_row(model, kit.data, row, timeout)
+        elif row.kind == "grpo":
+            outcome = kit.grpo_row(model, row, timeout)
         elif row.kind == "masking":
             outcome = kit.masking_row(model, row, timeout)
         else:

@@ -73,7 +73,11 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_utils.lm_harness.loading import eval_config, load_sharded_model, resolve_model_source
+    from fsdp_utils.checkpoint.saved_model import (
+        eval_config,
+        load_sharded_model,
+        resolve_model_source,
+    )
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.synthetic import save_chat_model

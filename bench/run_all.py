@@ -32,6 +32,7 @@ BENCHMARKS = [
     ("LoRA memory plans", "lora_plan_table.py", False),
     ("long sequences", "long_context.py", True),
     ("sequence parallelism", "sequence_parallel.py", True),
+    ("GRPO", "grpo.py", True),
 ]
 
 

@@ -12,7 +12,7 @@ checks it: see `.importlinter`):
                  FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
     checkpoint/  sharded checkpoints, Hugging Face and PEFT folders, export, storage check
-    chess_eval/  did the model learn chess? (python-chess as the referee)
+    chess_eval/  did the model learn chess? (python-chess as the referee, Stockfish as the judge)
     lm_harness/  standard benchmarks (lm-evaluation-harness) on the FSDP2-sharded model, offline
     train/       the step machinery every method shares: TrainStep (micro-batches, the loss
                  normalised by the step's count, clipping, non-finite checks), the chunked loss,
@@ -27,8 +27,9 @@ checks it: see `.importlinter`):
 Commands: `cli` (chess_finetune.py), `download` (download_models.py), `demo` (make demo),
 `export`, `plot` and `evaluate` (`python -m fsdp_utils.export|plot|evaluate`); `synthetic` builds the tiny models,
 tokenizers and datasets of the demo and the tests. Under every stage: `versions` (each command
-starts by checking the installed dependencies against pyproject.toml's ranges), `error_report`
-(a user mistake's one paragraph) and `atomic` (files written whole or not at all).
+starts by checking the installed dependencies against pyproject.toml's ranges), `arguments`
+(every command's parser: the closest flag for a misspelt one, dashes or underscores),
+`error_report` (a user mistake's one paragraph) and `atomic` (files written whole or not at all).
 """
 
 import logging

@@ -3,13 +3,18 @@
 1. builds a tiny chess model (Llama architecture, 2 layers, hidden 64, 0.14M parameters) with
    a 512-token BPE tokenizer trained on chess moves (most moves are one token, so within a
    minute the model learns which moves tend to be legal where, and the legal-move rate
-   visibly rises), and a few thousand random legal games in the laion/strategic_game_chess
-   schema (parquet shards), in `demo_assets/` (reused by later runs);
+   visibly rises), and its games in the laion/strategic_game_chess schema (parquet shards), in
+   `demo_assets/` (reused by later runs): with Stockfish, the 1,500 engine self-play games
+   shipped in `fsdp_utils/chess_eval/engine_games/` (Stockfish 15.1 at depth 1 from random
+   4-8-ply openings; `python -m fsdp_utils.chess_eval.selfplay --games 1500 --seed 0 --depth 1`
+   makes them), so the model learns to play, not only to move; without one, 3,000 random legal
+   games, and the demo says so in one line;
 2. runs `chess_finetune.py` under torchrun with 2 CPU processes (gloo) and FSDP2 for 200
-   steps, with the chess evaluation every 50;
+   steps, with the chess evaluation every 50 (the engine judge at depth 6 when there is one);
 3. prints what happened: the loss falling, tokens/s, where everything was written, and the
-   chess evaluation (fsdp_utils.chess_eval) before and after training: the legal-move rate
-   and one continuation written by each model.
+   chess evaluation (fsdp_utils.chess_eval) before and after training: the legal-move rate,
+   the engine's centipawn loss and accuracy of the legal moves, and one continuation written
+   by each model.
 """
 
 from __future__ import annotations
@@ -23,21 +28,54 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "vocab_size": 512}
+# Made by `python -m fsdp_utils.chess_eval.selfplay --games 1500 --seed 0 --depth 1
+# --output fsdp_utils/chess_eval/engine_games` (selfplay.json there says with which engine).
+ENGINE_GAMES = Path(__file__).resolve().parent / "chess_eval" / "engine_games"
+DEMO_ENGINE_DEPTH = 6  # the judge's depth in the demo: ~1 s per evaluation on 2 cores
 
 
-def build_assets(folder: Path, games: int) -> dict[str, Path]:
+def find_demo_engine() -> str | None:
+    """Stockfish, or None with the one line that says the demo shows legality only."""
+    from fsdp_utils.chess_eval.judge import EngineNotFound, find_engine
+
+    try:
+        return find_engine()
+    except EngineNotFound:
+        print(
+            "demo: no Stockfish found (conda install -c conda-forge stockfish, or apt-get "
+            "install stockfish): training on random games, legality only, no engine judge"
+        )
+        return None
+
+
+def engine_games() -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return [
+        row
+        for path in sorted(ENGINE_GAMES.glob("*.parquet"))
+        for row in pq.read_table(path).to_pylist()
+    ]
+
+
+def build_assets(folder: Path, games: int, *, engine: bool = False) -> dict[str, Path]:
     from fsdp_utils.synthetic import build_demo_assets
 
     stamp = folder / "assets.json"
-    wanted = {"games": games, "version": 3, **DEMO_MODEL}
+    source = "engine" if engine else "random"
+    wanted = {"games": games, "source": source, "version": 4, **DEMO_MODEL}
+    played = engine_games() if engine else None
+    what = f"{len(played):,} engine self-play games" if played else f"{games:,} random legal games"
     if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        print(f"demo: reusing the tiny model and {games:,} games in {folder}")
+        print(f"demo: reusing the tiny model and {what} in {folder}")
         return {"model": folder / "model", "data": folder / "data"}
     started = time.perf_counter()
-    print(f"demo: playing {games:,} random legal games and training a chess tokenizer ...")
-    paths = build_demo_assets(folder, num_games=games, num_shards=2, **DEMO_MODEL)
+    print(f"demo: {'reading' if played else 'playing'} {what} and training a chess tokenizer ...")
+    paths = build_demo_assets(folder, num_games=games, num_shards=2, games=played, **DEMO_MODEL)
     stamp.write_text(json.dumps(wanted))
     print(
         f"demo: assets ready in {time.perf_counter() - started:.0f}s: {paths['model']}, {paths['data']}"
@@ -81,19 +119,23 @@ def training_command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--games", type=int, default=3000, help="random games to generate")
+    parser.add_argument(
+        "--games", type=int, default=3000, help="random games to generate (without Stockfish)"
+    )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--nproc", type=int, default=2, help="processes (CPU, gloo)")
     parser.add_argument("--assets", type=Path, default=REPO_ROOT / "demo_assets")
     parser.add_argument("--output_dir", type=Path, default=REPO_ROOT / "runs" / "demo")
     args = parser.parse_args(argv)
 
-    paths = build_assets(args.assets, args.games)
+    engine = find_demo_engine()
+    paths = build_assets(args.assets, args.games, engine=engine is not None)
+    judge = ["--chess_eval_depth", str(DEMO_ENGINE_DEPTH)] if engine else []
     command = training_command(
-        paths, args.output_dir, args.assets / "prepared", args.steps, nproc=args.nproc
+        paths, args.output_dir, args.assets / "prepared", args.steps, *judge, nproc=args.nproc
     )
     print("demo: " + " ".join(command[:4]) + " ...", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -143,9 +185,32 @@ def chess_before_and_after(untrained: Path, run: Path) -> str:
         f"{pct(before, 'legal_move_rate_opening')} -> {pct(after, 'legal_move_rate_opening')}); "
         f"next-move accuracy {pct(before, 'next_move_accuracy')} -> "
         f"{pct(after, 'next_move_accuracy')}\n"
+        f"{strength_before_and_after(before, after)}"
         f"  before      {before['examples'][0].describe(width=40)}\n"
         f"  after       {after['examples'][0].describe(width=40)}\n"
         f"  evaluate    python -m fsdp_utils.chess_eval {run / 'final'}"
+    )
+
+
+def strength_before_and_after(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The engine judge's line of the summary (empty without an engine)."""
+    if "engine" not in after:
+        return ""
+    if before.get("engine_error") or after.get("engine_error"):
+        return f"  strength    the engine judge failed: {after.get('engine_error') or before.get('engine_error')}\n"
+
+    def fig(m: dict[str, Any], key: str, fmt: str) -> str:
+        return "n/a" if m.get(key) is None else format(m[key], fmt)
+
+    return (
+        f"  strength    {after['engine']} at depth {after['engine_depth']}, the legal moves "
+        f"({before['engine_moves']} -> {after['engine_moves']} of "
+        f"{after['engine_positions']} positions; illegal ones counted beside): centipawn loss "
+        f"{fig(before, 'engine_centipawn_loss', '.0f')} -> "
+        f"{fig(after, 'engine_centipawn_loss', '.0f')}, accuracy "
+        f"{fig(before, 'engine_accuracy', '.0f')}% -> {fig(after, 'engine_accuracy', '.0f')}%, "
+        f"best move {fig(before, 'engine_best_move_rate', '.0%')} -> "
+        f"{fig(after, 'engine_best_move_rate', '.0%')}\n"
     )
 
 

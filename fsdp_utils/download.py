@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
     DEFAULT_DATASET_INCLUDE,
@@ -28,7 +29,9 @@ from fsdp_utils.hub.specs import (
     AssetSpec,
     default_specs,
     load_assets_file,
+    looks_like_path,
     looks_local,
+    no_such_path,
     split_tasks,
 )
 
@@ -48,7 +51,7 @@ exit status: 0 ok, 1 --verify/--check-offline found problems, 2 bad input, 130 i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="download_models.py",
         description="Cache models and datasets for compute nodes without internet: pinned to "
         "a commit, verified against the Hub's checksums, recorded in a manifest.",
@@ -68,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--dataset-revision", metavar="REV", help="Dataset branch, tag or commit.")
     what.add_argument(
         "--eval_tasks",
-        "--eval-tasks",
         metavar="TASKS",
         help="Comma-separated lm-eval tasks or groups (arc_easy,hellaswag,gsm8k,mmlu,ifeval): "
         "cache the datasets (and NLTK data) they read, for python -m fsdp_utils.evaluate.",
@@ -138,6 +140,8 @@ def parse_request(args: argparse.Namespace) -> Request:
     elif args.dataset_include is not None or args.dataset_revision:
         raise ValueError("--dataset-include and --dataset-revision need --dataset.")
     for spec in specs:
+        if looks_like_path(spec.repo_id) and not looks_local(spec.repo_id):
+            raise ValueError(no_such_path(f"--{spec.repo_type}", spec.repo_id))
         if looks_local(spec.repo_id):
             raise ValueError(
                 f"{spec.repo_id} is a local path: there is nothing to download, the trainer "
@@ -255,7 +259,9 @@ def _download_eval_tasks(args: argparse.Namespace, names: list[str], cache_dir: 
     from huggingface_hub import constants
 
     from fsdp_utils.lm_harness.task_cache import download_task_data
+    from fsdp_utils.lm_harness.tasks import require_known_tasks
 
+    require_known_tasks(names)  # a typo first: no download, offline or not, would help
     if constants.HF_HUB_OFFLINE:
         raise ValueError(
             "HF_HUB_OFFLINE is set in this shell, so no task data can be downloaded. On the "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_utils.config.train_config import DEFAULT_TEMPLATE
+from fsdp_utils.data.chess_files import write_chess_shards
 from fsdp_utils.data.render import render_row
 
 SPECIAL_TOKENS = {
@@ -67,34 +68,6 @@ def random_game(rng: random.Random, capture_bias: float = 0.7) -> dict[str, Any]
 def random_games(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [random_game(rng) for _ in range(n)]
-
-
-def shard_name(index: int) -> str:
-    """File name of shard `index` in laion/strategic_game_chess (they start at 0001 there)."""
-    return f"chess_game_{index:04d}.parquet"
-
-
-def write_chess_shards(
-    games: list[dict[str, Any]], folder: str | Path, num_shards: int = 1, first_index: int = 1
-) -> list[Path]:
-    """Write games as parquet shards with the laion schema (Moves: list<string>, ...)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema(
-        [("Moves", pa.list_(pa.string())), ("Termination", pa.string()), ("Result", pa.string())]
-    )
-    paths = []
-    per_shard = -(-len(games) // num_shards)
-    for shard in range(num_shards):
-        rows = games[shard * per_shard : (shard + 1) * per_shard]
-        table = pa.Table.from_pylist(rows, schema=schema)
-        path = folder / shard_name(first_index + shard)
-        pq.write_table(table, path)
-        paths.append(path)
-    return paths
 
 
 # --- tokenizer -----------------------------------------------------------------------------
@@ -393,14 +366,17 @@ def build_demo_assets(
     arch: str = "llama",
     vocab_size: int = 512,
     seed: int = 0,
+    games: list[dict[str, Any]] | None = None,
     **model_kwargs: Any,
 ) -> dict[str, Path]:
-    """Create `root/data` (parquet shards) and `root/model` (tiny model + tokenizer).
+    """Create `root/data` (parquet shards) and `root/model` (tiny model + tokenizer): the games
+    given (`games`, e.g. the engine's self-play games), else `num_games` random ones.
 
     Returns {"data": folder, "model": folder}.
     """
     root = Path(root)
-    games = random_games(num_games, seed=seed)
+    if games is None:
+        games = random_games(num_games, seed=seed)
     data_dir = root / "data"
     write_chess_shards(games, data_dir, num_shards=num_shards)
     tokenizer = train_chess_tokenizer(list(iter_rendered(games)), vocab_size=vocab_size)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from monitoring.allocation import select_job_gpus
+from monitoring.arguments import ArgumentParser
 from monitoring.collect import (
     Accounting,
     JobEndedError,
@@ -161,7 +162,7 @@ def _from_file(path: Path, options: ReportOptions) -> Report:
             raise ReportError(
                 f"--plot draws GPU samples over time, and {path} is one moment (a {kind}). "
                 "Plot a job (python monitoring/gpu_report.py <jobid> --plot gpu.png), a run "
-                "folder (--run-dir DIR --plot gpu.png) or a sampler <node>.csv."
+                "folder (--run_dir DIR --plot gpu.png) or a sampler <node>.csv."
             )
         plot = _plot(samples, find_legs(samples), options.plot, f"GPU use: {path}", options)
     return Report(None, None, (m,), tuple(notes), bsc_load=tuple(bsc_nodes), plot=plot)
@@ -176,6 +177,7 @@ class History:
     legs: list[Leg]
     errors: list[NodeError]
     warnings: tuple[str, ...]  # doubts about which GPUs were the job's
+    replay: str | None = None  # a note: the samples replay recorded output, no measurement
 
 
 def load_history(
@@ -185,16 +187,27 @@ def load_history(
     found, looked = find_samples(job_id, job, options.run_dir)
     if found is None:
         return None, describe(looked)
+    if not found.samples and not found.job_ids:  # no CSV: the sampler's record says why
+        raise ReportError(_sampler_said(job_id, found.folder, found.errors))
     if not found.samples:
         others = ", ".join(j or "(outside Slurm)" for j in found.job_ids)
         raise ReportError(
             f"The GPU samples in {found.folder} are from job(s) {others}, not from job "
-            f"{job_id}. Pass the run folder of job {job_id} with --run-dir, or leave --run-dir "
+            f"{job_id}. Pass the run folder of job {job_id} with --run_dir, or leave --run_dir "
             "out to let gpu_report find it."
         )
     chosen = select_job_gpus(found.samples, found.starts, job)
     legs = find_legs(chosen.samples, found.starts)
     source = f"sampler files in {found.folder}"
+    replays = "; ".join(sorted({start.replay for start in found.starts if start.replay}))
+    replay = None
+    if replays:  # a stand-in's rows: say so wherever the numbers are shown
+        source = f"REPLAY, not measured: {replays} (from the {source})"
+        replay = (
+            f"These GPU numbers are a replay, not a measurement of this job: {replays}. The "
+            "nodes had a stand-in for nvidia-smi on PATH (the local Slurm's, slurm/local/bin/); "
+            "the numbers show what the report looks like."
+        )
     m = measure(
         title,
         source,
@@ -204,7 +217,22 @@ def load_history(
         legs=legs,
         gpu_selection=chosen.rules,
     )
-    return History(m, chosen.samples, legs, list(found.errors), chosen.warnings), describe(looked)
+    history = History(m, chosen.samples, legs, list(found.errors), chosen.warnings, replay)
+    return history, describe(looked)
+
+
+def _sampler_said(job_id: str | None, folder: Path, said: Sequence[NodeError]) -> str:
+    what = f"job {job_id}" if job_id else str(folder.parent)
+    lines = "; ".join(dict.fromkeys(f"on {e.host}: {e.message}" for e in said))
+    fix = ""
+    if any("nvidia-smi not found" in e.message for e in said):
+        fix = (
+            " nvidia-smi must be on PATH on the compute nodes (the job inherits your PATH: load "
+            "your site's CUDA or driver module in the job's setup). On the local Slurm, which "
+            "has no GPUs, `source slurm/local/env.sh` puts a replay of recorded nvidia-smi "
+            "output on PATH for the jobs you submit (docs/local-slurm.md)."
+        )
+    return f"No GPU samples of {what}: the GPU sampler recorded in {folder}: {lines}.{fix}"
 
 
 def _plot(
@@ -228,7 +256,7 @@ def _no_plot(job_id: str | None, looked: str) -> ReportError:
         f"Nothing to plot for {what}: no GPU sampler files of it were found (looked in: "
         f"{looked}). --plot draws the sampler files (<run_dir>/gpu_samples/<node>.csv) over "
         f"the job's time; run without --plot for the report alone. {SAMPLER_HINT} If the run "
-        "folder is elsewhere, pass --run-dir <output_dir>."
+        "folder is elsewhere, pass --run_dir <output_dir>."
     )
 
 
@@ -247,6 +275,8 @@ def _live(
         source = (
             f"{p.samples} nvidia-smi samples {p.interval:g} s apart on each node (srun --overlap)"
         )
+        if probe.replay:
+            source = f"REPLAY, not measured: {probe.replay} (from {source})"
         m = measure("Live", source, samples, job, probe.processes, gpu_selection=chosen.rules)
         return m, errors, bsc_nodes
     if bsc_nodes:
@@ -256,12 +286,13 @@ def _live(
 
 
 def _from_run_dir(options: ReportOptions) -> Report:
-    """`--run-dir` without a job id: every sample in the folder, no Slurm needed."""
+    """`--run_dir` without a job id: every sample in the folder, no Slurm needed."""
     history, looked = load_history(None, None, options, "Samples")
     if history is None:
         raise ReportError(f"No GPU sampler files (<node>.csv) in {looked}. " + SAMPLER_HINT)
     m = history.measurement
     notes = make_notes(m.gpus, m.summary, None, history.errors, options.thresholds)
+    notes += [Note("warning", history.replay)] if history.replay else []
     plot = None
     if options.plot is not None:
         title = f"GPU use: {options.run_dir}"
@@ -281,7 +312,7 @@ def _lookup(job_id: str, options: ReportOptions) -> JobInfo | None:
         raise ReportError(
             f"Job {job_id} is unknown: {unknown}. Check the id with `squeue --me` (queued and "
             "running jobs) or `sacct -X -S now-7days` (finished ones); for an older job pass "
-            "its run folder: --run-dir <output_dir>"
+            "its run folder: --run_dir <output_dir>"
         )
     if job is not None and job.is_pending:
         raise ReportError(
@@ -302,7 +333,7 @@ def _nothing_to_report(job_id: str, job: JobInfo | None, looked: str, note: str 
     state = job.state if job else "unknown state"
     return (
         f"Job {job_id} has ended ({state}) and no GPU samples of it were found (looked in: "
-        f"{looked}). {SAMPLER_HINT} If the run folder is elsewhere, pass --run-dir "
+        f"{looked}). {SAMPLER_HINT} If the run folder is elsewhere, pass --run_dir "
         f"<output_dir>. {note or ''}"
     ).strip()
 
@@ -352,6 +383,7 @@ def build_report(options: ReportOptions) -> Report:
     else:
         notes = make_notes(basis.gpus, basis.summary, job, errors, options.thresholds)
     notes += [Note("warning", text) for text in (history.warnings if history else ())]
+    notes += [Note("warning", history.replay)] if history and history.replay else []
     plot = None
     if history is not None and options.plot is not None:
         name = f" ({job.name})" if job is not None and job.name else ""
@@ -415,7 +447,7 @@ def _reports_until_the_end(options: ReportOptions, refresh: float) -> Iterator[R
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python monitoring/gpu_report.py",
         description="How well does (or did) a Slurm job use its GPUs? Per node and GPU, a job "
         "summary and advice. Running jobs are measured live (srun --overlap + nvidia-smi, and "
@@ -424,13 +456,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     )
     parser.add_argument("job_id", nargs="?", help="Slurm job id (e.g. 123456 or 123456_7)")
     parser.add_argument(
-        "--run-dir",
+        "--run_dir",
         type=Path,
         help="the run folder (--output_dir of the run) holding gpu_samples/; "
         "default: found from the job's log and working directory",
     )
     parser.add_argument(
-        "--from-file",
+        "--from_file",
         type=Path,
         help="report on a saved output instead: nvidia-smi (table or --query-gpu CSV), "
         "bsc_load, or a sampler <node>.csv",
@@ -447,9 +479,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     parser.add_argument(
         "--plain", action="store_true", help="plain ASCII text (default when not a terminal)"
     )
-    parser.add_argument("--no-bsc-load", action="store_true", help="do not run bsc_load")
+    parser.add_argument("--no_bsc_load", action="store_true", help="do not run bsc_load")
     parser.add_argument(
-        "--timeline-bins", type=int, default=24, help="post-mortem timeline width (24)"
+        "--timeline_bins", type=int, default=24, help="post-mortem timeline width (24)"
     )
     parser.add_argument(
         "--plot",
@@ -462,9 +494,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ReportOptions, argparse.Name
     if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
         parser.error(f"--plot {args.plot}: name a .png, .pdf or .svg file, e.g. --plot gpu.png")
     if args.job_id is None and args.run_dir is None and args.from_file is None:
-        parser.error("give a job id (or --run-dir / --from-file)")
+        parser.error("give a job id (or --run_dir / --from_file)")
     if args.refresh <= 0 or args.timeline_bins < 0:
-        parser.error("--refresh must be > 0 and --timeline-bins >= 0")
+        parser.error("--refresh must be > 0 and --timeline_bins >= 0")
     try:
         probe = ProbeOptions(samples=args.samples, interval=args.interval)
     except ReportError as error:

@@ -56,7 +56,7 @@ class MissingCommandError(ReportError):
         super().__init__(
             f"`{command}` is not on PATH: this machine has no Slurm client commands. Run "
             "gpu_report on the cluster's login node (where sbatch works), or summarise a run's "
-            "saved samples without Slurm: python monitoring/gpu_report.py --run-dir <run folder>"
+            "saved samples without Slurm: python monitoring/gpu_report.py --run_dir <run folder>"
         )
         self.command = command
 

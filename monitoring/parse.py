@@ -649,6 +649,9 @@ def parse_sample_csv(text: str, host: str = "?") -> tuple[list[GpuSample], list[
 
 # `<node>.log` lines are `time<TAB>job_id<TAB>message`; a sampler's start is `sampler start {json}`.
 SAMPLER_START = "sampler start "
+# The first line a stand-in for nvidia-smi prints to say its rows are recorded output replayed,
+# not this machine's GPUs (slurm/local/bin/nvidia-smi on the local Slurm, which has none).
+REPLAY_PREFIX = "REPLAY: "
 
 
 def parse_sampler_log(text: str, host: str) -> list[tuple[str, NodeError | SamplerStart]]:
@@ -674,6 +677,7 @@ def parse_sampler_log(text: str, host: str) -> list[tuple[str, NodeError | Sampl
                             gpus=tuple(gpus) if gpus is not None else None,
                             node_gpus=record.get("node_gpus"),
                             rule=str(record.get("rule", "")),
+                            replay=record.get("replay"),
                         ),
                     )
                 )
@@ -696,6 +700,7 @@ def parse_probe_output(text: str) -> Probe:
     processes: list[GpuProcess] = []
     errors: list[NodeError] = []
     hosts: list[str] = []
+    replays: list[str] = []
     for raw in text.splitlines():
         line = _SRUN_LABEL.sub("", raw, count=1).strip()
         if not line:
@@ -710,6 +715,8 @@ def parse_probe_output(text: str) -> Probe:
             hosts.append(host)
         body = "\n".join(record.get("lines", []))
         kind = record.get("kind")
+        if record.get("replay") and record["replay"] not in replays:
+            replays.append(str(record["replay"]))
         if kind == "gpu":
             found, bad = parse_query_gpu(body, host, QUERY_GPU_FIELDS, record.get("time"))
             samples.extend(found)
@@ -722,4 +729,5 @@ def parse_probe_output(text: str) -> Probe:
             errors.extend(bad)
         elif kind in ("missing", "error"):
             errors.append(NodeError(host, str(record.get("message", kind))))
-    return Probe(tuple(samples), tuple(processes), tuple(errors), tuple(hosts))
+    replay = "; ".join(replays) or None
+    return Probe(tuple(samples), tuple(processes), tuple(errors), tuple(hosts), replay)

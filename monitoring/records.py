@@ -61,6 +61,9 @@ class SamplerStart:
     gpus: tuple[int, ...] | None
     node_gpus: int | None  # how many GPUs nvidia-smi listed on the node
     rule: str
+    # Set when the nvidia-smi it ran said it replays recorded output (`REPLAY_PREFIX`): what
+    # it replays. The samples are then no measurement of this job.
+    replay: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Probe:
     processes: tuple[GpuProcess, ...] = ()
     errors: tuple[NodeError, ...] = ()
     hosts: tuple[str, ...] = ()  # nodes that answered at all
+    replay: str | None = None  # what a stand-in for nvidia-smi said it replays (no measurement)
 
 
 @dataclass(frozen=True)

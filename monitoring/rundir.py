@@ -1,7 +1,7 @@
 """Finding and reading the sampler files of a job (`<run_dir>/gpu_samples/<node>.csv`).
 
 Where a job's samples are, in the order they are looked for:
-  1. `--run-dir DIR`: `DIR/gpu_samples/`, or `DIR` itself if the CSVs are directly in it.
+  1. `--run_dir DIR`: `DIR/gpu_samples/`, or `DIR` itself if the CSVs are directly in it.
   2. The job's Slurm log: `StdOut`/`StdErr` from `scontrol show job` (known to Slurm for a few
      minutes after the end), else `WorkDir/logs/*<jobid>*` and `WorkDir/*<jobid>*.out`. The run
      folder named in it (slurm/finetune.sh logs `... --output_dir <run_dir> ...`), then the
@@ -114,10 +114,15 @@ def _read_logs(folder: Path) -> list[tuple[str, NodeError | SamplerStart]]:
 
 
 def read_folder(folder: Path, job_id: str | None) -> SampleSet | None:
-    """The samples (and logged errors) of `job_id` in `folder`; all of them if job_id is None."""
+    """The samples (and logged errors) of `job_id` in `folder`; all of them if job_id is None.
+    A folder with no CSV but a sampler's record of the job (`<node>.log`: why it took no
+    samples, nvidia-smi missing, say) is returned without samples, for the report to quote."""
     csvs = _sampler_csvs(folder)
     if not csvs:
-        return None
+        said = [
+            e for j, e in _read_logs(folder) if job_id in (None, j) and isinstance(e, NodeError)
+        ]
+        return SampleSet(folder, (), tuple(said), ()) if said else None
     samples: list[GpuSample] = []
     errors: list[NodeError] = []
     for path in csvs:
@@ -144,19 +149,22 @@ def find_samples(
     """
     looked = candidate_folders(job, run_dir)
     explicit: SampleSet | None = None
+    said: SampleSet | None = None  # no samples, but the sampler's record of why
     for folder in looked:
         found = read_folder(folder, job_id)
         if found is None:
             continue
         if found.samples:
             return found, looked
+        if said is None and found.errors and not found.job_ids:
+            said = found
         if (
             run_dir is not None
             and explicit is None
             and folder in (run_dir, run_dir / "gpu_samples")
         ):
             explicit = found
-    return explicit, looked
+    return explicit or said, looked
 
 
 def describe(folders: Iterable[Path]) -> str:

@@ -23,7 +23,6 @@ prints one line and exits 0, so a job on a node without GPUs is never failed by 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -39,7 +38,8 @@ from pathlib import Path
 from typing import TextIO
 
 from monitoring.allocation import Allocation, allocation_from_env, choose
-from monitoring.parse import SAMPLER_START
+from monitoring.arguments import ArgumentParser
+from monitoring.parse import REPLAY_PREFIX, SAMPLER_START
 from monitoring.records import QUERY_APPS_FIELDS, QUERY_GPU_FIELDS
 
 CSV_HEADER = ",".join(("time", "host", "job_id", *QUERY_GPU_FIELDS))
@@ -95,6 +95,7 @@ class Split:
     seen: set[int]
     kept: set[int]
     why: str
+    replay: str | None = None  # what a stand-in said it replays (`REPLAY_PREFIX`)
 
 
 _UUID = QUERY_GPU_FIELDS.index("uuid")
@@ -103,16 +104,19 @@ _UUID = QUERY_GPU_FIELDS.index("uuid")
 def split_sample_lines(lines: Sequence[str], allocation: Allocation | None) -> Split:
     rows: list[list[str]] = []
     other: list[str] = []
+    replay = None
     for line in lines:
         cells = [cell.strip() for cell in line.split(",")]
-        if len(cells) == len(QUERY_GPU_FIELDS) and cells[0].isdigit():
+        if line.startswith(REPLAY_PREFIX):
+            replay = line[len(REPLAY_PREFIX) :].strip()
+        elif len(cells) == len(QUERY_GPU_FIELDS) and cells[0].isdigit():
             rows.append(cells)
         elif line.strip():
             other.append(line.strip())
     listed = [(int(r[0]), r[_UUID]) for r in rows]
     kept, why = choose(listed, allocation)
     rows = [r for r in rows if int(r[0]) in kept]
-    return Split(rows, other, {index for index, _ in listed}, kept, why)
+    return Split(rows, other, {index for index, _ in listed}, kept, why, replay)
 
 
 def restart_count() -> int | None:
@@ -137,9 +141,7 @@ class CsvSink:
             self.csv.write_text(CSV_HEADER + "\n")
 
     def _log(self, now: float, lines: Sequence[str]) -> None:
-        with self.log.open("a") as f:
-            for line in lines:
-                f.write(f"{now:.1f}\t{self.job_id}\t{line}\n")
+        append_log(self.log, now, self.job_id, lines)
 
     def write(self, now: float, result: QueryResult, allocation: Allocation | None) -> None:
         split = split_sample_lines(result.lines, allocation)
@@ -153,6 +155,7 @@ class CsvSink:
                 "gpus": sorted(split.kept) if allocation is not None else None,
                 "node_gpus": len(split.seen),
                 "rule": split.why,
+                **({"replay": split.replay} if split.replay else {}),
             }
             self._log(now, [SAMPLER_START + json.dumps(start)])
         if rows:
@@ -165,6 +168,19 @@ class CsvSink:
             other = [f"nvidia-smi exited with {result.returncode}"]
         if other:
             self._log(now, other)
+
+
+def append_log(log: Path, now: float, job_id: str, lines: Sequence[str]) -> None:
+    """`time<TAB>job_id<TAB>message` lines (monitoring.parse.parse_sampler_log reads them)."""
+    with log.open("a") as f:
+        for line in lines:
+            f.write(f"{now:.1f}\t{job_id}\t{line}\n")
+
+
+def record_only(folder: Path, host: str, job_id: str, message: str) -> None:
+    """A line in `<folder>/<host>.log` and no CSV: why this node has no samples."""
+    folder.mkdir(parents=True, exist_ok=True)
+    append_log(folder / f"{host}.log", time.time(), job_id, [message])
 
 
 def _emit(stream: TextIO, record: dict[str, object]) -> None:
@@ -180,8 +196,9 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
         message = f"nvidia-smi not found on PATH on node {host}: no GPU samples"
         if to_stdout:
             _emit(out, {"host": host, "kind": "missing", "message": message})
-        else:
+        else:  # in the job's log, and in the sampler's own record, where the report reads it
             print(f"gpu sampler: {message}.", file=sys.stderr)
+            record_only(Path(config.output), host, job_id, message)
         return 0
     allocation = allocation_from_env(os.environ)
     sink = None if to_stdout else CsvSink(Path(config.output), host, job_id)
@@ -205,6 +222,7 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
                     "job_id": job_id,
                     "returncode": result.returncode,
                     "lines": lines,
+                    **({"replay": split.replay} if split.replay else {}),
                 },
             )
         if config.count is not None and taken >= config.count:
@@ -215,13 +233,18 @@ def run(config: SamplerConfig, stop: threading.Event, out: TextIO = sys.stdout) 
         apps = run_query(config.nvidia_smi, "compute-apps", QUERY_APPS_FIELDS, config.timeout)
         _emit(
             out,
-            {"host": host, "kind": "apps", "returncode": apps.returncode, "lines": apps.lines},
+            {
+                "host": host,
+                "kind": "apps",
+                "returncode": apps.returncode,
+                "lines": [line for line in apps.lines if not line.startswith(REPLAY_PREFIX)],
+            },
         )
     return 0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SamplerConfig:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m monitoring.sampler",
         description="Append nvidia-smi samples of this node's GPUs to <output>/<node>.csv "
         "until SIGTERM/SIGINT (or --count samples).",

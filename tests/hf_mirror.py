@@ -137,7 +137,7 @@ def _split_shards(data_dir: Path, num_shards: int) -> dict[str, bytes]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fsdp_utils.synthetic import shard_name
+    from fsdp_utils.data.chess_files import shard_name
 
     table = pa.concat_tables(pq.read_table(p) for p in sorted(data_dir.glob("*.parquet")))
     per_shard = -(-table.num_rows // num_shards)

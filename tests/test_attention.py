@@ -119,14 +119,21 @@ def test_the_planner_traces_the_implementation_or_its_stand_in(tiny_assets):
 
 
 def test_the_chess_evaluation_loads_the_runs_implementation(tiny_assets):
-    import torch
+    """`python -m fsdp_utils.chess_eval` builds the model with the run's implementation."""
+    from fsdp_utils.checkpoint.saved_model import (
+        eval_config,
+        load_sharded_model,
+        resolve_model_source,
+    )
+    from fsdp_utils.parallel import distributed as dist_utils
 
-    from fsdp_utils.chess_eval.cli import load_model_and_tokenizer
-
-    model, _, _ = load_model_and_tokenizer(
-        str(tiny_assets["model"]), tokenizer=None, device=torch.device("cpu"), cache_dir=None,
-        attn_implementation="eager",
-    )  # fmt: skip
+    source = resolve_model_source(str(tiny_assets["model"]))
+    env = dist_utils.init_distributed("cpu")
+    try:
+        config = eval_config(source, precision="fp32", attn_implementation="eager")
+        model = load_sharded_model(source, config, env)
+    finally:
+        dist_utils.destroy()
     assert model.config._attn_implementation == "eager"
 
 

@@ -175,17 +175,17 @@ def test_alpaca_with_and_without_input(tmp_path, models):
 
 
 def test_an_eval_split_as_large_as_what_it_leaves_is_refused(tmp_path, models):
-    """The default 200 held-out rows on a set of 200 would leave 1 row to train on: more held
-    out than trained on is refused, with the fix."""
+    """More held out than trained on is refused, with the fix; the default (200), which
+    would leave 1 of 40 rows to train on, holds out a tenth instead (issue 48)."""
     rows = [{"instruction": f"Say {i}.", "input": "", "output": str(i)} for i in range(40)]
     (tmp_path / "alpaca.json").write_text(json.dumps(rows))
     data, cache = tmp_path / "alpaca.json", tmp_path / "cache"
     with pytest.raises(
         ValueError,
-        match=r"--eval_examples 200 would hold out 39 of the 40 documents for evaluation, "
+        match=r"--eval_examples 39 would hold out 39 of the 40 documents for evaluation, "
         r"leaving 1 to train on\. .*--eval_examples 4 ",
     ):
-        prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=200)
+        prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=39)
     with pytest.raises(ValueError, match="would hold out 21 of the 40 documents"):
         prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=21)
     prepared = prepare(models["plain"], data, cache, max_seq_length=256, eval_examples=20)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_utils.chess_eval import ChessEvaluator, judge
+from fsdp_utils.chess_eval import ChessEvaluator
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
 from fsdp_utils.chess_eval.games import make_prefixes
-from fsdp_utils.chess_eval.referee import board_after
+from fsdp_utils.chess_eval.referee import board_after, judge
 from fsdp_utils.cli import main as finetune_main
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import held_out_games

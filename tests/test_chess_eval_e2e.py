@@ -1,19 +1,22 @@
 """The chess evaluation during real training: torchrun, 2 CPU processes, FSDP2.
 
 One short training run (module fixture) serves every test: it evaluates at steps 50 and 100
-under FSDP, then the standalone command evaluates its final/ folder on one process, and the
-untrained model the same way.
+under FSDP (with the engine judge at a shallow depth and two ladder games per rung), then the
+standalone command evaluates its final/ folder on one process and on two under torchrun, and
+the untrained model the same way.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
-from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
+from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +25,14 @@ STEPS, EVERY = 100, 50
 # trained for 100 steps on 380 random games reaches ~45-55% (mostly legal first moves);
 # the untrained one writes move-shaped tokens that are almost never legal (~0%).
 MARGIN = 0.25
-EVAL_OPTIONS = {"chess_eval_games": 16, "chess_eval_plies": 10, "eval_examples": 20}
+EVAL_OPTIONS = {
+    "chess_eval_games": 16, "chess_eval_plies": 10, "eval_examples": 20,
+    # The engine judge (Stockfish, installed by `make setup-system`): shallow, and the two
+    # deterministic rungs, so that every process count plays the same games.
+    "chess_eval_engine": "on", "chess_eval_depth": 5, "chess_eval_ladder": "random,depth:1",
+    "chess_eval_ladder_games": 2,
+}  # fmt: skip
+RECORDS = ("moves.jsonl", "games.jsonl", "games.pgn")
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +69,46 @@ def test_training_beats_the_untrained_models_legal_move_rate(trained_run, tiny_a
 
 def test_same_numbers_on_1_and_2_processes(trained_run, capsys):
     """The 2-process FSDP evaluation at the last step and one plain process on final/ (found
-    through the run's config.json beside it) count exactly the same moves."""
+    through the run's config.json beside it) count exactly the same moves, and the engine
+    judges them into the same per-move records and the same games, byte for byte."""
     fsdp = read_metrics(trained_run, "chess_eval")[-1]
     single = _standalone(trained_run / "final", trained_run, capsys)
-    # Every field but the timing, the log record's own (kind, message, step, time) and the
-    # command's (model, config_source, examples): the same keys, the same values (None too).
-    counted = {k: v for k, v in fsdp.items() if k not in ("kind", "message", "step", "time")}
-    judged = {k: v for k, v in single.items() if k not in ("model", "config_source", "examples")}
-    counted.pop("seconds"), judged.pop("seconds")
+    # Every field but the timings, the log record's own (kind, message, step, time) and the
+    # command's (model, config_source, examples, written): the same keys, the same values.
+    skip = {"kind", "message", "step", "time", "seconds", "engine_seconds"}
+    counted = {k: v for k, v in fsdp.items() if k not in skip}
+    judged = {
+        k: v for k, v in single.items()
+        if k not in skip | {"model", "config_source", "examples", "written"}
+    }  # fmt: skip
     assert judged == counted
     assert counted["moves_judged"] > 0 and "legal_move_rate" in counted
+    assert counted["engine_moves"] > 0 and counted["engine_error"] is None
     assert single["config_source"].endswith("config.json")
+    during, after = (
+        trained_run / "chess_eval" / f"step_{STEPS:06d}",
+        trained_run / "chess_eval" / "final",
+    )
+    for name in RECORDS:
+        assert (during / name).read_bytes() == (after / name).read_bytes(), name
+    assert (during / "games.pgn").read_text().count("[Event ") == 4
+
+
+def test_the_command_under_torchrun_shards_the_model_and_the_engine_work(trained_run, tmp_path):
+    """`torchrun --nproc_per_node 2 -m fsdp_utils.chess_eval final/`, each process with its own
+    engine: the same records as the training run's own evaluation of its last step."""
+    out = tmp_path / "two"
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "fsdp_utils.chess_eval",
+         str(trained_run / "final"), "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    check_ok(result)
+    assert "centipawn loss" in result.stdout and "records:" in result.stdout
+    during = trained_run / "chess_eval" / f"step_{STEPS:06d}"
+    for name in RECORDS:
+        assert (out / name).read_bytes() == (during / name).read_bytes(), name
 
 
 def test_the_trainer_refuses_a_dataset_without_games(tiny_assets, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import subprocess
@@ -13,7 +12,6 @@ import pytest
 
 from fsdp_utils.config.parse import (
     CHECKS_SECTION,
-    add_renamed_argument,
     config_from_dict,
     parse_config,
 )
@@ -133,22 +131,3 @@ def test_help_shows_its_sections_in_order_with_each_flag_in_its_own():
     assert checks <= flags[CHECKS_SECTION]
     for field in dataclasses.fields(TrainConfig):
         assert f"--{field.name}" in flags[SECTIONS[field.metadata["section"]]], field.name
-
-
-def test_an_old_spelling_still_works_hidden_and_with_a_warning(capsys):
-    parser = argparse.ArgumentParser()
-    add_renamed_argument(parser, "--gpus_per_node", old="--gpus-per-node", type=int, default=None)
-    add_renamed_argument(parser, "--full_trace", old="--full-trace", action="store_true")
-    add_renamed_argument(parser, "--margin", old="--old-margin", default="2GiB")
-
-    args = parser.parse_args(["--gpus-per-node", "4", "--full-trace"])
-    assert (args.gpus_per_node, args.full_trace, args.margin) == (4, True, "2GiB")
-    assert capsys.readouterr().err.splitlines() == [
-        "warning: --gpus-per-node is deprecated: use --gpus_per_node",
-        "warning: --full-trace is deprecated: use --full_trace",
-    ]
-    args = parser.parse_args(["--gpus_per_node", "2"])
-    assert (args.gpus_per_node, args.full_trace) == (2, False)
-    assert capsys.readouterr().err == ""
-    assert "--gpus-per-node" not in parser.format_help()
-    assert "--gpus_per_node" in parser.format_help()

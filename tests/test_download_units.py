@@ -428,8 +428,9 @@ def test_training_uses_the_files_that_were_downloaded(tmp_path: Path) -> None:
     """Four shards of the chess dataset fetched with --dataset-include: training without
     --dataset_include uses those four (not one, not all), and every message about a missing
     file names a command that fetches only what is missing."""
+    from fsdp_utils.data.chess_files import shard_name
     from fsdp_utils.run.preflight import check_basics
-    from fsdp_utils.synthetic import shard_name, tiny_model_config
+    from fsdp_utils.synthetic import tiny_model_config
 
     cache, model = tmp_path / "hub", tmp_path / "model"
     tiny_model_config("llama", vocab_size=128).save_pretrained(model)
@@ -505,6 +506,52 @@ def test_local_paths_resolve_as_before(tmp_path: Path) -> None:
         "chess_game_0002.parquet"
     ]
     assert len(resolve_dataset_files(str(data))) == 2
+
+
+def test_the_log_says_local_files_are_the_ones_given(tmp_path: Path) -> None:
+    """Issue 48: a local file was described as one `download_models.py fetched`."""
+    from fsdp_utils.hub.resolve import describe_dataset_files
+
+    (tmp_path / "chat.jsonl").write_text("{}\n")
+    one = str(tmp_path / "chat.jsonl")
+    assert describe_dataset_files(resolve_dataset_files(one), None, one) == (
+        "1 file(s) (the file(s) given): chat.jsonl"
+    )
+    folder = str(tmp_path)
+    assert "(every data file of the folder(s) given; --dataset_include to choose)" in (
+        describe_dataset_files(resolve_dataset_files(folder), None, folder)
+    )
+
+
+def test_a_missing_path_is_no_such_file_with_the_names_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48: a path that is not there was read as a hub id and answered with a download
+    command for `data/chat.jsonl`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("chats.jsonl", "prefs.jsonl"):
+        (tmp_path / "data" / name).write_text("{}\n")
+    (tmp_path / "runs" / "chat-sft").mkdir(parents=True)
+    cache = str(tmp_path / "hub")
+    for missing, flag, near in (
+        ("data/chat.jsonl", "--dataset", "chats.jsonl"),
+        ("./data/chat.jsonl", "--dataset", "chats.jsonl"),
+        ("dat/chat.jsonl", "--dataset", "data"),  # the first missing part is the folder
+    ):
+        with pytest.raises(MissingAssetError) as error:
+            resolve_dataset_files(missing, cache_dir=cache)
+        text = str(error.value)
+        assert text.startswith(f"{flag} {missing}: no such file or folder"), text
+        assert f"closest names are: {near}" in text and "download_models.py" not in text
+    with pytest.raises(MissingAssetError, match=r"closest names are: chat-sft\b"):
+        resolve_model_dir("runs/chat-sft-m/final", cache_dir=cache)
+    # A hub id (org/name, nothing of it here) is still something to download.
+    with pytest.raises(MissingAssetError, match=r"python download_models\.py --dataset org/d"):
+        resolve_dataset_files("org/d", cache_dir=cache)
+    # ... and the login node's command says the same of the path.
+    assert main(["--dataset", "data/chat.jsonl", "--cache-dir", cache]) == 2
+    assert "no such file or folder. In data/ the closest" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

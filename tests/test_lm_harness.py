@@ -386,6 +386,54 @@ def test_a_task_not_in_the_cache_names_the_download_command(
     assert "Traceback" not in result.stderr
 
 
+def test_an_unknown_task_is_no_such_task_on_the_compute_node_and_the_login_node(
+    eval_model: Path, tmp_path: Path
+) -> None:
+    """Issue 48: a typo was answered "holds no datasets ... run download_models.py", and only
+    that command then said lm-eval has no such task. On a compute node (no network: `unshare
+    --net`) and on the login node, the typo is named at once, with lm-eval's closest names."""
+    evaluate = [sys.executable, "-m", "fsdp_utils.evaluate", "--model", str(eval_model),
+                "--tasks", "arc_esy,boolq", "--cache_dir", str(tmp_path / "empty")]  # fmt: skip
+    compute = subprocess.run(  # loopback up: the process group's store listens on it
+        ["unshare", "--net", "sh", "-c", "ip link set lo up; exec " + " ".join(evaluate)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    login = subprocess.run(
+        [sys.executable, "download_models.py", "--eval_tasks", "arc_esy,boolq", "--cache-dir",
+         str(tmp_path / "empty")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    for result in (compute, login):
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "has no task, group or tag named 'arc_esy' (closest: arc_easy" in result.stderr
+        assert "--eval_tasks arc_esy" not in result.stderr  # no download for a typo
+        assert "Traceback" not in result.stderr
+
+
+def test_the_local_task_of_evaluate_md_builds_offline_with_lm_evals_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: evaluate.md had no complete task YAML for a user's own task. Its example (the
+    data and the YAML, read from the page) is a task lm-eval builds from the local file."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    page = (REPO_ROOT / "docs" / "evaluate.md").read_text().split("## Your own task", 1)[1]
+    data = page.split("```json\n", 1)[1].split("```", 1)[0]
+    yaml = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "capitals.jsonl").write_text(data)
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "capitals.yaml").write_text(yaml)
+    monkeypatch.chdir(tmp_path)  # the data file's path is relative to where the command runs
+    manager = TaskManager(include_path=str(tmp_path / "my_tasks"), include_defaults=False)
+    task = get_task_dict(["capitals"], manager)["capitals"]
+    docs = list(task.test_docs())
+    assert len(docs) == 3 and task.OUTPUT_TYPE == "multiple_choice"
+    assert task.doc_to_text(docs[0]) == "Question: What is the capital of France?\nAnswer:"
+    assert task.doc_to_choice(docs[2]) == ["Seville", "Valencia", "Madrid"]
+    assert [task.doc_to_target(doc) for doc in docs] == [0, 1, 2]
+
+
 def test_compare_prints_base_against_this_with_standard_errors(tmp_path: Path) -> None:
     from fsdp_utils.lm_harness.compare import comparison_table, load_results
 

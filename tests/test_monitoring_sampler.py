@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from monitoring.cli import ReportOptions, load_history
-from monitoring.parse import parse_sample_csv, parse_sampler_log, parse_scontrol_job
+from monitoring.parse import (
+    parse_probe_output,
+    parse_sample_csv,
+    parse_sampler_log,
+    parse_scontrol_job,
+)
 from monitoring.records import QUERY_GPU_FIELDS, JobInfo, SamplerStart
 from monitoring.report import Report, make_console, render
 from monitoring.rundir import find_samples
@@ -112,7 +117,8 @@ def test_sampler_without_nvidia_smi_prints_one_line_and_exits_0(tmp_path: Path) 
     assert result.returncode == 0
     assert len(result.stderr.strip().splitlines()) == 1
     assert "nvidia-smi not found" in result.stderr
-    assert not (tmp_path / "out").exists()
+    # No CSV: only its record of why, which the report quotes (issue 48).
+    assert [p.suffix for p in (tmp_path / "out").iterdir()] == [".log"]
     probe = sampler("--output", "-", "--count", "1", env=env)
     assert json.loads(probe.stdout)["kind"] == "missing"
 
@@ -291,3 +297,59 @@ def test_requeued_job_is_judged_by_all_its_legs(
         line = next(ln for ln in text.splitlines() if first in ln)
         assert f"| {restart} |" in " ".join(line.split()).replace("| ", "| ")
         assert f"{seconds // 60}:{seconds % 60:02d}" in line
+
+
+def test_no_nvidia_smi_is_reported_from_the_samplers_own_record(tmp_path: Path) -> None:
+    """Issue 48: the report said "no GPU samples ... the sampler writes them when the job runs
+    slurm/finetune.sh" while the job's log said nvidia-smi was missing. The sampler records why,
+    and the report quotes it."""
+    env = env_with_fake(SLURM_JOB_ID="4242", SLURMD_NODENAME="vm")
+    env["PATH"] = env["PATH"].split(os.pathsep, 1)[1]  # no nvidia-smi at all
+    run = tmp_path / "run"
+    result = sampler("--output", str(run / "gpu_samples"), "--count", "1", env=env)
+    assert result.returncode == 0 and "nvidia-smi not found on PATH" in result.stderr
+    assert not list((run / "gpu_samples").glob("*.csv"))
+    for args in (("4242", "--run_dir", str(run)), ("--run-dir", str(run))):
+        report = gpu_report(*args)
+        assert report.returncode == 1, report.stdout
+        said = " ".join(report.stderr.split())
+        assert "the GPU sampler recorded in" in said, said
+        assert "on vm: nvidia-smi not found on PATH on node vm: no GPU samples" in said
+        assert "source slurm/local/env.sh" in said
+        assert "when the job runs slurm/finetune.sh" not in said  # it did
+
+
+def test_the_local_replay_is_recorded_and_named_a_replay_in_the_report(tmp_path: Path) -> None:
+    """slurm/local/bin/nvidia-smi (on PATH from slurm/local/env.sh where there is no
+    nvidia-smi) says it replays recorded output; the sampler's start record keeps that, and the
+    report names the numbers a replay, in its source line and a warning."""
+    env = env_with_fake(SLURM_JOB_ID="4243", SLURMD_NODENAME="vm")
+    shell = "source slurm/local/env.sh >/dev/null && command -v nvidia-smi"
+    path = env["PATH"].split(os.pathsep, 1)[1]  # as on this machine: no nvidia-smi
+    found = subprocess.run(
+        ["bash", "-c", shell], cwd=REPO, env={**env, "PATH": path}, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert found.stdout.strip() == str(REPO / "slurm" / "local" / "bin" / "nvidia-smi")
+    env["PATH"] = f"{REPO / 'slurm' / 'local' / 'bin'}{os.pathsep}{path}"
+    run = tmp_path / "run"
+    assert sampler("--output", str(run / "gpu_samples"), "--count", "2", "--interval", "0.1",
+                   env=env).returncode == 0  # fmt: skip
+    (start,) = [e for _, e in parse_sampler_log((run / "gpu_samples" / "vm.log").read_text(), "vm")
+                if isinstance(e, SamplerStart)]  # fmt: skip
+    assert start.replay is not None and "replayed by slurm/local/bin/nvidia-smi" in start.replay
+    report = gpu_report("4243", "--run_dir", str(run), "--json")
+    assert report.returncode == 0, report.stderr
+    document = json.loads(report.stdout)
+    text = json.dumps(document)
+    assert "REPLAY, not measured: recorded nvidia-smi output of 8 x H200" in text
+    assert "These GPU numbers are a replay, not a measurement of this job" in text
+    # The live probe (a running job's srun step) carries it too, and no row is lost to it.
+    probe = parse_probe_output(sampler("--output", "-", "--count", "1", env=env).stdout)
+    assert probe.replay == start.replay and len(probe.samples) == 8 and not probe.errors
+    # With a real nvidia-smi on PATH, env.sh leaves it first.
+    real = subprocess.run(
+        ["bash", "-c", shell], cwd=REPO, env=env_with_fake(), capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert real.stdout.strip() == str(FAKE_BIN / "nvidia-smi")

@@ -185,7 +185,7 @@ def test_pending_and_unknown_jobs(
         local_slurm.run("scancel", held, check=False)
     result = gpu_report("987654321", env=report_env(local_slurm))
     assert result.returncode == 1
-    assert "Job 987654321 is unknown" in result.stderr and "--run-dir" in result.stderr
+    assert "Job 987654321 is unknown" in result.stderr and "--run_dir" in result.stderr
 
 
 def test_finished_job_without_samples(

@@ -8,7 +8,6 @@ keeps the pairs done and requeues before its first step, and the second leg comp
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests import local_slurm as slurm_fixture
 from tests.chat_helpers import write_jsonl
-from tests.local_slurm import LocalSlurm
+from tests.local_slurm import ONE_MINUTE_LEG, LocalSlurm, finetune_env
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
 
@@ -29,18 +28,11 @@ def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) 
     model = save_chat_model(tmp_path / "model", "chatml")
     data = write_jsonl(tmp_path / "prefs.jsonl", preference_pairs(300))
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {
-        **os.environ,
-        "SETUP": f"source {REPO / '.venv' / 'bin' / 'activate'}",
-        "MODEL": str(model),
-        "DATASET": str(data),
-        "TOTAL_BATCH_SIZE": "8",
-    }
+    env = finetune_env(model, data, 8)
     # Leg 1: a 1-minute limit and a 45 s margin leave too little for 400 steps: save, requeue
     steps = 400
     job = local_slurm.sbatch(
-        "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=1",
-        "--signal=B:USR1@40", f"--output={log}", "slurm/finetune.sh",
+        *ONE_MINUTE_LEG, f"--output={log}", "slurm/finetune.sh",
         "--method", "dpo", "--dataset_include", "", "--max_seq_length", "64",
         "--eval_examples", "16", "--eval_every", "0", "--precision", "fp32",
         "--output_dir", str(run_dir), "--max_training_steps", str(steps),

@@ -62,6 +62,7 @@ def _unsharded_rollout(model: Any, tokenizer: Any) -> dict[str, list[int]]:
     return {f"{p}/{g}": rollout.completion_ids[i] for i, (p, g) in enumerate(rows)}
 
 
+@pytest.mark.slow  # the 2-process probe (~30 s)
 def test_two_processes_sample_what_one_unsharded_process_samples(sharded, model_and_tokenizer):
     assert sharded["world_size"] == 2
     alone = _unsharded_rollout(*model_and_tokenizer)
@@ -74,6 +75,7 @@ def test_two_processes_sample_what_one_unsharded_process_samples(sharded, model_
     assert len({tuple(c) for c in alone.values()}) > len(alone) // 2
 
 
+@pytest.mark.slow  # the 2-process probe (~30 s)
 def test_completions_end_at_a_stop_token_or_the_limit(sharded):
     stops, limit = set(sharded["stop_tokens"]), sharded["max_new_tokens"]
     truncated = [row["truncated"] for row in sharded["rows"].values()]
@@ -87,6 +89,7 @@ def test_completions_end_at_a_stop_token_or_the_limit(sharded):
             assert completion[-1] in stops and len(completion) <= limit, key
 
 
+@pytest.mark.slow  # the 2-process probe (~30 s)
 def test_each_tokens_logprob_is_the_training_forwards(sharded):
     for key, row in sharded["rows"].items():
         assert len(row["logprobs"]) == len(row["completion"]) == len(row["forced"]), key
@@ -96,6 +99,7 @@ def test_each_tokens_logprob_is_the_training_forwards(sharded):
         assert all(lp < 0 for lp in row["logprobs"]), key
 
 
+@pytest.mark.slow  # the 2-process probe (~30 s)
 def test_a_rollout_phase_all_gathers_each_shard_group_once(sharded):
     groups = sharded["shard_groups"]  # the root and each of the 2 decoder layers
     assert groups == 3

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from fsdp_utils.synthetic import chat_tokenizer
-from fsdp_utils.train.samples import encode_prompt, format_answers, read_sample_prompts
+from fsdp_utils.train.samples import (
+    SamplePrompts,
+    encode_prompt,
+    format_answers,
+    read_sample_prompts,
+)
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -68,6 +73,17 @@ def test_a_prompt_is_the_text_as_given():
     tokenizer = chat_tokenizer("plain")
     ids = encode_prompt({"prompt": "Summary:\n"}, tokenizer, where="test")
     assert ids == list(tokenizer("Summary:\n", add_special_tokens=True)["input_ids"])
+
+
+def test_the_log_shows_newlines_and_names_the_stop_tokens():
+    """Issue 48: newlines were printed as spaces and the stop tokens as ids."""
+    records = [{"prompt_text": "Q:\nhi\n", "answer": "a\n\nb", "stopped": True, "new_tokens": 4}]
+    lines = format_answers(3, records).splitlines()
+    assert lines[1] == "  [1] 'Q:\\nhi\\n'" and lines[2] == "      -> 'a\\n\\nb' (stopped)"
+    tokenizer = chat_tokenizer("chatml")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts = SamplePrompts([], [], tokenizer, [end, tokenizer.eos_token_id], 32)
+    assert f"ending at <|im_end|> ({end}), {tokenizer.eos_token} " in prompts.describe()
 
 
 def test_the_log_shows_each_prompts_end_and_its_answer():

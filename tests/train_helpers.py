@@ -57,6 +57,11 @@ def tiny_args(
         "save_every_minutes": 0,
     }
     options.update(overrides)
+    return as_flags(options)
+
+
+def as_flags(options: dict[str, Any]) -> list[str]:
+    """{name: value} as command-line flags: True a bare flag, False and None left out."""
     args: list[str] = []
     for key, value in options.items():
         if value is True:
@@ -70,7 +75,8 @@ def run_finetunes(nproc: int, runs: dict[str, list[str]], root: Path) -> dict[st
     """Several chess_finetune.py runs in one torchrun (tests/finetune_runs.py), sparing each
     the start of the interpreter, torch and the process group: {name: {"exit_code", "seconds"}}.
     A run that fails shows its exit code (its message is in the output) and the others still
-    run; the caller checks the codes it cares about."""
+    run; the caller checks the codes it cares about. The whole output (rank 0's logs of every
+    run, in order) is kept in ROOT/output.txt for checks of what the runs said."""
     root.mkdir(parents=True, exist_ok=True)
     listed = [{"name": name, "argv": [str(a) for a in argv]} for name, argv in runs.items()]
     (root / "runs.json").write_text(json.dumps(listed))
@@ -81,6 +87,7 @@ def run_finetunes(nproc: int, runs: dict[str, list[str]], root: Path) -> dict[st
         command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
+    (root / "output.txt").write_text(result.stdout)
     done = root / "results.json"
     results: dict[str, Any] = json.loads(done.read_text()) if done.exists() else {}
     if len(results) < len(runs):  # a crash, not a run's exit code: show torchrun's output

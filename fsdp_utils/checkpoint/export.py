@@ -106,10 +106,11 @@ def _frozen_model_with_pretrained_weights(info: Any, hf_config: Any, base: Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(
+    from fsdp_utils.arguments import ArgumentParser
+
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.export",
         description="Write a sharded training checkpoint as a Hugging Face model folder "
         "(safetensors + config + tokenizer), loadable with from_pretrained; a LoRA checkpoint as "

@@ -41,6 +41,7 @@ from fsdp_utils.model.peft_adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     is_adapter_key,
+    is_reference_key,
     peft_key,
 )
 
@@ -56,7 +57,9 @@ def adapter_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The adapters of a (gathered) LoRA state dict, named as PEFT saves them
     (`fsdp_utils.model.peft_adapter.peft_key`)."""
     return {
-        peft_key(key): value.contiguous() for key, value in state.items() if is_adapter_key(key)
+        peft_key(key): value.contiguous()
+        for key, value in state.items()
+        if is_adapter_key(key) and not is_reference_key(key)  # DPO's frozen copy stays
     }
 
 

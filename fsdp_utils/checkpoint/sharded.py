@@ -258,9 +258,12 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         extra: dict[str, Any],
         hf_files: tuple[Any, Path],
+        files: Mapping[str, Any] | None = None,
     ) -> tuple[Path, float]:
-        """Collective. Returns (path, seconds). On failure the partial folder is removed and
-        the previous checkpoints are untouched; raises CheckpointError."""
+        """Collective. Returns (path, seconds). `files`: rank 0's {name: object} to keep beside
+        the shards (torch.save; a method's state: `TrainStep.checkpoint_files`), counted in the
+        sizes checked on resume. On failure the partial folder is removed and the previous
+        checkpoints are untouched; raises CheckpointError."""
         started = time.perf_counter()
         final = self.root / checkpoint_name(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -282,6 +285,8 @@ class Checkpointer:
         # Every rank must agree the shards are written before rank 0 seals the checkpoint.
         if int(dist_utils.all_reduce_min(ok).item()) == 1 and self.is_main:
             try:
+                for name, value in (files or {}).items():
+                    torch.save(value, tmp / name)
                 self._seal(tmp, final, step, extra, hf_files, time.perf_counter() - started)
             except OSError as err:
                 ok[0], error = 0, f"{type(err).__name__}: {err}"

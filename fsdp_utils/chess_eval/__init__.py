@@ -1,4 +1,4 @@
-"""Did the model learn chess? A legal-move evaluation with python-chess as the referee.
+"""Did the model learn chess? python-chess as the referee, Stockfish as the judge.
 
 For held-out games (the eval split of `--dataset`, rendered with the run's `--template`) the
 model continues three prefixes per game (opening, middlegame, ending) for up to K plies
@@ -31,19 +31,31 @@ Parsing rules (`referee.judge`):
   50-move rule), which the end of the text then claims.
 - Unparseable, illegal, after the end, no move: each is one illegal move.
 
-Standalone: `python -m fsdp_utils.chess_eval MODEL`; during training: `--chess_eval_every N`
-(every rank takes part under FSDP; see `fsdp_utils.parallel.generate`).
+With Stockfish (`judge.py`; `--chess_eval_engine auto|on|off`) the model's moves are also
+judged for quality: centipawn loss, Lichess's win% and accuracy, best-move rate and lila's
+inaccuracy/mistake/blunder rates (`figures.py`), with balanced positions beside the three
+phases, and the model plays games against a ladder of opponents (`ladder.py`). Engine
+self-play games in the data set's schema: `python -m fsdp_utils.chess_eval.selfplay`.
+
+Standalone: `python -m fsdp_utils.chess_eval MODEL` (one process, or sharded under torchrun);
+during training: `--chess_eval_every N` (every rank takes part under FSDP; see
+`fsdp_utils.parallel.generate`). docs/chess-eval.md has the figures, formulas and sources.
 """
 
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, Example, format_table, log_record
-from fsdp_utils.chess_eval.referee import FAILURES, Verdict, judge
+from fsdp_utils.chess_eval.judge import EngineJudge, MoveVerdict, find_engine
+from fsdp_utils.chess_eval.referee import FAILURES, Verdict
 
+# `judge` is the engine judge's module (fsdp_utils.chess_eval.judge); the referee's function
+# of that name is `fsdp_utils.chess_eval.referee.judge`.
 __all__ = [
     "FAILURES",
     "ChessEvaluator",
+    "EngineJudge",
     "Example",
+    "MoveVerdict",
     "Verdict",
+    "find_engine",
     "format_table",
-    "judge",
     "log_record",
 ]

@@ -1,15 +1,27 @@
-"""The chess evaluator: held-out game prefixes -> the model plays on -> the referee's counts.
+"""The chess evaluator: held-out game prefixes -> the model plays on -> the referee's counts,
+the engine judge's figures and games against a ladder of opponents.
 
 Built once and run like torchtitan's Validator: `ChessEvaluator.from_config(...)` loads the
 games and the tokenizer; `run(model, step=...)` is collective under torchrun. The prefixes and
 the games are dealt round-robin to the ranks and padded with dummy rows, so every rank runs
 the same number of batches and forward passes; each rank counts only its real rows and one
 all-reduce of the integer counts gives every rank the same totals, whatever the world size.
+
+The engine part (`engine`: `EngineSettings`, None without an engine) composes the referee
+(`referee.py`), the judge (`judge.py`, one Stockfish process per rank, started for the run and
+ended on every way out of it) and the games (`games.py`, `ladder.py`): each rank judges its
+own continuations and plays its share of the ladder's games, so the engine work is spread over
+the ranks' CPU cores; the per-move and per-game records are gathered and every figure is
+computed from them in one order (`figures.py`). An engine that fails (crash, hang) ends that
+part of this evaluation with its error in the metrics (`engine_error`); the referee's figures
+and the training run go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -17,18 +29,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import chess
 import torch
 from torch import nn
 
-from fsdp_utils.chess_eval.games import PHASES, Prefix, make_prefixes, moves_offset, render_prompt
+from fsdp_utils.atomic import write_text_atomic
+from fsdp_utils.chess_eval.figures import (
+    FIGURE_PHASES,
+    Played,
+    engine_metrics,
+    judge_board_score,
+    move_records,
+)
+from fsdp_utils.chess_eval.games import (
+    PHASES,
+    Prefix,
+    balanced_ply,
+    balanced_prefix,
+    make_prefixes,
+    moves_offset,
+    render_prompt,
+    require_games,
+)
+from fsdp_utils.chess_eval.judge import (
+    EngineFailed,
+    EngineJudge,
+    EngineNotFound,
+    engine_version,
+    find_engine,
+)
+from fsdp_utils.chess_eval.ladder import (
+    MAX_PLIES,
+    LadderGame,
+    Opponent,
+    check_opponents,
+    ladder_line,
+    score_rungs,
+)
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
+from fsdp_utils.config.options.evaluation import ladder_rungs
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.parallel.generate import Sampling, continue_prompts, top1_hits
+from fsdp_utils.parallel.generate import Sampling, continue_prompts, row_seed, top1_hits
 from fsdp_utils.parallel.parallelize import no_grad_pass
 
 DEFAULT_BATCH_SIZE = 8
+# What a run returns beside its numbers: not metrics.jsonl material (`log_record` drops them).
+RECORDS = ("examples", "move_records", "game_records", "pgns")
 
 # The integer counts every rank contributes; one all-reduce sums them.
 COUNTS = (
@@ -81,6 +129,94 @@ class _Tally:
                 c["result_matched"] += verdict.result == prefix.header_result
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine part of an evaluation (from the config: `EngineSettings.from_config`)."""
+
+    path: str
+    depth: int | None = 10
+    nodes: int | None = None
+    judged_plies: int = 1
+    ladder: tuple[str, ...] = ()
+    ladder_games: int = 8
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> tuple[EngineSettings | None, str]:
+        """(settings, one line for the log). None when --chess_eval_engine is off, or auto and
+        no engine is found; EngineNotFound (a ValueError: exit 2) when it is on."""
+        if config.chess_eval_engine == "off":
+            return None, "engine judge off (--chess_eval_engine off)"
+        try:
+            path = find_engine(config.chess_engine)
+        except EngineNotFound:
+            if config.chess_eval_engine == "on":
+                raise
+            return None, (
+                "engine judge skipped: no Stockfish found, legality only "
+                "(conda install -c conda-forge stockfish, or apt-get install stockfish)"
+            )
+        nodes = config.chess_eval_nodes
+        settings = cls(
+            path=path,
+            depth=None if nodes else config.chess_eval_depth,
+            nodes=nodes,
+            judged_plies=config.chess_eval_judged_plies,
+            ladder=tuple(ladder_rungs(config.chess_eval_ladder)),
+            ladder_games=config.chess_eval_ladder_games,
+        )
+        return settings, settings.describe()
+
+    def check(self) -> str:
+        """The preflights' check: start the engine once (its version, e.g. "Stockfish 15.1")
+        and each rung's opponent; a ValueError naming the fix when the binary does not run as
+        a UCI engine or refuses a rung's level."""
+        try:
+            version = engine_version(self.path)
+        except EngineFailed as err:
+            raise ValueError(
+                f"The chess engine {self.path} does not run as a UCI engine ({err}). Point "
+                "--chess_engine at a Stockfish binary, or turn the engine judge off "
+                "(--chess_eval_engine off)."
+            ) from err
+        check_opponents(self.ladder, self.path)
+        return version
+
+    def describe(self) -> str:
+        ladder = f"; ladder {','.join(self.ladder)}, {self.ladder_games} games each"
+        return f"engine judge: {self.path}, {self.limit_text}" + (ladder if self.ladder else "")
+
+    @property
+    def limit_text(self) -> str:
+        return f"depth {self.depth}" if self.depth is not None else f"{self.nodes} nodes"
+
+
+class _EngineRun:
+    """This rank's engine for one evaluation: the judge, and the first error it met."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.error: str | None = None
+        self.judge: EngineJudge | None = None
+        self.name = "engine"
+        try:
+            self.judge = EngineJudge(path=settings.path, depth=settings.depth, nodes=settings.nodes)
+            self.name = self.judge.name
+        except EngineFailed as err:
+            self.error = str(err)
+
+    def fail(self, err: Exception) -> None:
+        self.error = self.error or str(err)
+        self.close()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.judge is not None
+
+    def close(self) -> None:
+        if self.judge is not None:
+            self.judge.close()
+
+
 class ChessEvaluator:
     def __init__(
         self,
@@ -96,12 +232,9 @@ class ChessEvaluator:
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
+        engine: EngineSettings | None = None,
     ) -> None:
-        if not games:
-            raise ValueError(
-                "The chess evaluation found no held-out games: the eval split is empty. Hold "
-                "some out with --eval_examples (e.g. --eval_examples 200)."
-            )
+        require_games(games)
         if plies < 1:
             raise ValueError(f"--chess_eval_plies must be at least 1, got {plies}.")
         if tokenizer.eos_token_id is None:
@@ -127,7 +260,12 @@ class ChessEvaluator:
         self.pad = int(pad) if pad is not None else self.eos
         self.tokens_per_ply = self._tokens_per_ply()
         self.max_new_tokens = (plies + 1) * self.tokens_per_ply
+        self.seed = seed
         self.prefixes = self._fit(make_prefixes(self.games, template, plies=plies, seed=seed))
+        self.engine = engine
+        self.engine_note = engine.describe() if engine else "engine judge off"
+        # Balanced positions, chosen with the engine at the first run that has one.
+        self.balanced: list[Prefix] | None = None
 
     @classmethod
     def from_config(
@@ -144,7 +282,8 @@ class ChessEvaluator:
         from fsdp_utils.data.prepare import held_out_games
 
         games = held_out_games(config, limit=config.chess_eval_games, files=files)
-        return cls(
+        engine, note = EngineSettings.from_config(config)
+        evaluator = cls(
             games,
             tokenizer,
             template=config.template,
@@ -156,7 +295,10 @@ class ChessEvaluator:
             rank=rank,
             world_size=world_size,
             device=device,
+            engine=engine,
         )
+        evaluator.engine_note = note  # with the reason when there is no engine
+        return evaluator
 
     # --- preparation ------------------------------------------------------------------
 
@@ -205,16 +347,32 @@ class ChessEvaluator:
     # --- the evaluation ---------------------------------------------------------------
 
     def run(self, model: nn.Module, *, autocast: Callable[[], Any] | None = None) -> dict[str, Any]:
-        """Collective. Returns the metrics (same on every rank) and, under "examples", the
-        continuations of this rank's first batch."""
+        """Collective. Returns the metrics (same on every rank), the continuations of this
+        rank's first batch ("examples") and, with the engine, every rank's per-move and
+        per-game records ("move_records", "game_records", "pgns")."""
         started = time.perf_counter()
         tally = _Tally()
         examples: list[Example] = []
-        with no_grad_pass(model):
-            for batch in self._batches(self.prefixes):
-                self._play(model, batch, tally, examples, autocast)
-            for batch in self._batches(list(range(len(self.games)))):
-                self._teacher_forced(model, batch, tally, autocast)
+        played: list[Played] = []
+        ladder: list[LadderGame] = []
+        engine = _EngineRun(self.engine) if self.engine is not None else None
+        with contextlib.ExitStack() as stack:
+            if engine is not None:
+                stack.callback(engine.close)  # every way out of the run ends the engine
+                if self.balanced is None:
+                    self.balanced = self._select_balanced(engine)
+            with no_grad_pass(model):
+                for batch in self._batches(self.prefixes):
+                    self._play(model, batch, tally, examples, played, autocast)
+                for batch in self._batches(self.balanced or []):
+                    self._play(model, batch, None, None, played, autocast)
+                for batch in self._batches(list(range(len(self.games)))):
+                    self._teacher_forced(model, batch, tally, autocast)
+                if engine is not None and self.engine is not None and self.engine.ladder:
+                    ladder = self._ladder(model, engine, autocast)
+            engine_started = time.perf_counter()
+            moves = self._judge(engine, played) if engine is not None else []
+            engine_seconds = time.perf_counter() - engine_started
         counts = torch.tensor(
             [tally.counts[k] for k in COUNTS], dtype=torch.float64, device=self.device
         )
@@ -222,6 +380,8 @@ class ChessEvaluator:
             zip(COUNTS, (int(v) for v in dist_utils.all_reduce_sum(counts).tolist()), strict=True)
         )
         metrics = self._metrics(totals)
+        if engine is not None:
+            metrics.update(self._engine_results(engine, moves, ladder, engine_seconds))
         metrics["seconds"] = time.perf_counter() - started
         metrics["examples"] = examples
         return metrics
@@ -230,46 +390,252 @@ class ChessEvaluator:
         self,
         model: nn.Module,
         batch: list[Prefix | None],
-        tally: _Tally,
-        examples: list[Example],
+        tally: _Tally | None,
+        examples: list[Example] | None,
+        played: list[Played],
         autocast: Callable[[], Any] | None,
     ) -> None:
+        """Continue a batch of prefixes; the referee's verdicts go to `tally` (None: the
+        balanced prefixes, which only the engine judges) and every continuation to `played`."""
         real = [p for p in batch if p is not None]
         stand_in = real[0] if real else self.prefixes[0]  # dummy rows repeat a real prompt
         rows = [p or stand_in for p in batch]
-        boards = [board_after(p.moves) for p in rows]
-        prompts = [self._encode(p.prompt) for p in rows]
-        prompt_texts = [self._decode(ids) for ids in prompts]
-
-        def continuation(b: int, tokens: list[int]) -> str:
-            text = self._decode(prompts[b] + tokens)
-            if text.startswith(prompt_texts[b]):
-                return text[len(prompt_texts[b]) :]
-            return " " + self._decode(tokens)  # the tokenizer re-spelled the prompt
-
-        def is_done(b: int, tokens: list[int]) -> bool:
-            if batch[b] is None:
-                return True
-            return (
-                judge(boards[b], continuation(b, tokens), plies=self.plies, finished=False)
-                is not None
-            )
-
-        generated = continue_prompts(
-            model, prompts, pad_token_id=self.pad, eos_token_id=self.eos,
-            max_new_tokens=self.max_new_tokens, is_done=is_done, device=self.device,
-            sampling=Sampling(self.temperature) if self.temperature > 0 else None,
+        texts = self._continue(
+            model, [p.prompt for p in rows], [board_after(p.moves) for p in rows],
+            live=[p is not None for p in batch], plies=self.plies,
             seeds=[p.index for p in rows], autocast=autocast,
         )  # fmt: skip
         for b, prefix in enumerate(batch):
             if prefix is None:
                 continue
-            text = continuation(b, generated[b].tokens)
-            verdict = judge(boards[b], text, plies=self.plies, finished=True)
+            text = texts[b]
+            verdict = judge(board_after(prefix.moves), text, plies=self.plies, finished=True)
             assert verdict is not None
-            tally.add_verdict(prefix, verdict)
-            if not examples:
+            played.append(Played(prefix, tuple(text.split()), verdict))
+            if tally is not None:
+                tally.add_verdict(prefix, verdict)
+            if examples is not None and not examples:
                 examples.append(Example(prefix.phase, prefix.prompt, text, verdict))
+
+    def _continue(
+        self,
+        model: nn.Module,
+        prompt_texts: list[str],
+        boards: list[chess.Board],
+        *,
+        live: list[bool],
+        plies: int,
+        seeds: list[int],
+        autocast: Callable[[], Any] | None,
+    ) -> list[str]:
+        """The text the model writes after each prompt, until the referee's verdict on
+        `plies` plies is known (dead rows, `live` False, stop at once). Collective."""
+        prompts = [self._encode(text) for text in prompt_texts]
+        decoded = [self._decode(ids) for ids in prompts]
+
+        def continuation(b: int, tokens: list[int]) -> str:
+            text = self._decode(prompts[b] + tokens)
+            if text.startswith(decoded[b]):
+                return text[len(decoded[b]) :]
+            return " " + self._decode(tokens)  # the tokenizer re-spelled the prompt
+
+        def is_done(b: int, tokens: list[int]) -> bool:
+            if not live[b]:
+                return True
+            return (
+                judge(boards[b], continuation(b, tokens), plies=plies, finished=False) is not None
+            )
+
+        generated = continue_prompts(
+            model, prompts, pad_token_id=self.pad, eos_token_id=self.eos,
+            max_new_tokens=(plies + 1) * self.tokens_per_ply, is_done=is_done,
+            device=self.device,
+            sampling=Sampling(self.temperature) if self.temperature > 0 else None,
+            seeds=seeds, autocast=autocast,
+        )  # fmt: skip
+        return [continuation(b, g.tokens) for b, g in enumerate(generated)]
+
+    # --- the engine part ----------------------------------------------------------------
+
+    def _select_balanced(self, engine: _EngineRun) -> list[Prefix] | None:
+        """Collective: each rank scores its share of the games' candidate positions; the
+        balanced prefixes every rank then plays. None (tried again next run) if an engine
+        failed."""
+        found: dict[int, int] = {}
+        if engine.ok:
+            assert engine.judge is not None
+            judge_ = engine.judge
+            try:
+                for g in range(self.rank, len(self.games), self.world_size):
+                    ply = balanced_ply(
+                        self.games[g], g, seed=self.seed,
+                        score=lambda moves: judge_board_score(judge_, moves),
+                    )  # fmt: skip
+                    if ply is not None:
+                        found[g] = ply
+            except EngineFailed as err:
+                engine.fail(err)
+        gathered = dist_utils.all_gather_objects((found, engine.error))
+        errors = [e for _, e in gathered if e]
+        if errors:
+            engine.error = engine.error or errors[0]
+            return None
+        plies = {g: ply for part, _ in gathered for g, ply in part.items()}
+        start = len(self.prefixes)
+        prefixes = [
+            balanced_prefix(self.games, self.template, g, plies[g], start + k)
+            for k, g in enumerate(sorted(plies))
+        ]
+        fits = [p for p in prefixes if self._fits(p.prompt)]
+        return fits
+
+    def _fits(self, prompt: str, plies: int | None = None) -> bool:
+        budget = ((plies or self.plies) + 1) * self.tokens_per_ply
+        return len(self._encode(prompt)) + budget <= self.max_seq_length
+
+    def _judge(self, engine: _EngineRun, played: list[Played]) -> list[dict[str, Any]]:
+        """This rank's per-move records (none once its engine has failed)."""
+        assert self.engine is not None
+        records: list[dict[str, Any]] = []
+        if not engine.ok:
+            return records
+        assert engine.judge is not None
+        try:
+            for continuation in played:
+                records.extend(move_records(engine.judge, continuation, self.engine.judged_plies))
+        except EngineFailed as err:
+            engine.fail(err)
+        return records
+
+    def _ladder(
+        self, model: nn.Module, engine: _EngineRun, autocast: Callable[[], Any] | None
+    ) -> list[LadderGame]:
+        """Collective: this rank's share of the ladder's games, played to their end. Every
+        rank runs the same number of generation rounds (dummy rows where it has no game to
+        move in)."""
+        settings = self.engine
+        assert settings is not None
+        # Every rank agrees whether to play: an engine that failed before stops the ladder.
+        failed = dist_utils.all_reduce_max(torch.tensor([0.0 if engine.ok else 1.0]))
+        if failed.item() > 0:
+            return []
+        schedule = [(rung, i) for rung in settings.ladder for i in range(settings.ladder_games)]
+        games = [
+            LadderGame(i, rung, self.seed) for rung, i in schedule[self.rank :: self.world_size]
+        ]
+        opponents: dict[str, Opponent] = {}
+        try:
+            while True:
+                self._opponents_move(games, opponents, engine)
+                todo = [g for g in games if g.model_to_move]
+                rounds = torch.tensor([float(math.ceil(len(todo) / self.batch_size))])
+                rounds_everywhere = int(dist_utils.all_reduce_max(rounds).item())
+                if rounds_everywhere == 0:
+                    break
+                for k in range(rounds_everywhere):
+                    self._model_moves(
+                        model, todo[k * self.batch_size : (k + 1) * self.batch_size], autocast
+                    )
+        finally:
+            for opponent in opponents.values():
+                opponent.close()
+        return games
+
+    def _opponents_move(
+        self, games: list[LadderGame], opponents: dict[str, Opponent], engine: _EngineRun
+    ) -> None:
+        """The opponents' replies, and the ends of games (local to this rank)."""
+        try:
+            for game in games:
+                if game.over:
+                    continue
+                game.check_end()
+                if not game.over and not game.model_to_move:
+                    if game.rung not in opponents:
+                        opponents[game.rung] = Opponent(
+                            game.rung, path=self.engine.path if self.engine else None
+                        )
+                    game.board.push(opponents[game.rung].move(game.board, game.rng))
+                    game.check_end()
+                if game.over:
+                    continue
+                prompt = self._ladder_prompt(game)
+                if game.board.ply() >= MAX_PLIES or not self._fits(prompt, plies=1):
+                    assert engine.judge is not None
+                    why = f"{MAX_PLIES} plies" if game.board.ply() >= MAX_PLIES else "context full"
+                    game.adjudicate(engine.judge, why)
+        except EngineFailed as err:
+            engine.fail(err)
+            for game in games:
+                if not game.over:
+                    game.finish("*", "engine failed")
+
+    def _ladder_prompt(self, game: LadderGame) -> str:
+        header = {"Result": game.header_result(), "Termination": "CHECKMATE"}
+        return render_prompt(self.template, header, [m.uci() for m in game.board.move_stack])
+
+    def _model_moves(
+        self, model: nn.Module, batch: list[LadderGame], autocast: Callable[[], Any] | None
+    ) -> None:
+        """One move of the model in each game of `batch` (may be empty: a dummy row)."""
+        rows: list[LadderGame | None] = list(batch) or [None]
+        prompts = [self._ladder_prompt(g) if g else self.prefixes[0].prompt for g in rows]
+        boards = [g.board if g else board_after(self.prefixes[0].moves) for g in rows]
+        seeds = [row_seed(self.seed, g.rung, g.index, g.board.ply()) if g else 0 for g in rows]
+        texts = self._continue(
+            model, prompts, boards, live=[g is not None for g in rows], plies=1, seeds=seeds,
+            autocast=autocast,
+        )  # fmt: skip
+        for game, text in zip(rows, texts, strict=True):
+            if game is None:
+                continue
+            verdict = judge(game.board, text, plies=1, finished=True)
+            assert verdict is not None
+            if verdict.failure is not None:
+                words = text.split()
+                game.forfeit(words[0] if words else "", verdict.failure)
+                continue
+            game.board.push_uci(text.split()[0])
+            game.check_end()
+
+    def _engine_results(
+        self,
+        engine: _EngineRun,
+        moves: list[dict[str, Any]],
+        ladder: list[LadderGame],
+        seconds: float,
+    ) -> dict[str, Any]:
+        """Collective: every rank's records, and the figures computed from them."""
+        settings = self.engine
+        assert settings is not None
+        games = [g for g in ladder if g.over and g.result != "*"]
+        mine = (moves, [g.record() for g in games], [g.pgn(model_name="model") for g in games])
+        gathered = dist_utils.all_gather_objects((mine, engine.error, engine.name))
+        errors = [e for _, e, _ in gathered if e]
+        moves = sorted(
+            (r for (m, _, _), _, _ in gathered for r in m), key=lambda r: (r["position"], r["ply"])
+        )
+        order = {rung: k for k, rung in enumerate(settings.ladder)}
+        paired = sorted(
+            ((r, p) for (_, g, pg), _, _ in gathered for r, p in zip(g, pg, strict=True)),
+            key=lambda rp: (order[rp[0]["rung"]], rp[0]["game"]),
+        )
+        results: dict[str, Any] = {
+            "engine": gathered[0][2],
+            "engine_depth": settings.depth,
+            "engine_nodes": settings.nodes,
+            "engine_error": errors[0] if errors else None,
+        }
+        if errors:  # a failed engine: no figures from half the work
+            return results | {"move_records": [], "game_records": [], "pgns": []}
+        results.update(engine_metrics(moves))
+        results["engine_seconds"] = seconds  # this rank's judging time
+        for rung in score_rungs([r for r, _ in paired], list(settings.ladder)):
+            results.update(rung.metrics())
+        results["move_records"] = moves
+        results["game_records"] = [r for r, _ in paired]
+        results["pgns"] = [p for _, p in paired]
+        return results
 
     def _decode(self, ids: Sequence[int]) -> str:
         # Special tokens stay in the text: one written mid-game makes its word unparseable.
@@ -351,11 +717,12 @@ def _move_spans(moves: Sequence[str], offset: int) -> list[tuple[int, int]]:
     return spans
 
 
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 def format_table(metrics: dict[str, Any], *, step: int | None) -> str:
     """The log's small table."""
-
-    def pct(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f}%"
 
     m = metrics
     sampling = "greedy" if not m["temperature"] else f"temperature {m['temperature']:g}"
@@ -376,12 +743,70 @@ def format_table(metrics: dict[str, Any], *, step: int | None) -> str:
         )
     kinds = ", ".join(f"{m[f'illegal_{k}']} {k.replace('_', ' ')}" for k in FAILURES)
     lines.append(f"  illegal moves          {m['illegal_moves']:>7}  ({kinds})")
+    lines.extend(engine_lines(m))
     examples = m.get("examples") or []
     if examples:
         lines.append(f"  example ({examples[0].phase}): {examples[0].describe()}")
     return "\n".join(lines)
 
 
+def engine_lines(m: dict[str, Any]) -> list[str]:
+    """The engine judge's lines of the table (none without an engine)."""
+    if "engine" not in m:
+        return []
+    limit = f"depth {m['engine_depth']}" if m["engine_depth"] else f"{m['engine_nodes']} nodes"
+    if m.get("engine_error"):
+        return [f"  engine judge           FAILED ({m['engine']}, {limit}): {m['engine_error']}"]
+
+    def num(value: float | None, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    phases = ", ".join(
+        f"{p} {num(m[f'engine_centipawn_loss_{p}'], '.0f')}"
+        for p in FIGURE_PHASES
+        if m[f"engine_moves_{p}"]
+    )
+    lines = [
+        f"  engine judge           {m['engine']}, {limit}: {m['engine_moves']} legal moves "
+        f"judged from {m['engine_positions']} positions, {m['engine_illegal']} illegal "
+        f"(counted beside, not averaged), {m['engine_seconds']:.1f}s",
+        f"  centipawn loss         {num(m['engine_centipawn_loss'], '7.1f')}  mean per move ({phases})",
+        f"  accuracy (Lichess)     {num(m['engine_accuracy'], '6.1f')}%  best move "
+        f"{pct(m['engine_best_move_rate'])}; inaccuracies {pct(m['engine_inaccuracy_rate'])}, "
+        f"mistakes {pct(m['engine_mistake_rate'])}, blunders {pct(m['engine_blunder_rate'])}",
+    ]
+    rungs = [
+        k.removesuffix("_games").removeprefix("ladder_")
+        for k in m
+        if k.startswith("ladder_") and k.endswith("_games")
+    ]
+    for record_rung in rungs:
+        lines.append(ladder_line(m, record_rung))
+    return lines
+
+
+def write_records(folder: Path, metrics: dict[str, Any], *, step: int | None) -> list[Path]:
+    """The records beside the summary, for anyone to audit: `moves.jsonl` (one judged move a
+    line), `games.jsonl` and `games.pgn` (the ladder's games), `summary.json` (the figures).
+    Nothing without the engine part. Returns the files written."""
+    if "move_records" not in metrics:
+        return []
+    summary = log_record(metrics, step=step if step is not None else 0)
+    if step is None:
+        summary.pop("step")
+    files = {
+        "moves.jsonl": "".join(json.dumps(r) + "\n" for r in metrics["move_records"]),
+        "games.jsonl": "".join(json.dumps(r) + "\n" for r in metrics["game_records"]),
+        "games.pgn": "\n\n".join(metrics["pgns"]) + ("\n" if metrics["pgns"] else ""),
+        "summary.json": json.dumps(summary, indent=2) + "\n",
+    }
+    written = []
+    for name, text in files.items():
+        write_text_atomic(folder / name, text)
+        written.append(folder / name)
+    return written
+
+
 def log_record(metrics: dict[str, Any], *, step: int) -> dict[str, Any]:
-    """The flat numeric fields of a `kind: chess_eval` record in metrics.jsonl."""
-    return {k: v for k, v in metrics.items() if k != "examples"} | {"step": step}
+    """The flat fields of a `kind: chess_eval` record in metrics.jsonl (no per-move records)."""
+    return {k: v for k, v in metrics.items() if k not in RECORDS} | {"step": step}

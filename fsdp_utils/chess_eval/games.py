@@ -5,16 +5,24 @@ drawn from (seed, game), and its ending (K/2 plies before the game's last move, 
 that plays on well can end the game and meet the `[Result ...]` header). The prompt is the
 template up to `{moves}`, then the prefix's moves, with trailing whitespace removed: the model
 writes the separating space itself, as it did in training.
+
+With the engine judge, a game may give a fourth prefix, `balanced`: the first of a few seeded
+plies whose position the engine scores within +-`BALANCED_CP` centipawns, where Lichess's win%
+is far from saturated (a move there can visibly gain or lose). Balanced prefixes are judged by
+the engine only; the legal-move figures stay those of the three phases.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("opening", "middlegame", "ending")
+BALANCED = "balanced"
+BALANCED_CP = 100
+BALANCED_CANDIDATES = 6
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,14 @@ class Prefix:
     moves: tuple[str, ...]  # the real game's moves before the continuation
     prompt: str
     header_result: str | None  # the result the prompt's header asks for; None: no header
+
+
+def require_games(games: Sequence[Mapping[str, Any]]) -> None:
+    if not games:
+        raise ValueError(
+            "The chess evaluation found no held-out games: the eval split is empty. Hold "
+            "some out with --eval_examples (e.g. --eval_examples 200)."
+        )
 
 
 def template_head(template: str) -> str:
@@ -77,3 +93,28 @@ def make_prefixes(
                 )
             )
     return prefixes
+
+
+def balanced_ply(
+    game: Mapping[str, Any], g: int, *, seed: int, score: Callable[[Sequence[str]], int | None]
+) -> int | None:
+    """The ply of game `g` whose position is balanced: the first of `BALANCED_CANDIDATES`
+    seeded plies (after the opening's first 4) that `score` (centipawns from the side to move;
+    None: the game is over there) puts within +-BALANCED_CP; None if none is."""
+    moves = list(game["Moves"])
+    rng = random.Random(f"{seed}/{g}/balanced")
+    plies = list(range(4, len(moves)))
+    for ply in rng.sample(plies, min(BALANCED_CANDIDATES, len(plies))):
+        cp = score(moves[:ply])
+        if cp is not None and abs(cp) <= BALANCED_CP:
+            return ply
+    return None
+
+
+def balanced_prefix(
+    games: Sequence[Mapping[str, Any]], template: str, g: int, ply: int, index: int
+) -> Prefix:
+    game = games[g]
+    moves = list(game["Moves"])[:ply]
+    header = str(game["Result"]) if header_shows_result(template) else None
+    return Prefix(index, g, BALANCED, tuple(moves), render_prompt(template, game, moves), header)

@@ -27,8 +27,10 @@ class BatchPlan:
     gradient_accumulation_steps: int
     seq_length: int
     # Sequences per example: 2 for DPO, whose batch sizes count pairs (a chosen and a rejected
-    # sequence each: fsdp_utils/data/preference.py).
+    # sequence each: fsdp_utils/data/preference.py); G for GRPO, whose batch sizes count
+    # prompts (--num_generations completions each: fsdp_utils/data/prompts.py).
     sequences_per_example: int = 1
+    prompts: bool = False  # the examples are prompts (GRPO), each sampled G times
     sequence_parallel: int = 1  # processes per sequence (--sequence_parallel)
 
     @property
@@ -43,6 +45,8 @@ class BatchPlan:
 
     @property
     def example_name(self) -> str:
+        if self.prompts:
+            return f"prompts ({self.sequences_per_example} completions each)"
         return "pairs (2 sequences each)" if self.sequences_per_example == 2 else "sequences"
 
     def describe(self) -> str:
@@ -152,6 +156,7 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
         world_size=world_size,
         gradient_accumulation_steps=derived,
         seq_length=config.max_seq_length,
-        sequences_per_example=2 if config.trains_on_pairs else 1,
+        sequences_per_example=config.sequences_per_example,
+        prompts=config.trains_on_prompts,
         sequence_parallel=config.sequence_parallel,
     )

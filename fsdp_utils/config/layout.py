@@ -4,6 +4,7 @@
     config.json        resolved TrainConfig (+ world size, batch plan, versions)
     metrics.jsonl      one JSON object per logged step / eval / event
     samples.jsonl      the model's answers to --sample_prompts at every evaluation
+    completions.jsonl  --method grpo: completions with their rewards, every few steps
     checkpoints/       sharded DCP checkpoints (step_00000100/ ...)
     final/             Hugging Face model + tokenizer (safetensors) at the end; with --lora
                        a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
@@ -44,6 +45,11 @@ class RunLayout:
         return self.root / "samples.jsonl"
 
     @property
+    def completions(self) -> Path:
+        """--method grpo: a few completions and their rewards every --log_completions_every."""
+        return self.root / "completions.jsonl"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
@@ -62,6 +68,11 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def chess_eval(self) -> Path:
+        """The chess evaluation's per-move and per-game records, a folder per evaluation."""
+        return self.root / "chess_eval"
 
     @property
     def tensorboard(self) -> Path:

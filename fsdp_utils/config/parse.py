@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdp_utils.arguments import ArgumentParser, did_you_mean
+from fsdp_utils.config.model_path import with_model_path
 from fsdp_utils.config.train_config import SECTIONS, TrainConfig, validate_config
 
 # --- command line and config files ---------------------------------------------------------
@@ -121,12 +122,7 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        import difflib
-
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hints = [f"{key!r}{did_you_mean(key, known)}" for key in unknown]
         raise ValueError(f"Unknown option(s) in {source}: {', '.join(hints)}.")
     hints_by_name = _field_types()
     checked: dict[str, Any] = {}
@@ -164,6 +160,8 @@ def parse_config(
     """Parse the command line (and `--config FILE`) into a validated TrainConfig.
 
     Returns the config and the namespace (for CLI-only switches such as --print_config).
+    `--model` is read as every command reads it (`fsdp_utils.config.model_path`): a run
+    folder becomes its final model, an adapter folder its base with the adapter continued.
     """
     parser = parser or build_parser()
     args = parser.parse_args(argv)
@@ -172,7 +170,8 @@ def parse_config(
         values.update(load_config_file(args.config))
     field_names = {f.name for f in dataclasses.fields(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in field_names})
-    return config_from_dict(values, source="the command line and config file"), args
+    config = config_from_dict(values, source="the command line and config file")
+    return with_model_path(config), args
 
 
 # The section of a command's own options in `--help`, before the config's sections.
@@ -188,7 +187,7 @@ def build_parser(
     """The parser of a command that takes a TrainConfig: first its own options, in the section
     "checks before a run" (`--config`, `--print_config`, and whatever `command_options` adds),
     then one section per field section. The usage line stays short: 70 flags do not fit in it."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog,
         usage="%(prog)s [options]",
         description=description,
@@ -203,42 +202,3 @@ def build_parser(
         command_options(checks)
     add_config_arguments(parser)
     return parser
-
-
-def add_renamed_argument(
-    where: argparse._ActionsContainer, name: str, *, old: str, **kwargs: Any
-) -> argparse.Action:
-    """`where.add_argument(name, **kwargs)`, and the old spelling `old` still works: hidden
-    from `--help`, it prints one line on stderr naming `name`, then does what `name` does.
-    (Python 3.13's `deprecated=True` warns, but neither hides the option nor names the new
-    spelling.)"""
-    current = where.add_argument(name, **kwargs)
-    where.add_argument(old, action=_OldSpelling, current=current)
-    return current
-
-
-class _OldSpelling(argparse.Action):
-    def __init__(self, option_strings: Sequence[str], dest: str, *, current: argparse.Action):
-        same: dict[str, Any] = {
-            "nargs": current.nargs,
-            "const": current.const,
-            "type": current.type,
-            "choices": current.choices,
-            "metavar": current.metavar,
-        }
-        # No default of its own: the current spelling's default stands.
-        super().__init__(
-            option_strings, current.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **same
-        )
-        self.current = current
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        name = self.current.option_strings[0]
-        print(f"warning: {option_string} is deprecated: use {name}", file=sys.stderr, flush=True)
-        self.current(parser, namespace, values, name)

@@ -45,7 +45,7 @@ from .options.checkpoints import CheckpointOptions, ExportDtype
 from .options.data import DEFAULT_TEMPLATE, DataOptions
 from .options.evaluation import EvaluationOptions
 from .options.lora import LoraOptions
-from .options.method import MethodOptions
+from .options.method import REFERENCE_METHODS, MethodOptions
 from .options.metrics import MetricsOptions
 from .options.optimizer import OptimizerOptions
 from .options.parallelism import AttnImplementation, ParallelismOptions, Precision, Sharding
@@ -99,6 +99,14 @@ class TrainConfig(
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def reference_adapter(self) -> bool:
+        """A reference method continuing an adapter (`--method dpo --lora --lora_from A`): the
+        model carries a frozen copy of A beside the trained adapter (`fsdp_utils.model.lora`),
+        and the reference is the model with that copy active: the model the user fine-tuned,
+        not the base with the adapters off."""
+        return self.method in REFERENCE_METHODS and self.lora and self.lora_from is not None
+
 
 def validate_config(config: TrainConfig) -> None:
     """Checks that need no model, data or world size (those come in the batch plan): each
@@ -125,10 +133,34 @@ def validate_config(config: TrainConfig) -> None:
             "does not have. Drop --no_fsdp (FSDP2 on one GPU works too), or drop "
             "--teacher_quantize."
         )
+    if config.method == "grpo":
+        _check_grpo(config)
     if config.method == "dpo" and config.train_on_prompt:
         raise ValueError(
             "--train_on_prompt with --method dpo: DPO compares the answers given the same "
             "prompt, so the prompt's tokens carry no loss. Drop --train_on_prompt."
+        )
+
+
+def _check_grpo(config: TrainConfig) -> None:
+    """GRPO's options against the other stages'."""
+    if config.max_completion_length >= config.max_seq_length:
+        raise ValueError(
+            f"--max_completion_length {config.max_completion_length} leaves no room for the "
+            f"prompt in --max_seq_length {config.max_seq_length} (a prompt and its completion "
+            "share it): raise --max_seq_length, e.g. to "
+            f"{config.max_completion_length + 256}, or lower --max_completion_length."
+        )
+    if config.sequence_parallel > 1:
+        raise ValueError(
+            "--sequence_parallel with --method grpo: the completions are sampled and scored "
+            "whole on each rank (as in TRL, which refuses sequence parallelism for GRPO too). "
+            "Drop --sequence_parallel."
+        )
+    if config.train_on_prompt:
+        raise ValueError(
+            "--train_on_prompt with --method grpo: GRPO's loss is on the completions the "
+            "model sampled; the prompts carry none. Drop --train_on_prompt."
         )
 
 

@@ -146,22 +146,28 @@ def steps_per_epoch(num_blocks: int, total_batch_size: int) -> int:
     return num_blocks // total_batch_size
 
 
-def epoch_steps(config: TrainConfig, num_blocks: int, total_batch_size: int) -> TrainConfig:
+def epoch_steps(
+    config: TrainConfig, num_blocks: int, total_batch_size: int, repeat: int = 1
+) -> TrainConfig:
     """--num_epochs: the config with max_training_steps = epochs x steps per epoch. A pure
     function of the prepared training blocks and the total batch (fixed whatever the number
-    of GPUs), so a resumed or requeued run, or another world size, gets the same count."""
+    of GPUs), so a resumed or requeued run, or another world size, gets the same count.
+    `repeat`: optimizer steps per total batch (GRPO's --num_iterations)."""
     assert config.num_epochs is not None
-    steps = config.num_epochs * steps_per_epoch(num_blocks, total_batch_size)
+    steps = config.num_epochs * steps_per_epoch(num_blocks, total_batch_size) * repeat
     resolved = config.replace(max_training_steps=max(steps, 1), num_epochs=None)
     validate_config(resolved)  # the warmup against the step count, now that it is known
     return config.replace(max_training_steps=resolved.max_training_steps)
 
 
-def describe_epochs(config: TrainConfig, num_blocks: int, total_batch_size: int) -> str:
-    per_epoch = steps_per_epoch(num_blocks, total_batch_size)
+def describe_epochs(
+    config: TrainConfig, num_blocks: int, total_batch_size: int, repeat: int = 1
+) -> str:
+    per_epoch = steps_per_epoch(num_blocks, total_batch_size) * repeat
+    again = f", each batch {repeat} times" if repeat > 1 else ""
     return (
         f"epochs: {config.num_epochs} x {per_epoch} steps ({num_blocks:,} training blocks // "
-        f"{total_batch_size} sequences per step) = {config.max_training_steps} steps, "
+        f"{total_batch_size} sequences per step{again}) = {config.max_training_steps} steps, "
         f"{config.resolved_warmup_steps} warmup"
     )
 

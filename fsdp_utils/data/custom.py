@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,25 +28,28 @@ class ModuleRows:
     digest: str  # sha256 of the rows' content (Arrow IPC bytes)
 
 
-def load_dataset_module(spec: str) -> ModuleRows:
-    """Import FILE.py, call FUNCTION(), and return its rows as a `datasets.Dataset`."""
-    import datasets
-
+def import_function(spec: str, *, flag: str) -> Callable[..., Any]:
+    """FUNCTION of FILE.py in `spec` ("FILE.py:FUNCTION"), the file imported as a module of its
+    own, again on every call (its folder on sys.path while it loads, so that it can import its
+    neighbours). A missing file or function, or a file that fails to import, is a ValueError
+    naming `flag` (--dataset_module, --reward_funcs) and, for a function, those the file has."""
     file, _, name = spec.rpartition(":")
     path = Path(file).expanduser()
     if not path.is_file():
-        raise ValueError(
-            f"--dataset_module {spec}: {path} is not a file (expected FILE.py:FUNCTION)."
-        )
+        raise ValueError(f"{flag} {spec}: {path} is not a file (expected FILE.py:FUNCTION).")
     module_name = (
-        f"fsdp_utils_dataset_module_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+        f"fsdp_utils_user_module_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
     )
     loader = importlib.util.spec_from_file_location(module_name, path)
     assert loader is not None and loader.loader is not None
     module = importlib.util.module_from_spec(loader)
-    sys.path.insert(0, str(path.resolve().parent))  # so that it can import its neighbours
+    sys.path.insert(0, str(path.resolve().parent))
     try:
         loader.loader.exec_module(module)
+    except Exception as err:  # the user's code: one paragraph, where and what
+        raise ValueError(
+            f"{flag} {spec}: importing {path} failed: {type(err).__name__}: {err}"
+        ) from err
     finally:
         sys.path.remove(str(path.resolve().parent))
     function = getattr(module, name, None)
@@ -54,9 +58,17 @@ def load_dataset_module(spec: str) -> ModuleRows:
             n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
         ]
         raise ValueError(
-            f"--dataset_module {spec}: {path} has no function {name!r} (its functions: "
+            f"{flag} {spec}: {path} has no function {name!r} (its functions: "
             f"{', '.join(found) or 'none'})."
         )
+    return function
+
+
+def load_dataset_module(spec: str) -> ModuleRows:
+    """Import FILE.py, call FUNCTION(), and return its rows as a `datasets.Dataset`."""
+    import datasets
+
+    function = import_function(spec, flag="--dataset_module")
     rows = function()
     if isinstance(rows, datasets.DatasetDict):
         raise ValueError(

@@ -9,6 +9,7 @@
     templates          any, named by --prompt_template  {column} placeholders (instruct.py)
                        and --response_template
     preference         chosen, rejected (+ prompt)      pairs for --method dpo (preference.py)
+    prompts            prompt (+ any columns)           prompts for --method grpo (prompts.py)
 
 Chess and text are token streams cut into blocks, every token trained, as they always were.
 The other formats carry a loss mask: only the answers are trained (`--train_on_prompt`: all).
@@ -26,6 +27,7 @@ from fsdp_utils.data.render import CHESS_COLUMNS
 
 STREAM_FORMATS = ("chess", "text")  # every token trained; documents cut into blocks
 MASKED_FORMATS = ("chat", "prompt_completion", "alpaca", "templates", "preference")  # loss masks
+PROMPT_FORMAT = "prompts"  # prompts alone, the model samples the answers (--method grpo)
 PREFERENCE_COLUMNS = ("chosen", "rejected")  # TRL's preference formats; `prompt` optional
 
 CHAT_COLUMNS = ("messages", "conversations")
@@ -97,6 +99,13 @@ def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
     """The format of a dataset with these columns; a ValueError naming the fix when none fits.
     --method dpo reads pairs only, and --method sft never does (`_preference_choice`)."""
     shown = ", ".join(columns)
+    if config.trains_on_prompts:
+        return _prompt_choice(columns, config)
+    if config.data_format == PROMPT_FORMAT:
+        raise ValueError(
+            f"--data_format {PROMPT_FORMAT}: prompts without answers are what --method grpo "
+            "samples answers to (docs/grpo.md); fine-tuning needs an answer per row."
+        )
     preference = _preference_choice(columns, config)
     if preference is not None:
         return preference
@@ -134,6 +143,25 @@ def choose_format(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
         "'{answer}', or return rows in one of these formats from a --dataset_module "
         "my_data.py:build."
     )
+
+
+def _prompt_choice(columns: Sequence[str], config: TrainConfig) -> FormatChoice:
+    """A method that samples its own answers (--method grpo) reads a `prompt` column and hands
+    the other columns to its rewards."""
+    if "prompt" not in columns:
+        raise ValueError(
+            f"--method {config.method} samples answers to prompts: it needs a column `prompt` "
+            f"(text, or a list of chat messages; TRL's prompt-only format), but the dataset has: "
+            f"{', '.join(columns)}. Name the column that holds the question `prompt` (a "
+            "--dataset_module my_prompts.py:rows can rename it), or fine-tune on answers with "
+            "--method sft."
+        )
+    if config.data_format not in ("auto", PROMPT_FORMAT):
+        raise ValueError(
+            f"--data_format {config.data_format} with --method {config.method}: it reads "
+            f"prompts only (--data_format {PROMPT_FORMAT}, or auto)."
+        )
+    return FormatChoice(PROMPT_FORMAT, f"column `prompt` (--method {config.method})")
 
 
 def _preference_choice(columns: Sequence[str], config: TrainConfig) -> FormatChoice | None:

@@ -48,14 +48,25 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_utils.config.options.evaluation import DEFAULT_EVAL_EXAMPLES
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, chat_template, check_end_of_turn
 from fsdp_utils.data.custom import ModuleRows, load_dataset_module
 from fsdp_utils.data.files import peek_columns
-from fsdp_utils.data.formats import FormatChoice, choose_format
+from fsdp_utils.data.formats import PROMPT_FORMAT, FormatChoice, choose_format
 from fsdp_utils.data.instruct import check_templates
 from fsdp_utils.data.preference import PAIR_ROWS, PreferenceEncoder, PreferencePairs, pair_sequences
+from fsdp_utils.data.prompts import (
+    PROMPT_COLUMN,
+    PromptEncoder,
+    PromptSet,
+    PromptSplit,
+    check_prompt_lengths,
+    end_of_turn_id,
+    is_messages,
+    jsonable,
+)
 from fsdp_utils.data.render import CHESS_COLUMNS, is_chess_schema, render_game
 from fsdp_utils.data.rows import ROW_INDEX, RowEncoder, uses_messages
 from fsdp_utils.data.streaming import Batch, count_rows, dataset_batches, row_batches
@@ -73,6 +84,7 @@ FORMAT_VERSION = 1  # bump when the prepared layout or the preparation logic cha
 # The same for the masked formats (chat, prompt/completion, alpaca, templates): only their
 # keys carry it, so chess and text keep the keys (and caches) they had.
 MASKED_VERSION = 2  # 2: chat masks by character offsets, nothing after the end-of-turn token
+PROMPTS_VERSION = 1  # the same for prompt sets (--method grpo: fsdp_utils/data/prompts.py)
 TOKENIZER_SUBDIR = "tokenizer"  # with --chat_template: the tokenizer the final model carries
 
 
@@ -133,7 +145,13 @@ def source_spec(
     format, its templates, the chat template's text, the masking options) and the rows a
     --dataset_module returned."""
     extra: dict[str, Any] = {}
-    if choice.masked:
+    if choice.name == PROMPT_FORMAT:
+        extra["prompts"] = {
+            "version": PROMPTS_VERSION,
+            "chat_template": template.text if template else None,
+            "max_prompt_length": config.max_seq_length - config.max_completion_length,
+        }
+    elif choice.masked:
         extra["masked"] = {
             "version": MASKED_VERSION,
             "format": choice.name,
@@ -160,11 +178,15 @@ class PreparedData:
         """A prepared folder (`prepare_dataset`'s result) and its meta.json."""
         return cls(folder, json.loads((folder / "meta.json").read_text()))
 
-    def split(self, name: str, *, document_masking: bool = False) -> TokenBlocks | PreferencePairs:
-        """A split's blocks; with document masking their batches carry position ids that
-        restart at every document (fsdp_utils.data.document_masking): after each EOS for
-        chess and text, at the stored row starts for the masked formats. A padded (unpacked)
-        row holds one document anyway, so it gets none."""
+    def split(
+        self, name: str, *, document_masking: bool = False
+    ) -> TokenBlocks | PreferencePairs | PromptSet:
+        """A split's blocks (pairs, prompts); with document masking their batches carry
+        position ids that restart at every document (fsdp_utils.data.document_masking): after
+        each EOS for chess and text, at the stored row starts for the masked formats. A padded
+        (unpacked) row holds one document anyway, so it gets none."""
+        if "prompts" in self.meta["spec"]:
+            return PromptSet.load(self.folder, name)
         packed = bool(self.meta["spec"].get("packing", True))
         restart = document_masking and packed
         if self.meta["spec"].get("masked", {}).get("format") == "preference":
@@ -220,7 +242,9 @@ def open_source(config: TrainConfig, assets: ResolvedAssets, log: Any) -> DataSo
         log(f"data: {config.dataset_module}: {len(module.dataset):,} rows")
         return DataSource([], module, list(module.dataset.column_names))
     files = list(assets.dataset_files)
-    log(f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include)}")
+    log(
+        f"data: {config.dataset}: {describe_dataset_files(files, config.dataset_include, config.dataset)}"
+    )
     return DataSource(files, None, peek_columns(files))
 
 
@@ -242,7 +266,7 @@ def prepare_dataset(
     choice = choose_format(source.columns, config)
     log(f"data: format {choice.name} ({choice.reason})")
     tokenizer = template = None
-    if choice.masked:
+    if choice.masked or choice.name == PROMPT_FORMAT:
         tokenizer = _load_tokenizer(model_dir)
         template = _chat_template_for(choice, tokenizer, config)
     extra = source_spec(config, choice, template, source.module)
@@ -263,7 +287,10 @@ def prepare_dataset(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if choice.masked:
+        if choice.name == PROMPT_FORMAT:
+            stats = _build_prompts(config, source, tokenizer, template, tmp, log)
+            _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
+        elif choice.masked:
             stats = _build_rows(config, source, choice, tokenizer, template, tmp, log, stop)
             _write_export_files(config, model_dir, template, stats, tmp / TOKENIZER_SUBDIR)
         else:
@@ -318,7 +345,10 @@ def _chat_template_for(
     --chat_template); prompt/completion rows need one only if they hold message lists."""
     if choice.name == "chat" or config.chat_template is not None:
         return chat_template(tokenizer, template_file=config.chat_template, model=config.model)
-    if choice.name in ("prompt_completion", "preference") and tokenizer.chat_template:
+    if (
+        choice.name in ("prompt_completion", "preference", PROMPT_FORMAT)
+        and tokenizer.chat_template
+    ):
         return chat_template(tokenizer, template_file=None, model=config.model)
     return None
 
@@ -378,7 +408,9 @@ def _describe(stats: dict[str, Any]) -> str:
     parts = []
     for split in ("train", "eval"):
         s = stats.get(split)
-        if s:
+        if s and stats.get("format") == PROMPT_FORMAT:
+            parts.append(f"{split} {s['documents']:,} prompts, {s['tokens']:,} tokens")
+        elif s:
             parts.append(
                 f"{split} {s['documents']:,} docs, {s['tokens']:,} tokens, {s['blocks']:,} blocks "
                 f"({100 * s['padding_fraction']:.2f}% padding)"
@@ -413,17 +445,33 @@ def split_rows(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
         order = order.astype(np.int32)
     if config.max_examples is not None:
         order = order[: min(config.max_examples, num_rows)]
-    n_eval = min(config.eval_examples, max(len(order) - 1, 0))
+    n_eval = eval_count(config, len(order))
     return {"eval": order[:n_eval], "train": order[n_eval:]}
 
 
-def _training_split(config: TrainConfig, num_rows: int) -> dict[str, np.ndarray]:
+def eval_count(config: TrainConfig, rows: int) -> int:
+    """The rows held out of `rows`: --eval_examples (all but one at most), or, for the default
+    on a set too small for it (more held out than left to train on), a tenth of the set."""
+    wanted = min(config.eval_examples, max(rows - 1, 0))
+    if config.eval_examples == DEFAULT_EVAL_EXAMPLES and wanted > rows - wanted:
+        return rows // 10
+    return wanted
+
+
+def _training_split(config: TrainConfig, num_rows: int, log: Any) -> dict[str, np.ndarray]:
     """`split_rows` for a training run, which must keep at least as much to train on as it
     evaluates. The default (200) suits the chess games and most published sets; on a small set
-    it would leave a handful of rows to train on, and the run would fail later with a message
-    about blocks. (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
+    it is scaled to a tenth (said in the log); a value given that holds out more than it
+    leaves would have the run fail later with a message about blocks, so it is refused here.
+    (The chess evaluation's `held_out_games` may hold out nearly everything.)"""
     splits = split_rows(config, num_rows)
     n_eval, n_train = len(splits["eval"]), len(splits["train"])
+    if config.eval_examples == DEFAULT_EVAL_EXAMPLES and n_eval < DEFAULT_EVAL_EXAMPLES:
+        log(
+            f"data: holding out {n_eval:,} of {n_eval + n_train:,} documents for evaluation: "
+            f"a tenth, as the default {DEFAULT_EVAL_EXAMPLES} would leave fewer to train on "
+            "(--eval_examples N to choose)"
+        )
     if n_eval > n_train:
         raise ValueError(
             f"--eval_examples {config.eval_examples} would hold out {n_eval:,} of the "
@@ -527,7 +575,7 @@ def _build(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     num_rows = _count_rows(source)
-    splits = _training_split(config, num_rows)
+    splits = _training_split(config, num_rows, log)
     chess = choice.name == "chess"
     work = _EncodeDocuments(tokenizer, eos, config.template if chess else None, config.text_field)
     columns = list(CHESS_COLUMNS) if chess else [config.text_field]
@@ -650,7 +698,7 @@ def _build_rows(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     stats.update({"eos_token_id": eos, "pad_token_id": pad})
-    splits = _training_split(config, num_rows)
+    splits = _training_split(config, num_rows, log)
 
     def numbered(batches: Iterator[Batch]) -> Iterator[Batch]:
         start = 0
@@ -733,6 +781,59 @@ def _build_rows(
     return stats
 
 
+def _build_prompts(
+    config: TrainConfig,
+    source: DataSource,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+    out: Path,
+    log: Any,
+) -> dict[str, Any]:
+    """Prompts (--method grpo): each row's `prompt` encoded as TRL's GRPOTrainer encodes it
+    (fsdp_utils/data/prompts.py), its other columns kept for the rewards, per split. Prompt
+    sets are small (thousands of rows): read, encoded and written in one pass, in memory."""
+    num_rows = _count_rows(source)
+    if num_rows == 0:
+        raise ValueError("The dataset has no rows.")
+    encoder = PromptEncoder(tokenizer, template)
+    encoded: list[list[int]] = []
+    columns: list[dict[str, Any]] = []
+    for batch in _row_batches(source, None):
+        names = list(batch)
+        for j in range(len(batch[PROMPT_COLUMN])):
+            row = {name: jsonable(batch[name][j]) for name in names}
+            encoded.append(encoder(row[PROMPT_COLUMN], len(columns)))
+            columns.append(row)
+    limit = config.max_seq_length - config.max_completion_length
+    check_prompt_lengths(
+        [len(ids) for ids in encoded], range(len(encoded)), limit=limit,
+        max_seq_length=config.max_seq_length,
+    )  # fmt: skip
+    chat = any(is_messages(row[PROMPT_COLUMN]) for row in columns)
+    eos = int(tokenizer.eos_token_id)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
+    stats: dict[str, Any] = {
+        "format": PROMPT_FORMAT,
+        "format_reason": f"column `prompt` (--method {config.method})",
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "chat_template": template.source if chat and template is not None else None,
+        "end_of_turn_id": end_of_turn_id(tokenizer, template) if chat and template else None,
+    }
+    for name, order in _training_split(config, num_rows, log).items():
+        split = PromptSplit(
+            [encoded[i] for i in order], [int(i) for i in order], [columns[i] for i in order]
+        )
+        stats[name] = split.write(out, name)
+        log(
+            f"data: {name}: {stats[name]['documents']:,} prompts, {stats[name]['tokens']:,} "
+            f"tokens (longest {stats[name]['longest']}, limit {limit})"
+        )
+    if not stats["train"]["documents"]:
+        raise ValueError("No training prompts left: hold out fewer with --eval_examples.")
+    return stats
+
+
 def _dropped_text(stats: dict[str, Any]) -> str:
     causes: dict[str, int] = {}
     for split in ("train", "eval"):
@@ -756,7 +857,7 @@ def _drop_advice(stats: dict[str, Any]) -> str:
 
 def _summary(stats: dict[str, Any]) -> list[str]:
     """The masked formats' account of the rows and tokens, for the start of the log."""
-    if "format" not in stats:
+    if "format" not in stats or stats["format"] == PROMPT_FORMAT:
         return []
     splits = [stats[s] for s in ("train", "eval") if s in stats]
     read = sum(s["rows_read"] for s in splits)

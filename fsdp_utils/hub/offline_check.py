@@ -12,7 +12,6 @@ the machine whose filesystem view matters.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.hub.offline import OFFLINE_VARIABLES, enable_offline_mode
 from fsdp_utils.hub.specs import AssetSpec
 
@@ -123,7 +123,7 @@ def _specs(cache_dir: Path, assets_json: str | None) -> list[AssetSpec]:
 def main(argv: list[str] | None = None) -> int:
     late = enable_offline_mode(force=True)
     assert not late, f"imported before offline mode: {late}"
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", required=True)
     parser.add_argument("--assets", help="JSON list of AssetSpec fields (default: the manifest)")
     args = parser.parse_args(argv)

@@ -36,7 +36,13 @@ from fsdp_utils.hub.selection import (
     select_data_paths,
     split_patterns,
 )
-from fsdp_utils.hub.specs import AssetSpec, download_command, looks_local
+from fsdp_utils.hub.specs import (
+    AssetSpec,
+    download_command,
+    looks_like_path,
+    looks_local,
+    no_such_path,
+)
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -64,6 +70,8 @@ def resolve_model_dir(
     """Folder holding config.json, tokenizer files and safetensors weights."""
     if looks_local(model):
         path = Path(model).expanduser()
+        if not path.exists():
+            raise MissingAssetError(no_such_path("--model", model))
         if not (path / "config.json").is_file():
             raise MissingAssetError(
                 f"Model folder {path} has no config.json. Point --model at a folder saved with "
@@ -71,7 +79,7 @@ def resolve_model_dir(
             )
         return path
     spec = AssetSpec(model, "model", revision)
-    entry, snapshot = _cached(spec, cache_dir, revision_flag="--revision")
+    entry, snapshot = _cached(spec, cache_dir, revision_flag="--revision", flag="--model")
     _require_files(spec, entry, snapshot, entry.wanted_paths(None), cache_dir)
     if not (snapshot / "config.json").is_file():
         raise MissingAssetError(
@@ -108,10 +116,10 @@ def resolve_adapter_dir(adapter: str, cache_dir: str | None = None) -> Path:
     if looks_local(adapter):
         path = Path(adapter).expanduser()
         if not path.is_dir():
-            raise MissingAssetError(f"--lora_from {path}: no such folder.")
+            raise MissingAssetError(no_such_path("--lora_from", adapter))
         return path
     spec = AssetSpec(adapter, "model")
-    entry, snapshot = _cached(spec, cache_dir, revision_flag="--lora_from")
+    entry, snapshot = _cached(spec, cache_dir, revision_flag="--lora_from", flag="--lora_from")
     _require_files(spec, entry, snapshot, entry.wanted_paths(None), cache_dir)
     return snapshot
 
@@ -141,15 +149,23 @@ def resolve_dataset_files(
     files: list[Path] = []
     for name in names:
         if looks_local(name):
+            if not Path(name).expanduser().exists():
+                raise MissingAssetError(no_such_path("--dataset", name))
             files.extend(_local_dataset_files(Path(name).expanduser(), include))
         else:
             files.extend(_cached_dataset_files(name, include, revision, cache_dir))
     return files
 
 
-def describe_dataset_files(files: list[Path], include: str | None) -> str:
+def describe_dataset_files(files: list[Path], include: str | None, dataset: str) -> str:
     """Which data files a run uses and why, for its log: 'N file(s) (...): a, b, ... z'."""
-    if include is None:
+    names = [name.strip() for name in dataset.split(",") if name.strip()]
+    local = all(looks_local(name) for name in names)
+    if include is None and local and all(Path(n).expanduser().is_file() for n in names):
+        why = "the file(s) given"
+    elif include is None and local:
+        why = "every data file of the folder(s) given; --dataset_include to choose"
+    elif include is None:
         why = "those download_models.py fetched; --dataset_include to choose"
     elif include == "":
         why = "all data files: --dataset_include ''"
@@ -170,9 +186,7 @@ def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
                 f"(found {len(found)} {'/'.join(s[1:] for s in DATA_SUFFIXES)} files)."
             )
         return selected
-    if path.is_file():
-        return [path]
-    raise MissingAssetError(f"Dataset file {path} does not exist.")
+    return [path]
 
 
 def _cached_dataset_files(
@@ -182,7 +196,9 @@ def _cached_dataset_files(
         # Not downloaded at all: fetch what download_models.py fetches by default (one shard
         # of the chess dataset, never all of them).
         spec = AssetSpec(dataset, "dataset", revision, default_dataset_include(dataset))
-        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        entry, snapshot = _cached(
+            spec, cache_dir, revision_flag="--dataset_revision", flag="--dataset"
+        )
         wanted = select_data_paths(entry.file_paths(), None)
         if not wanted:
             raise MissingAssetError(
@@ -191,7 +207,9 @@ def _cached_dataset_files(
             )
     else:
         spec = AssetSpec(dataset, "dataset", revision, include or None)
-        entry, snapshot = _cached(spec, cache_dir, revision_flag="--dataset_revision")
+        entry, snapshot = _cached(
+            spec, cache_dir, revision_flag="--dataset_revision", flag="--dataset"
+        )
         wanted = entry.wanted_paths(include)
         if not wanted:
             data_files = entry.wanted_paths(None)
@@ -205,14 +223,20 @@ def _cached_dataset_files(
 
 
 def _cached(
-    spec: AssetSpec, cache_dir: str | None, *, revision_flag: str
+    spec: AssetSpec, cache_dir: str | None, *, revision_flag: str, flag: str
 ) -> tuple[ManifestEntry, Path]:
-    """The manifest entry and snapshot folder of a hub asset, or MissingAssetError."""
+    """The manifest entry and snapshot folder of a hub asset, or MissingAssetError: a name
+    that is no hub id in the cache but looks like a path (`flag` took it) is a missing file,
+    not something to download."""
     cache = hub_cache_dir(cache_dir)
     entries = load_manifest(cache)
     entry = find_entry(entries, spec.repo_type, spec.repo_id, spec.revision)
     if entry is not None:
         return entry, entry.snapshot(cache)
+    if looks_like_path(spec.repo_id) and not cached_revisions(
+        entries, spec.repo_type, spec.repo_id
+    ):
+        raise MissingAssetError(no_such_path(flag, spec.repo_id))
     kind = spec.repo_type.capitalize()
     others = cached_revisions(entries, spec.repo_type, spec.repo_id)
     if others:

@@ -16,12 +16,13 @@ look up, so fetching from it cannot miss anything the run needs.
 
 from __future__ import annotations
 
-import difflib
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+from fsdp_utils.arguments import closest, did_you_mean
+from fsdp_utils.config.model_path import with_model_path
 from fsdp_utils.config.parse import config_from_dict, load_config_file
 from fsdp_utils.config.train_config import (
     DEFAULT_DATASET,
@@ -31,6 +32,7 @@ from fsdp_utils.config.train_config import (
     default_dataset_include,
 )
 from fsdp_utils.hub.cache import BUILTIN_CACHE_DIR, hub_cache_dir
+from fsdp_utils.hub.selection import DATA_SUFFIXES
 
 RepoType = Literal["model", "dataset"]
 DEFAULT_REVISION = "main"  # the Hub's default branch (huggingface_hub.constants.DEFAULT_REVISION)
@@ -71,6 +73,45 @@ def looks_local(name: str) -> bool:
     """A path rather than a hub id: explicit path syntax, or something that exists on disk
     (the rule transformers' `from_pretrained` applies too)."""
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def looks_like_path(name: str) -> bool:
+    """Meant as a path, whether or not it exists: `looks_local`, a file's suffix (a hub id
+    names a repository, not a file: `data/chat.jsonl`), more than one `/` (a hub id has one:
+    org/name), or a first folder that exists here (`data/chat` beside a `data/` folder).
+    Callers ask after the offline cache had no such hub id, so a cached one still wins."""
+    path = PurePosixPath(name)
+    return (
+        looks_local(name)
+        or path.suffix in (*DATA_SUFFIXES, ".safetensors", ".bin", ".json", ".yaml")
+        or name.count("/") > 1
+        or (len(path.parts) > 1 and Path(path.parts[0]).expanduser().is_dir())
+    )
+
+
+def no_such_path(flag: str, name: str) -> str:
+    """`--dataset data/chat.jsonl: no such file or folder`, with the names beside it that look
+    closest (`chats.jsonl`), from the nearest folder that exists."""
+    path = Path(name).expanduser()
+    folder = path.parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    wanted = path.parts[len(folder.parts)]  # the first part that is not there
+    try:
+        beside = sorted(entry.name for entry in folder.iterdir())
+    except OSError:
+        beside = []
+    close = closest(wanted, beside, n=3)
+    where = "." if folder == Path(".") else str(folder)
+    hint = (
+        f" In {where}/ the closest names are: {', '.join(close)}."
+        if close
+        else f" {where}/ holds {len(beside)} entries, none named like {wanted!r}."
+    )
+    return (
+        f"{flag} {name}: no such file or folder.{hint} Fix the path (a path is read where it "
+        "is; only a hub id, org/name, comes from the offline cache or a download)."
+    )
 
 
 def download_command(
@@ -144,8 +185,8 @@ class AssetsFile:
 def load_assets_file(path: str | Path) -> AssetsFile:
     """Assets and cache folder from an assets file or a training config file."""
     data = load_config_file(path)
-    if "assets" not in data:
-        config = config_from_dict(data, source=str(path))
+    if "assets" not in data:  # a training config: what its run will look up
+        config = with_model_path(config_from_dict(data, source=str(path)))
         tasks = split_tasks(config.eval_tasks)
         return AssetsFile(specs_from_train_config(config), config.cache_dir, config, tasks)
     unknown = sorted(set(data) - {"assets", "cache_dir", "eval_tasks"})
@@ -176,8 +217,7 @@ def _spec_from_item(item: Any, where: str) -> AssetSpec:
         raise ValueError(f"{where}: expected a mapping such as `- model: org/name`, got {item!r}.")
     for key in item:
         if key not in _ASSET_KEYS:
-            close = difflib.get_close_matches(str(key), _ASSET_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(str(key), _ASSET_KEYS)
             raise ValueError(f"{where}: unknown key {key!r}{hint}; allowed: {list(_ASSET_KEYS)}.")
     kinds = [k for k in ("model", "dataset") if item.get(k)]
     if len(kinds) != 1:

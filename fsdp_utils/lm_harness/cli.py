@@ -25,11 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_utils.arguments import ArgumentParser
+
 if TYPE_CHECKING:
     from fsdp_utils.lm_harness.scoring import Scoring
 
-EXIT_USAGE = 2
-PEER_EXIT_DELAY_S = 2.0
 DEFAULT_OUTPUT = "lm_eval_results"
 AUTO = "auto"
 CPU_BATCH = 8  # --batch_size auto on CPU: memory is rarely the limit there, time is
@@ -42,7 +42,7 @@ RESULTS_FOLDER = "lm_eval"  # inside a run folder
 def build_parser() -> argparse.ArgumentParser:
     from fsdp_utils.lm_harness.scoring import add_scoring_arguments
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m fsdp_utils.evaluate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -127,15 +127,15 @@ def evaluate(
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from fsdp_utils.hub.cache import hub_cache_dir
-    from fsdp_utils.hub.resolve import load_model_config
-    from fsdp_utils.lm_harness.compare import check_same_way, comparison_table, load_results
-    from fsdp_utils.lm_harness.loading import (
+    from fsdp_utils.checkpoint.saved_model import (
         default_precision,
         eval_config,
         load_sharded_model,
         resolve_model_source,
     )
+    from fsdp_utils.hub.cache import hub_cache_dir
+    from fsdp_utils.hub.resolve import load_model_config
+    from fsdp_utils.lm_harness.compare import check_same_way, comparison_table, load_results
     from fsdp_utils.lm_harness.scoring import Scoring, template_name_for
     from fsdp_utils.lm_harness.sharded_lm import ShardedLM
     from fsdp_utils.lm_harness.task_cache import use_cached_nltk
@@ -297,8 +297,12 @@ def scoring_record(scoring: Scoring, lm: Any) -> dict[str, Any]:
 def planned_budget(args: argparse.Namespace, planner: Planner, log: Any) -> int:
     """The tokens one forward may hold on this GPU, from the memory plan (every rank plans the
     same model alike, so they agree; rank 0 logs it)."""
+    from fsdp_utils.checkpoint.saved_model import (
+        default_precision,
+        eval_config,
+        resolve_model_source,
+    )
     from fsdp_utils.hub.resolve import load_model_config
-    from fsdp_utils.lm_harness.loading import default_precision, eval_config, resolve_model_source
 
     source = resolve_model_source(args.model, args.cache_dir)
     hf_config = load_model_config(source.weights_dir)
@@ -342,25 +346,10 @@ def main(argv: list[str] | None = None, *, planner: Planner | None = None) -> in
     from fsdp_utils.parallel import distributed as dist_utils
 
     args = build_parser().parse_args(argv)
-    clean = False
-    try:
-        evaluate(args, log=lambda line: print(line, flush=True), planner=planner)
-        clean = True
-    except dist_utils.ReportedError:
-        return EXIT_USAGE
-    except dist_utils.PeerFailure as err:
-        time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE if err.user_error else 1
-    except ValueError as err:  # found by every rank (the options): rank 0 says it
-        if int(os.environ.get("RANK", "0")) == 0:
-            dist_utils.report_error(str(err))
-        else:  # after rank 0, so that torchrun does not stop it before its message is out
-            time.sleep(PEER_EXIT_DELAY_S)
-        return EXIT_USAGE
-    finally:
-        gc.collect()
-        dist_utils.destroy(synchronize=clean)
-    return 0
+    code, _ = dist_utils.run_command(
+        lambda: evaluate(args, log=lambda line: print(line, flush=True), planner=planner)
+    )
+    return code
 
 
 if __name__ == "__main__":

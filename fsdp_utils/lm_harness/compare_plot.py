@@ -10,13 +10,13 @@ refuses them (`fsdp_utils.lm_harness.compare.check_same_way`).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.lm_harness.compare import (
     Compared,
     check_same_way,
@@ -127,7 +127,7 @@ def csv_rows(panels: dict[str, list[Compared]]) -> Iterator[list[Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.plot",
         description="Draw base against fine-tuned per task and metric, with lm-eval's standard "
         "errors, into a PNG (and the drawn numbers into a CSV beside it).",

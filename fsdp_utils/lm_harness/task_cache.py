@@ -14,7 +14,6 @@ named here, with the reason, and never recorded. NLTK data that a task loads at 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.hub.manifest import find_entry, load_manifest
 from fsdp_utils.hub.specs import AssetSpec
 from fsdp_utils.lm_harness.tasks import (
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.hub.offline import enable_offline_mode
 
     enable_offline_mode(force=True)
-    parser = argparse.ArgumentParser(description="Build every cached lm-eval task offline.")
+    parser = ArgumentParser(description="Build every cached lm-eval task offline.")
     parser.add_argument("--cache-dir", required=True)
     args = parser.parse_args(argv)
     cache = Path(args.cache_dir)

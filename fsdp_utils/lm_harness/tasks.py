@@ -19,10 +19,13 @@ serves).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import closest
 from fsdp_utils.hub.manifest import find_entry, load_manifest
 
 TASKS_FILE = "lm-eval-tasks.json"
@@ -73,7 +76,7 @@ def leaf_tasks(name: str, task_manager: Any) -> list[LeafTask]:
             return
         entry = index.get(item)
         if entry is None or item in seen:
-            raise ValueError(f"lm-eval {_version()} has no task, group or tag named {item!r}.")
+            raise ValueError(no_such_task([item], index))
         if entry.kind == Kind.TAG:
             for other in sorted(n for n, e in index.items() if item in (e.tags or set())):
                 visit(other, overrides, (*seen, item))
@@ -104,6 +107,67 @@ def _version() -> str:
     from importlib.metadata import version
 
     return version("lm-eval")
+
+
+# A task file's name, group and tags: `task: arc_easy`, `"task": "..."`, `tag: [a, b]`, or a
+# `tag:` followed by `- name` lines.
+_NAME_KEY = re.compile(r"""^["']?(task|group|tag)["']?:[ \t]*(.*)$""")
+_LIST_ITEM = re.compile(r"^[ \t]*-[ \t]*([^\s#]+)")
+
+
+def known_task_names() -> set[str]:
+    """Every task, group and tag name lm-eval's own task files declare, read as text: ~1 s,
+    where lm-eval's index (`TaskManager()`) parses all ~15,000 YAMLs (20 s of CPU and more). On
+    lm-eval 0.4.13 it holds every name of that index (and four names no task registers), so
+    a name it lacks is no task of lm-eval's; a name it has may still not be one, which the
+    login node's `download_models.py --eval_tasks` then says from the index itself. Templates
+    without a .yaml suffix (`_default_template_yaml`, extensionless includes) count: tags come
+    from them."""
+    names: set[str] = set()
+    for path in lm_eval_tasks_dir().rglob("*"):
+        if not (path.name.endswith("yaml") or path.suffix == "") or not path.is_file():
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        for at, line in enumerate(lines):
+            found = _NAME_KEY.match(line)
+            if found is None:
+                continue
+            value = found.group(2).split("#")[0].strip().strip("'\"")
+            if value.startswith("["):  # tag: [a, b]
+                names.update(v.strip().strip("'\"") for v in value.strip("[]").split(","))
+            elif value and not value.startswith(("!", "{")):
+                names.add(value)
+            elif not value and found.group(1) == "tag":
+                for item in lines[at + 1 :]:
+                    listed = _LIST_ITEM.match(item)
+                    if listed is None:
+                        break
+                    names.add(listed.group(1).strip("'\""))
+    names.discard("")
+    return names
+
+
+def require_known_tasks(names: list[str]) -> None:
+    """ValueError naming the names lm-eval has no task of (`known_task_names`: offline, on
+    the login node and the compute node alike), with the closest ones it has."""
+    known = known_task_names()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(no_such_task(unknown, known))
+
+
+def no_such_task(names: list[str], known: Iterable[str]) -> str:
+    """One paragraph: lm-eval has no task of these names; the closest ones it has."""
+    known = list(known)
+    shown = []
+    for name in names:
+        close = closest(name, known, n=3)
+        shown.append(f"{name!r}" + (f" (closest: {', '.join(close)})" if close else ""))
+    return (
+        f"lm-eval {_version()} has no task, group or tag named {'; '.join(shown)}. Check the "
+        "name (`lm-eval ls tasks` lists them all), or give your own task's folder with "
+        "--include_path DIR."
+    )
 
 
 # --- the record the download writes ---------------------------------------------------------
@@ -153,6 +217,7 @@ def cached_leaves(names: list[str], cache: Path) -> dict[str, list[LeafTask]]:
     records = load_task_records(cache)
     missing = [n for n in names if n not in records]
     if missing:
+        require_known_tasks(missing)  # a typo is no task to download
         raise ValueError(
             f"The offline cache {cache} holds no datasets for the task(s) "
             f"{', '.join(missing)}. On the login node run:\n  {download_hint(missing)}"

@@ -10,9 +10,8 @@ one micro-batch (`forward_backward`) and its own counts (`local_counts`), as DPO
 
 The hooks, in the order the trainer calls them:
 
-    check(config, assets)        its own checks before the run (the preflight: a teacher in the
-                                 offline cache), a ValueError naming the fix
     use_data(prepared)           the train and eval examples, from the prepared data
+    preflight(config)            its own checks before any work (also `--preflight`'s)
     identity()                   what it adds to the checkpoint's identity (resume refuses others)
     describe()                   its line in the log
     needs_starting_weights()     load the starting weights even when resuming (DPO's cache)
@@ -22,11 +21,13 @@ The hooks, in the order the trainer calls them:
     build_step(model, parts)     its TrainStep: the loss and metrics of a micro-batch
     evaluate(model, examples)    the held-out loss and metrics
     before_export()              drop what it holds before the final model is written
+    close()                      end what it started (every exit path)
 
 and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy`,
 `planned_step`, `frozen_models` (what it holds beside the trained model) and `memory_fixes`
-(changes of its own to try when a run does not fit). Methods whose examples are preference pairs are named in
-`fsdp_utils.config.options.method.PAIRED_METHODS`, which the stages below read.
+(changes of its own to try when a run does not fit). Methods whose examples are preference
+pairs are named in `fsdp_utils.config.options.method.PAIRED_METHODS`, which the stages below
+read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from torch import nn
 from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import PreparedData
-from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.step import Batch, TrainStep
@@ -71,20 +71,27 @@ class MethodContext:
     sequence_parallel: SequenceParallel | None = None
 
 
+# Asked by the work before the first step between its pieces, and by a step that does long
+# work before its update (GRPO's rollout): the reason of a stop request (time limit, signal,
+# stop file), or None. Collective: every rank asks, all get one answer.
+StopCheck = Callable[[], str | None]
+
+
+def _never() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class StepParts:
     """What a method's step is built from besides the model: the forward's autocast, a
-    builder of a frozen copy of the starting model (sharded like the trained one), and whether
-    fp16-mixed gets its gradient scaler (not in the planner's trace)."""
+    builder of a frozen copy of the starting model (sharded like the trained one), whether
+    fp16-mixed gets its gradient scaler (not in the planner's trace), and the stop check a
+    step may ask inside itself (raising `fsdp_utils.train.step.StepInterrupted`)."""
 
     autocast: Callable[[], Any]
     frozen_copy: Callable[[], nn.Module]
     grad_scaler: bool = True
-
-
-# Asked by the work before the first step between its pieces: the reason of a stop request
-# (time limit, signal, stop file), or None. Collective: every rank asks, all get one answer.
-StopCheck = Callable[[], str | None]
+    stop: StopCheck = _never
 
 
 class Method:
@@ -92,6 +99,12 @@ class Method:
     `evaluate`; the other hooks have defaults that do nothing."""
 
     name: ClassVar[str] = ""
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps each sampled batch of examples serves (GRPO: --num_iterations, the
+        same rollouts trained on again); the step sampler moves on every that many steps."""
+        return 1
 
     def __init__(self, config: TrainConfig, context: MethodContext) -> None:
         # The trainer replaces it once the data is prepared when --num_epochs sets the steps.
@@ -102,17 +115,19 @@ class Method:
         # evaluation reads the data-parallel rank's share (fsdp_utils/parallel/sequence.py).
         self.sequence_parallel = context.sequence_parallel or SequenceParallel.off(context.env)
 
-    @classmethod
-    def check(cls, config: TrainConfig, assets: ResolvedAssets) -> None:
-        """Checks of its own before the run, with the run's assets resolved (the preflight and
-        every process's start, `fsdp_utils.run.preflight.check_run`): a ValueError naming the
-        fix. None by default."""
-
     # --- data -----------------------------------------------------------------------------
 
     def use_data(self, prepared: PreparedData) -> tuple[Examples, Examples]:
         """Collective: the train and eval examples of the prepared data."""
         raise NotImplementedError
+
+    @classmethod
+    def preflight(cls, config: TrainConfig) -> None:
+        """Checks of what the method needs besides the model and data, run once per process
+        before any work and by `--preflight` on the login node (GRPO: its reward functions
+        import, and a chess engine is there for the rewards that call one; distillation: the
+        teacher in the offline cache, of the student's vocabulary). ValueError: a user mistake
+        (exit 2)."""
 
     # --- the run's identity and log ------------------------------------------------------
 
@@ -186,3 +201,9 @@ class Method:
     def before_export(self) -> None:
         """Drop what the method holds (a frozen reference copy) before the final model is
         gathered and written."""
+
+    def close(self) -> None:
+        """On every exit path, the run's end or its failure: end the processes and threads the
+        method started (GRPO: a chess engine behind a reward; python-chess's engine thread
+        would keep the interpreter from exiting, as Python joins threads before its atexit
+        handlers)."""

@@ -53,7 +53,10 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
 
 
 def _preference(m: dict[str, Any], prefix: str = "") -> str:
-    """DPO's reward accuracy and margin (--method dpo), beside the loss."""
+    """DPO's reward accuracy and margin (--method dpo), or GRPO's mean reward of the step's
+    completions (--method grpo), beside the loss."""
+    if not prefix and m.get("reward") is not None:
+        return f" | reward {m['reward']:.4f}"
     accuracy = m.get(f"{prefix}rewards/accuracies")
     if accuracy is None:
         return ""
@@ -74,8 +77,14 @@ def _distillation(m: dict[str, Any], prefix: str = "") -> str:
 
 
 def format_eval(m: dict[str, Any]) -> str:
-    """An evaluation's line: the token loss's perplexity, DPO's reward accuracy, or
+    """An evaluation's line: the token loss's perplexity, DPO's reward accuracy, GRPO's
+    rewards of the held-out prompts' completions (GRPO has no held-out loss), or
     distillation's terms."""
+    if "eval_reward" in m:
+        return (
+            f"reward {m['eval_reward']:.4f} (sampled) | {m['eval_greedy_reward']:.4f} (greedy) | "
+            f"{m['eval_prompts']:,} prompts"
+        )
     if "eval_distill/teacher_kl" in m:
         detail = _distillation(m, "eval_").removeprefix(" | ") + f" | {m['eval_tokens']:,} tokens"
     elif "eval_perplexity" in m:

@@ -8,7 +8,8 @@ reward accuracy and its log-probabilities, train and eval split (fields `rewards
 `logps/...`, `eval_rewards/...`); a distillation run's terms and top-1 agreement (`distill/...`);
 and the chess evaluation's skill measures (records of kind
 `chess_eval`: legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
-move, full-length continuations) when the run has them. Several runs overlay, one colour each, with their names in
+move, full-length continuations; with the engine judge, centipawn loss, Lichess accuracy, best-move
+and blunder rates) when the run has them. Several runs overlay, one colour each, with their names in
 the legend: run folders given one by one, or `--sweep DIR` for every run folder in DIR (what
 `slurm/submit.py --sweep` writes). A run resumed after a requeue is one folder and one curve
 (`fsdp_utils.metrics.logger.latest_history`); dotted vertical lines mark where it resumed.
@@ -16,7 +17,6 @@ the legend: run folders given one by one, or `--sweep DIR` for every run folder 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.metrics.figure import save_png_and_csv
 from fsdp_utils.metrics.logger import latest_history, read_metrics, scalar_fields
@@ -143,7 +144,8 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
 
 # The chess evaluation's skill measures, one panel each (fsdp_utils.chess_eval.evaluator): the
 # counts beside them (games, moves judged, failures by kind, seconds) are for the log's table,
-# and a panel per count would bury the four curves that say whether the model learnt chess.
+# and a panel per count would bury the curves that say whether the model learnt chess. The
+# engine judge's panels appear only for runs that logged them.
 CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: legal-move rate", "share of generated moves",
      ("legal_move_rate", "legal_move_rate_opening", "legal_move_rate_middlegame",
@@ -151,6 +153,13 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
     ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
     ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
+    # The engine judge's (docs/chess-eval.md): over the legal moves it judged.
+    ("chess eval: centipawn loss (engine)", "mean centipawns lost per move",
+     ("engine_centipawn_loss", "engine_centipawn_loss_balanced")),
+    ("chess eval: accuracy (engine, Lichess)", "mean move accuracy, %",
+     ("engine_accuracy", "engine_accuracy_balanced")),
+    ("chess eval: best move, blunders (engine)", "share of judged moves",
+     ("engine_best_move_rate", "engine_blunder_rate")),
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
 
@@ -172,17 +181,25 @@ DISTILL_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("distill/teacher_kl", "distill/divergence", "distill/ce")),
     ("distillation: top-1 agreement", "share of target tokens", ("distill/top1_agreement",)),
 )  # fmt: skip
+# GRPO's (fsdp_utils.methods.grpo, TRL's names), drawn the same way: the held-out prompts'
+# rewards (`eval_reward`: sampled, `eval_greedy_reward`) as dots on the train reward's panel.
+GRPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("GRPO reward", "mean reward of the completions", ("reward", "greedy_reward")),
+    ("GRPO completions", "tokens", ("completions/mean_length", "completions/max_length")),
+    ("GRPO rollout and update", "seconds per step", ("rollout/seconds", "update/seconds")),
+    ("GRPO entropy and KL", "nats per token", ("entropy", "kl")),
+)  # fmt: skip
 
 
 def _logged_panels(
     table: Sequence[tuple[str, str, tuple[str, ...]]], records: Iterable[dict[str, Any]]
 ) -> list[tuple[str, str, list[str]]]:
-    """The panels of `table` whose fields some record has as a number: (title, y label,
-    fields)."""
+    """The panels of `table` whose fields some record has as a number (or as an evaluation's,
+    `eval_` before it): (title, y label, fields)."""
     logged = {key for record in records for key in scalar_fields(record)}
     panels = []
     for title, ylabel, fields in table:
-        present = [f for f in fields if f in logged]
+        present = [f for f in fields if f in logged or f"eval_{f}" in logged]
         if present:
             panels.append((title, ylabel, present))
     return panels
@@ -232,17 +249,21 @@ def plot_runs(
     method_panels = _logged_panels(
         DPO_PANELS + DISTILL_PANELS, (r for run in runs for r in run.train)
     )
+    grpo_records = (r for run in runs for r in [*run.train, *run.evals])
+    method_panels += _logged_panels(GRPO_PANELS, grpo_records)
 
     def only(field: str) -> bool:
-        return all(any(field in r for r in run.train) for run in runs)
+        return bool(method_panels) and all(any(field in r for r in run.train) for run in runs)
 
-    loss = "cross-entropy (nats/token)"
-    if method_panels and only("rewards/accuracies"):
-        loss = "DPO loss, mean over pairs"
-    elif method_panels and only("distill/teacher_kl"):
-        loss = "alpha x divergence + (1 - alpha) x CE, per token"
+    loss_label = "cross-entropy (nats/token)"
+    if only("rewards/accuracies"):
+        loss_label = "DPO loss, mean over pairs"
+    elif only("reward"):
+        loss_label = "GRPO loss (--loss_type's mean)"
+    elif only("distill/teacher_kl"):
+        loss_label = "alpha x divergence + (1 - alpha) x CE, per token"
     panels: list[tuple[str, str]] = [  # (title, y label)
-        ("loss", loss),
+        ("loss", loss_label),
         ("learning rate", "learning rate"),
         ("throughput", "tokens/s (all processes)"),
         ("memory", "GiB"),
@@ -333,7 +354,9 @@ def plot_runs(
             )  # fmt: skip
     for title_, _, fields in method_panels:
         # Line styles say which series, dots the eval split's; colours say which run.
-        labels = [name.split("/")[1] for name in fields] if len(fields) > 1 else ["train"]
+        labels = [name.split("/")[-1] for name in fields] if len(fields) > 1 else ["train"]
+        if len(set(labels)) < len(labels):  # rollout/seconds, update/seconds: say which
+            labels = [name.split("/")[0] for name in fields]
         handles = [Line2D([], [], color="0.3", ls=ls, label=label)
                    for label, ls in zip(labels, DPO_STYLES, strict=False)]  # fmt: skip
         handles.append(Line2D([], [], color="0.3", lw=1.0, marker="o", ms=4, label="eval"))
@@ -395,7 +418,7 @@ def load_runs(run_dirs: Sequence[Path], sweep: Path | None) -> list[RunCurves]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.plot",
         description="Plot runs' metrics against the optimizer step into a PNG (and the drawn "
         "numbers into a CSV beside it). No display needed.",

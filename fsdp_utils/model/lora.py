@@ -28,9 +28,11 @@ decide rank, alpha, targets and DoRA.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
@@ -41,7 +43,7 @@ from torch import nn
 
 from fsdp_utils.model import qlora
 from fsdp_utils.model.build import _all_named_parameters, compute_dtype, param_dtype_for
-from fsdp_utils.model.peft_adapter import ADAPTER
+from fsdp_utils.model.peft_adapter import ADAPTER, REFERENCE_ADAPTER
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -317,8 +319,10 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
         settings, targets.modules, fan_in_fan_out=conv1d, parameters=targets.parameters
     )
     with warnings.catch_warnings():  # peft warns when it sets fan_in_fan_out for Conv1D itself
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", UserWarning)  # ... and when it adds a second adapter
         inject_adapter_in_model(lora_config, model, low_cpu_mem_usage=True)
+        if config.reference_adapter:
+            _add_reference_adapter(model, lora_config)
     # The frozen base is kept in the dtype it computes in: no fp32 master copy.
     frozen, adapter = compute_dtype(config.precision), param_dtype_for(config.precision)
     for module in model.modules():
@@ -329,6 +333,54 @@ def apply_lora(model: nn.Module, layers: list[nn.Module], config: TrainConfig) -
     for layer in layers:
         # Every decoder-layer group must be trainable from its first forward (pytorch 186998).
         assert any(p.requires_grad for p in layer.parameters()), "a decoder layer has no adapter"
+
+
+def _add_reference_adapter(model: nn.Module, lora_config: Any) -> None:
+    """A second adapter of the same shape, `REFERENCE_ADAPTER`, in every adapted module (peft's
+    multi-adapter layers; TRL loads the adapter twice for its `ref_adapter_name` the same way):
+    frozen, filled from --lora_from's folder like the trained one (`finish_adapters`), and
+    active only inside `reference_adapter_active`. peft makes the adapter it adds active and
+    trainable: the trained one is made active again, which freezes the other."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inject_adapter_in_model(
+        lora_config, model, adapter_name=REFERENCE_ADAPTER, low_cpu_mem_usage=True
+    )
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.set_adapter(ADAPTER)
+
+
+@contextlib.contextmanager
+def _tuner_layers_with(model: nn.Module, attribute: str, value: Any) -> Iterator[None]:
+    """Every peft tuner layer's `attribute` set to `value` inside the block, then restored. Set
+    directly: peft's own setters (`set_adapter`, `enable_adapters`) also flip the adapters'
+    requires_grad, which FSDP2 tracks on its sharded parameters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "LoRA but no adapter in the model"
+    before = [getattr(layer, attribute) for layer in layers]
+    for layer in layers:
+        setattr(layer, attribute, value)
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            setattr(layer, attribute, was)
+
+
+def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
+    a PeftModel: ours injects the adapters into the transformers model): the base model."""
+    return _tuner_layers_with(model, "_disable_adapters", True)
+
+
+def reference_adapter_active(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model computing with its frozen reference adapter instead of the trained one (TRL's
+    `set_adapter(ref_adapter_name)`)."""
+    return _tuner_layers_with(model, "_active_adapter", REFERENCE_ADAPTER)
 
 
 def _adapter_mismatch(settings: LoraSettings, targets: list[str]) -> None:

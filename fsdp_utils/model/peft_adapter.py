@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ADAPTER_CONFIG = "adapter_config.json"
+from fsdp_utils.config.model_path import ADAPTER_CONFIG
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's adapter name inside a model; the saved names leave it out
+# DPO's reference when it continues an adapter (--lora --lora_from): a second, frozen copy of
+# the starting adapter beside the trained one, as TRL's DPOTrainer takes `ref_adapter_name`.
+# It is never saved: checkpoints keep what trains, the final folder the trained adapter.
+REFERENCE_ADAPTER = "reference"
 _PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-_DORA_MAGNITUDE = f"lora_magnitude_vector.{ADAPTER}.weight"
 # adapter_config.json keys whose non-default values change what the adapter computes.
 _UNSUPPORTED = {
     "use_rslora": "rsLoRA scaling (alpha / sqrt(r))",
@@ -41,14 +45,22 @@ def is_adapter_key(key: str) -> bool:
     return any(part in key for part in (".lora_A.", ".lora_B.", ".lora_magnitude_vector."))
 
 
+def is_reference_key(key: str) -> bool:
+    """A tensor of the frozen reference adapter (`REFERENCE_ADAPTER`): never written out."""
+    return f".{REFERENCE_ADAPTER}." in key or key.endswith(f".{REFERENCE_ADAPTER}")
+
+
 def peft_key(model_key: str) -> str:
     """A model's adapter tensor under the name PEFT saves it with:
     `model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`; a DoRA magnitude
-    (`...q_proj.lora_magnitude_vector.default.weight`) loses its `.weight` too, as peft saves it."""
-    if model_key.endswith(_DORA_MAGNITUDE):
-        model_key = model_key.removesuffix(".weight")
-    return _PEFT_PREFIX + model_key.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
+    (`...q_proj.lora_magnitude_vector.default.weight`) loses its `.weight` too, as peft saves it.
+    The reference adapter's tensors map to the same names: both start from one file."""
+    for name in (ADAPTER, REFERENCE_ADAPTER):
+        if model_key.endswith(f"lora_magnitude_vector.{name}.weight"):
+            model_key = model_key.removesuffix(".weight")
+        model_key = model_key.replace(f".{name}.", ".").removesuffix(f".{name}")
+    return _PEFT_PREFIX + model_key
 
 
 @dataclass(frozen=True)

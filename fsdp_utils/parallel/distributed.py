@@ -8,6 +8,7 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; without them we ru
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_utils.config.train_config import Sharding
-from fsdp_utils.error_report import report_error
+from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 T = TypeVar("T")
 
@@ -246,6 +247,21 @@ def on_main_rank(
     return None
 
 
+def raise_from_any_rank(message: str | None) -> None:
+    """Collective: a user mistake that some rank found in work every rank does (a reward
+    function failing on its own batch) stops every rank. Rank 0 raises it as a ValueError
+    (the command prints it once and exits 2); the others put it in their error file and raise
+    `PeerFailure`. None on every rank: nothing happens."""
+    messages = all_gather_objects(message)
+    first = next((m for m in messages if m), None)
+    if first is None:
+        return
+    if not is_distributed() or dist.get_rank() == 0:
+        raise ValueError(first)
+    report_error(first, show=False)
+    raise PeerFailure(user_error=True)
+
+
 def broadcast_object(value: T, src: int = 0) -> T:
     """Rank `src`'s picklable `value` on every rank, over the CPU (gloo) half of the group."""
     if not is_distributed():
@@ -283,3 +299,29 @@ def destroy(*, synchronize: bool = False) -> None:
         if synchronize and is_distributed():
             dist.barrier()
         dist.destroy_process_group()
+
+
+def run_command(work: Callable[[], T]) -> tuple[int, T | None]:
+    """A collective command's work, run to its exit status: (0, result), or (2, None) for a user
+    mistake (a ValueError every rank finds: rank 0 reports it, the others wait for its message
+    to be out first), or the status of rank 0's failure that ended this rank (`PeerFailure`).
+    The process group is torn down on every way out (`destroy`, synchronised after a clean end)."""
+    clean = False
+    try:
+        result = work()
+        clean = True
+        return 0, result
+    except ReportedError:
+        return EXIT_USAGE, None
+    except PeerFailure as err:
+        time.sleep(PEER_EXIT_DELAY_S)
+        return (EXIT_USAGE if err.user_error else 1), None
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            report_error(str(err))
+        else:  # after rank 0, so that torchrun does not stop it before its message is out
+            time.sleep(PEER_EXIT_DELAY_S)
+        return EXIT_USAGE, None
+    finally:
+        gc.collect()
+        destroy(synchronize=clean)

@@ -132,14 +132,13 @@ def row_seed(seed: int, *item: object) -> int:
 
 def _draw(probabilities: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
     """One token per row by inverse transform: the row's uniform draw against its cumulative
-    probabilities (one number per token from the row's generator, whatever the others do)."""
-    picked = []
-    for row, generator in enumerate(generators):
-        cumulative = probabilities[row].cumsum(dim=0)
-        u = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
-        token = int(torch.searchsorted(cumulative, u, right=True))
-        picked.append(min(token, probabilities.shape[-1] - 1))
-    return picked
+    probabilities (one number per token from the row's generator, whatever the others do).
+    The rows' cumulative sums and searches run batched; each row's numbers are its own."""
+    draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    cumulative = probabilities.cumsum(dim=-1)
+    targets = (draws * cumulative[:, -1]).unsqueeze(-1)
+    picked = torch.searchsorted(cumulative, targets, right=True).squeeze(-1)
+    return picked.clamp(max=probabilities.shape[-1] - 1).tolist()
 
 
 @torch.no_grad()

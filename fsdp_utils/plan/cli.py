@@ -13,7 +13,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from fsdp_utils.config.parse import add_renamed_argument, build_parser, parse_config
+from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
@@ -38,65 +38,51 @@ def make_parser() -> argparse.ArgumentParser:
     # `python -m fsdp_utils.plan` (argparse would say `__main__.py`), or `chess_finetune.py --plan`.
     module = os.path.basename(sys.argv[0]) == "__main__.py"
     parser = build_parser(DESCRIPTION, prog="python -m fsdp_utils.plan" if module else None)
-    # Underscores, as every training flag; the first, dashed spellings still work (deprecated).
+    # Underscores, as every training flag; the dashed spellings work too (fsdp_utils.arguments).
     where = parser.add_argument_group("the GPUs the run will have")
     where.add_argument(
         "--nodes", type=int, default=None, help="Nodes (default: $SLURM_JOB_NUM_NODES, else 1)."
     )
-    add_renamed_argument(
-        where,
+    where.add_argument(
         "--gpus_per_node",
-        old="--gpus-per-node",
         type=int,
         default=None,
         help="GPUs (processes) per node (default: $SLURM_GPUS_ON_NODE; required elsewhere).",
     )
-    add_renamed_argument(
-        where,
+    where.add_argument(
         "--gpu_memory",
-        old="--gpu-memory",
         metavar="SIZE|GPU",
         help="Memory of one GPU: 80GiB, 81920MiB, or a100-40gb, a100-80gb, h100-64gb, "
         "h100-80gb, h200, l40s (default: the GPU of this node, if any).",
     )
     what = parser.add_argument_group("planning")
-    add_renamed_argument(
-        what,
+    what.add_argument(
         "--find_max_batch",
-        old="--find-max-batch",
         action="store_true",
         help="Report the largest --batch_size_per_device that fits (the total batch is kept).",
     )
-    add_renamed_argument(
-        what,
+    what.add_argument(
         "--no_fixes",
-        old="--no-fixes",
         action="store_true",
         help="When it does not fit, do not plan the changes that would make it fit.",
     )
     runtime = f"{DEFAULT_MARGIN.runtime_bytes / GIB:g}GiB"
-    add_renamed_argument(
-        what,
+    what.add_argument(
         "--margin_runtime",
-        old="--margin-runtime",
         default=runtime,
         metavar="SIZE",
         help=f"Memory outside PyTorch's allocator: CUDA context, NCCL buffers ({runtime}).",
     )
-    add_renamed_argument(
-        what,
+    what.add_argument(
         "--margin_allocator",
-        old="--margin-allocator",
         type=float,
         default=DEFAULT_MARGIN.allocator_fraction,
         metavar="FRACTION",
         help="Allocator overhead (rounding, fragmentation) as a fraction of the peak "
         f"({DEFAULT_MARGIN.allocator_fraction:g}).",
     )
-    add_renamed_argument(
-        what,
+    what.add_argument(
         "--full_trace",
-        old="--full-trace",
         action="store_true",
         help="Trace every decoder layer instead of extrapolating from 3-5 layer copies of the "
         "model (same result when its layers are alike, several times slower).",

@@ -62,6 +62,7 @@ from fsdp_utils.plan.extrapolate import (
     truncated_config,
     why_layers_differ,
 )
+from fsdp_utils.plan.rollout import RolloutPlan, gathered_parameter_bytes, plan_rollout
 from fsdp_utils.plan.tracking import PARAMETERS, StepMemory, track_train_step, with_resident
 from fsdp_utils.train.step import Batch, TrainStep
 
@@ -95,6 +96,7 @@ class Estimate:
     batch: BatchPlan
     seconds: float
     method: str  # how it was traced: extrapolated from which depths, or every layer and why
+    rollout: RolloutPlan | None = None  # a method that samples its completions (GRPO)
 
 
 def traced_micro_batches(batch: BatchPlan, defer_grad_sync: bool) -> int:
@@ -167,16 +169,31 @@ def placeholder_micro_batches(
         np.zeros((sequences, plan.seq_length), np.int32),
         np.full(sequences, plan.seq_length, np.int32),
     )
-    # DPO: each example is a pair, both of its sequences in the micro-batch
-    source = (
-        tokens if plan.sequences_per_example == 1 else PreferencePairs(tokens, np.arange(blocks))
-    )
+    # DPO: each example is a pair, both of its sequences in the micro-batch; GRPO: a prompt
+    # and its G completions, each a full-length sequence
+    source: Any = tokens
+    if plan.prompts:
+        source = _Completions(tokens, plan.sequences_per_example)
+    elif plan.sequences_per_example != 1:
+        source = PreferencePairs(tokens, np.arange(blocks))
     sampler = StepSampler(blocks, step_plan, seed)
     sp = sequence_parallel or SequenceParallel()
     return [
         slice_batch(source.batch(indices), rank=sp.rank, size=sp.size)
         for indices in sampler.micro_batches(0, rank=0)
     ]
+
+
+@dataclass(frozen=True)
+class _Completions:
+    """GRPO's placeholder examples: example i is sequences i * G ... i * G + G - 1."""
+
+    tokens: TokenBlocks
+    per_example: int
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        order = np.asarray(indices)[:, None] * self.per_example + np.arange(self.per_example)
+        return self.tokens.batch(order.ravel())
 
 
 def _local_bytes(model: Any) -> int:
@@ -310,7 +327,11 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
         if memory is None:
             method = f"all {facts.decoder_layers} layers traced ({method})"
             memory = _trace(model, hf_config, config, env, batch, sp)
-    return Estimate(memory, facts, batch, time.perf_counter() - started, method + stand_in)
+        rollout = None
+        if config.trains_on_prompts:  # the rollout phase, beside the traced update
+            gathered = gathered_parameter_bytes(model, config)
+            rollout = plan_rollout(hf_config, config, batch, gathered, memory)
+    return Estimate(memory, facts, batch, time.perf_counter() - started, method + stand_in, rollout)
 
 
 def _eager_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:

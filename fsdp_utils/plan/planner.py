@@ -57,6 +57,7 @@ def evaluate(
         trace_seconds=result.seconds,
         trace_method=result.method,
         frozen_bytes=int(result.memory.extra.get("frozen_bytes", 0)),
+        rollout=result.rollout,
     )
 
 
@@ -237,7 +238,10 @@ def _fixes(plan: MemoryPlan, progress: Progress, full_trace: bool) -> list[Fix]:
 def _sequence_parallel(config: TrainConfig, cluster: Cluster, attempt: Callable[..., bool]) -> None:
     """The smallest --sequence_parallel above the run's that fits: each GPU holds 1/N of every
     sequence's activations. N must divide the GPUs and the attention heads (a plan that cannot
-    split says why and the next N is tried)."""
+    split says why and the next N is tried). Not for GRPO, whose completions are sampled and
+    scored whole on each rank."""
+    if config.trains_on_prompts:
+        return
     for size in divisors(cluster.world_size):
         if size <= config.sequence_parallel:
             continue

@@ -13,6 +13,7 @@ from fsdp_utils.data.sequence_slices import padded_length
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
+from fsdp_utils.plan.rollout import RolloutPlan, largest_prompts
 from fsdp_utils.plan.tracking import Breakdown
 
 
@@ -87,6 +88,9 @@ class MemoryPlan:
     # Of the parameters: those of frozen models held beside the trained one (a distillation
     # teacher, DPO's --reference live copy), no gradients and no optimizer state
     frozen_bytes: int = 0
+    # A method that samples its own completions (GRPO): its rollout phase, beside the update
+    # (the breakdown above); the run's peak is the higher of the two.
+    rollout: RolloutPlan | None = None
 
     @property
     def parameter_bytes(self) -> int:
@@ -123,13 +127,44 @@ class MemoryPlan:
         return [f"{x / GIB:.1f}" for x in parts]
 
     @property
-    def peak_bytes(self) -> int:
+    def update_peak_bytes(self) -> int:
+        """The traced training step's peak (the update, for a method with a rollout phase)."""
         return self.breakdown.total
+
+    @property
+    def peak_bytes(self) -> int:
+        rollout = self.rollout.total if self.rollout is not None else 0
+        return max(self.update_peak_bytes, rollout)
+
+    @property
+    def dominating_phase(self) -> str | None:
+        """GRPO: "rollout" or "update", whichever needs more; None without a rollout phase."""
+        if self.rollout is None:
+            return None
+        return "rollout" if self.rollout.total > self.update_peak_bytes else "update"
 
     @property
     def peak_in_optimizer_step(self) -> bool:
         """With activation checkpointing the optimizer step's scratch often sets the peak."""
-        return self.peak_bytes > self.forward_backward_peak_bytes
+        return self.update_peak_bytes > self.forward_backward_peak_bytes
+
+    def largest_prompts_per_device(self) -> int | None:
+        """GRPO: the most prompts per micro-batch (x G completions) that divide the total batch
+        per GPU and whose rollout and update both fit the GPU, from the bytes of each phase
+        that grow with the batch (see `plan.rollout.largest_prompts`); None without a GPU size
+        or a rollout phase."""
+        if self.rollout is None or self.gpu is None:
+            return None
+        per_rank = self.batch.total_batch_size // self.batch.world_size
+        return largest_prompts(
+            prompts=self.batch.batch_size_per_device,
+            candidates=[b for b in range(1, per_rank + 1) if per_rank % b == 0],
+            update_state=self.state_bytes,
+            update_peak=self.update_peak_bytes,
+            rollout=self.rollout,
+            memory_bytes=self.gpu.memory_bytes,
+            required=lambda peak: peak + self.margin.bytes_for(peak),
+        )
 
     @property
     def margin_bytes(self) -> int:
@@ -203,11 +238,27 @@ class MemoryPlan:
             "trace_seconds": self.trace_seconds,
             "trace_method": self.trace_method,
             "frozen_bytes": self.frozen_bytes,
+            **self._rollout_dict(),
             "config": self.config.to_dict(),
+        }
+
+    def _rollout_dict(self) -> dict[str, Any]:
+        if self.rollout is None:
+            return {}
+        return {
+            "rollout": dataclasses.asdict(self.rollout) | {"total": self.rollout.total},
+            "update_peak_bytes": self.update_peak_bytes,
+            "dominating_phase": self.dominating_phase,
+            "largest_prompts_per_device": self.largest_prompts_per_device(),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def _count(parameters: int) -> str:
+    """6.74B, 0.13M: a tiny model's count is not 0.00B."""
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
 
 
 def _gib(size: int) -> str:
@@ -270,7 +321,7 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.frozen_bytes:
         held += f" + {plan.frozen_bytes / GIB:.2f} GiB of a frozen model (teacher, reference)"
     lines = [
-        f"Memory plan: {plan.config.model} ({m.model_type}, {m.parameters / 1e9:.2f}B parameters, "
+        f"Memory plan: {plan.config.model} ({m.model_type}, {_count(m.parameters)} parameters, "
         f"{m.decoder_layers} x {m.decoder_layer_class})",
         f"  {describe_setup(plan.config, plan.cluster)}",
         f"  batch: {b.batch_size_per_device} per device x {_ranks(b)} x "
@@ -293,6 +344,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  margin           {_gib(plan.margin_bytes)}   {plan.margin.describe()}",
         f"  needed           {_gib(plan.required_bytes)}",
     ]
+    if plan.rollout is not None:  # the update's peak, then the rollout's, then the run's
+        at = next(i for i, line in enumerate(lines) if line.startswith("  predicted peak"))
+        lines[at : at + 1] = _rollout_lines(plan)
     if plan.gpu is not None:
         lines.append(f"  GPU memory       {_gib(plan.gpu.memory_bytes)}   {plan.gpu.name}".rstrip())
     if plan.config.cpu_offload:
@@ -312,6 +366,37 @@ def format_plan(plan: MemoryPlan) -> str:
     elif plan.fits is False:
         lines += ["", "No single change was tried (--no_fixes)."]
     return "\n".join(lines)
+
+
+def _rollout_lines(plan: MemoryPlan) -> list[str]:
+    """GRPO: the update's peak (the lines above), the rollout phase's parts, which dominates,
+    and the largest batch that fits both."""
+    r = plan.rollout
+    assert r is not None
+    g = plan.batch.sequences_per_example
+    prompts = plan.batch.batch_size_per_device
+    lines = [
+        f"  update peak      {_gib(plan.update_peak_bytes)}   the step above: "
+        f"{prompts} prompt(s) x {g} completions per micro-batch",
+        f"  rollout phase    {_gib(r.total)}   sampling {r.rows} completions at once:",
+        f"    state          {_gib(r.resident)}   sharded parameters and optimizer state (no "
+        "gradients between steps)",
+        f"    gathered       {_gib(r.gathered)}   every parameter, kept gathered for the phase",
+        f"    KV cache       {_gib(r.kv_cache)}   {r.rows} rows x {plan.batch.seq_length} "
+        "positions x every layer",
+        f"    prefill        {_gib(r.prefill)}   one layer's intermediates over the prompts",
+        f"    logits         {_gib(r.logits)}   the last position's, and the sampler's float64",
+        f"  predicted peak   {_gib(plan.peak_bytes)}   the {plan.dominating_phase} phase dominates",
+    ]
+    largest = plan.largest_prompts_per_device()
+    if largest is not None:
+        lines.append(
+            f"  largest batch    {largest} prompt(s) x {g} = {largest * g} completions per "
+            "device fit both phases"
+            + (" (none fits)" if largest == 0 else "")
+            + " (from each phase's bytes per prompt; --find_max_batch traces it)"
+        )
+    return lines
 
 
 def format_fixes(fixes: tuple[Fix, ...]) -> list[str]:

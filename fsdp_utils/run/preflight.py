@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp_utils.chess_eval.evaluator import EngineSettings
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
@@ -64,7 +65,8 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     resolved assets). The trainer's process calls it once and
     passes both down; `--preflight` runs the same checks."""
     check_trackers(config)
-    method = method_class(config.method)  # registered in this process (methods.registry)
+    # registered in this process (fsdp_utils.methods.registry), and its own needs met
+    method_class(config.method).preflight(config)
     plan = plan_batch(config, world_size)
     assets = resolve_assets(config)
     hf_config = assets.model_config
@@ -86,8 +88,22 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
         check_eval_tasks(config, assets.model_dir)
-    method.check(config, assets)  # its own (a distillation teacher in the offline cache)
+    if config.chess_eval_every:  # --chess_eval_engine on without an engine: exit 2, how to install
+        EngineSettings.from_config(config)
     return plan, assets
+
+
+def check_chess_engine(config: TrainConfig) -> str | None:
+    """The preflight's line on the chess evaluation's engine judge (None: no chess eval). The
+    engine and the ladder's opponents are started once: the version is printed, and a binary
+    that is not a UCI engine, or a rung it refuses, fails here."""
+    if not config.chess_eval_every:
+        return None
+    settings, note = EngineSettings.from_config(config)
+    if settings is None:
+        return f"chess eval: {note}"
+    version = settings.check()
+    return f"chess eval: {note} ({version})"
 
 
 def check_basics(config: TrainConfig, world_size: int) -> str:
@@ -99,7 +115,9 @@ def _basics_line(config: TrainConfig, plan: BatchPlan, assets: ResolvedAssets) -
     if config.dataset_module is not None:  # its rows come when the data is prepared
         data = f"rows from --dataset_module {config.dataset_module}"
     else:
-        data = describe_dataset_files(list(assets.dataset_files), config.dataset_include)
+        data = describe_dataset_files(
+            list(assets.dataset_files), config.dataset_include, config.dataset
+        )
     return f"preflight OK: {plan.describe()}; model {assets.model_dir}; data {data}"
 
 
@@ -197,6 +215,9 @@ def preflight(
     storage check comes last: a run that does not fit in memory fails first."""
     plan, assets = check_run(config, world_size)
     lines = [_basics_line(config, plan, assets)]
+    engine = check_chess_engine(config)
+    if engine:
+        lines.append(engine)
     if not config.no_fsdp and gpu_memory != GPU_MEMORY_OFF:
         memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
         if memory is None:

@@ -48,6 +48,7 @@ def previous_run_files(layout: RunLayout) -> list[Path]:
     """What a previous run left that a new one could be confused with (the job's own
     gpu_samples/ and logs/ stay)."""
     candidates = [layout.final_model, layout.metrics, layout.config, layout.status, layout.samples]
+    candidates.append(layout.chess_eval)  # the chess evaluation's per-step records
     # Tracker logs too: TensorBoard would draw both runs on one curve, W&B would resume the
     # old run's id.
     candidates += [layout.tensorboard, layout.wandb]

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 
@@ -337,7 +338,7 @@ def read_status(run_dir: Path) -> dict[str, object] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_utils.slurm.launch")
+    parser = ArgumentParser(prog="python -m fsdp_utils.slurm.launch")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd = sub.add_parser("plan", help="print shell exports for slurm/finetune.sh")
     plan_cmd.add_argument("train_args", nargs=argparse.REMAINDER)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.slurm import local_multinode
 from fsdp_utils.slurm.local_conf import (
     LocalCluster,
@@ -296,7 +297,7 @@ def _stop(cluster: AnyCluster) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.slurm.local_cluster",
         description="A local Slurm with emulated GPUs (needs root): one node on localhost, or "
         "with --nodes N (2-9) N nodes in their own network namespaces, beside the one-node "

@@ -15,11 +15,12 @@ prints it in one paragraph, with the newest complete checkpoint and the command 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from fsdp_utils.arguments import ArgumentParser
 
 # srun's own report of a task that ended badly, e.g. "srun: error: node2: task 1: Killed" or
 # "srun: error: node1: tasks 0-1: Exited with exit code 1".
@@ -124,7 +125,7 @@ def newest_complete_checkpoint(run_dir: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_utils.slurm.node_failure")
+    parser = ArgumentParser(prog="python -m fsdp_utils.slurm.node_failure")
     parser.add_argument("log", type=Path, help="the job's Slurm log")
     parser.add_argument("offset", type=int, help="size of the log when the training step started")
     parser.add_argument("run_dir", type=Path)

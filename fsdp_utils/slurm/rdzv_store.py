@@ -15,14 +15,15 @@ It serves until SIGTERM or SIGINT and then exits 0 without a word.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import signal
 import sys
 
+from fsdp_utils.arguments import ArgumentParser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_utils.slurm.rdzv_store")
+    parser = ArgumentParser(prog="python -m fsdp_utils.slurm.rdzv_store")
     parser.add_argument("port", type=int)
     args = parser.parse_args(argv)
     from torch.distributed import TCPStore

@@ -38,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.job import JOB_ID_ENV, RESTART_COUNT_ENV
 from fsdp_utils.hub.offline import OFFLINE_VARIABLES
 from fsdp_utils.slurm.launch import decide_after_run, read_status, rendezvous_port, run_paths
@@ -454,7 +455,7 @@ def submit_sweep(options: SubmitOptions, spec: SweepSpec, train_args: Sequence[s
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = SubmitOptions()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python slurm/submit.py",
         description="Submit chess_finetune.py through submitit: one task per GPU, on Slurm or "
         "(--local) on this machine. Arguments after -- go to chess_finetune.py.",

@@ -150,6 +150,18 @@ class LossChunking:
             chunk_size, transform, note=f"loss: in chunks of {chunk_size:,} target tokens ({how})"
         )
 
+    def at_temperature(self, temperature: float) -> LossChunking:
+        """The same chunks with the logits divided by `temperature` after the family's own
+        transform: the sampling distribution a policy-gradient loss scores (GRPO)."""
+        if temperature == 1.0 or not self.chunk_size:
+            return self
+        family = self.transform
+
+        def scaled(logits: torch.Tensor) -> torch.Tensor:
+            return (family(logits) if family is not None else logits) / temperature
+
+        return LossChunking(self.chunk_size, scaled, self.note)
+
 
 def output_layer(model: nn.Module) -> nn.Module:
     """The module that turns the last hidden states into logits (`lm_head`, GPT-NeoX's
@@ -201,6 +213,35 @@ def _chunk_nll(
     return F.cross_entropy(logits.float(), tokens, reduction="none")
 
 
+def _chunk_nll_entropy(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_nll` and the entropy of each target position's distribution (no gradient: a
+    metric), from the same logits."""
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, tokens[:, None]).squeeze(1)
+    detached = logp.detach()
+    return nll, -(detached.exp() * detached).sum(-1)
+
+
+def _chunk_nll_entropy_columns(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """[chunk, 2]: `_chunk_nll_entropy`'s two, side by side (`chunked_over_targets`' shape)."""
+    return torch.stack(_chunk_nll_entropy(head, transform, hidden, tokens), dim=1)
+
+
+def entropy_from_logits(logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    """[batch, predicting positions] entropy of each position's next-token distribution (no
+    gradient), 0 where the label is ignored: the unchunked counterpart of the chunks'."""
+    logp = torch.log_softmax(logits[:, : following.shape[1]].detach().float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return entropy.masked_fill(following == IGNORE_INDEX, 0.0)
+
+
 def chunked_target_nll(
     head: nn.Module,
     hidden: torch.Tensor,
@@ -209,15 +250,24 @@ def chunked_target_nll(
     chunk_size: int,
     transform: LogitTransform | None = None,
     summed: bool = False,
+    entropy: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
-    recomputing any chunk where `fused_applies`), from the last hidden states
+    recomputing any chunk where `fused_applies`; `entropy`: a list that gets the [targets]
+    entropies of the same distributions, detached), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
     `chunk_size` target tokens at a time (`chunked_over_targets`).
 
-    A batch without targets still runs one position through the output layer (its loss
-    dropped), so that the layer takes part in every backward, as with the unchunked loss (DDP
-    expects it)."""
+    Only positions with a target go through the output layer (answers-only masks and padding
+    cost nothing). A batch without targets still runs one position through the output layer
+    (its loss dropped), so that the layer takes part in every backward, as with the unchunked
+    loss (DDP expects it)."""
+    if entropy is not None:
+        assert not summed, "entropies are per target"
+        compute = functools.partial(_chunk_nll_entropy_columns, head, transform)
+        both = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
+        entropy.append(both[:, 1].detach())
+        return both[:, 0]
     if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
         picked = hidden.flatten(0, 1).index_select(0, targets.rows)
         return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)

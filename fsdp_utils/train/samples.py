@@ -108,9 +108,11 @@ class SamplePrompts:
         return cls(rows, prompts, tokenizer, stops, max_new_tokens)
 
     def describe(self) -> str:
+        names = self.tokenizer.convert_ids_to_tokens(self.stop_ids)
+        stops = ", ".join(f"{name} ({i})" for name, i in zip(names, self.stop_ids, strict=True))
         return (
             f"sample prompts: {len(self.prompts)} answered at every evaluation (greedy, up to "
-            f"{self.max_new_tokens} tokens, ending at token(s) {self.stop_ids})"
+            f"{self.max_new_tokens} tokens, ending at {stops})"
         )
 
     def answer(
@@ -178,7 +180,8 @@ def format_answers(step: int, records: list[dict[str, Any]]) -> str:
     """The log's lines: each prompt's end and its answer, and whether the model stopped."""
 
     def clip(text: str, head: bool) -> str:
-        text = " ".join(text.split())
+        # As written: newlines and tabs show as \n and \t in the quoted text (repr), never as
+        # spaces, so a template's line breaks can be checked in the log.
         if len(text) <= LOGGED_CHARACTERS:
             return text
         return (text[:LOGGED_CHARACTERS] + " ...") if head else ("... " + text[-LOGGED_CHARACTERS:])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from fsdp_utils.train.loss import (
     Targets,
     batch_targets,
     chunked_target_nll,
+    entropy_from_logits,
     logprobs_from_logits,
     next_token_loss_sum,
     output_layer,
@@ -51,6 +53,18 @@ Batch = dict[str, torch.Tensor]
 
 class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite."""
+
+
+class StepInterrupted(Exception):
+    """A stop request honoured inside a step, before its update: a method whose step does long
+    work first (GRPO's rollout) asks for stops as it goes. The weights are as before the step;
+    what the step did is in its checkpoint state (`TrainStep.checkpoint_files`); the trainer
+    saves it and ends the leg, and the next leg's step goes on from there."""
+
+    def __init__(self, reason: str, during: str) -> None:
+        super().__init__(f"{reason} during {during}")
+        self.reason = reason
+        self.during = during
 
 
 def model_forward(
@@ -130,15 +144,17 @@ def forward_target_nll(
     chunking: LossChunking,
     *,
     summed: bool = False,
+    entropy: list[torch.Tensor] | None = None,
     **extra: Any,
 ) -> tuple[Any, torch.Tensor, Targets]:
     """`model_forward` with the loss in chunks (train/loss.py, `forward_target_chunks`): the
-    model's outputs, -log p of each target token (`summed`: their sum), where the targets are."""
+    model's outputs, -log p of each target token (`summed`: their sum), where the targets are.
+    `entropy`: a list that gets the targets' entropies (`chunked_target_nll`)."""
 
     def nll(head: nn.Module, hidden: torch.Tensor, targets: Targets) -> torch.Tensor:
         return chunked_target_nll(
             head, hidden, targets, chunk_size=chunking.chunk_size,
-            transform=chunking.transform, summed=summed,
+            transform=chunking.transform, summed=summed, entropy=entropy,
         )  # fmt: skip
 
     return forward_target_chunks(model, batch, device, autocast, nll, **extra)
@@ -182,6 +198,32 @@ def token_logprobs(
         return scatter_logprobs(nll, targets, following.shape)
     logits = model_forward(model, batch, device, autocast, **extra).logits
     return logprobs_from_logits(logits, following.to(device))
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    chunking: LossChunking,
+    device: torch.device,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` at a sampling `temperature` (the logits divided by it), and the entropy
+    of each position's distribution beside it (detached: a metric), both [batch, seq - 1] fp32,
+    0 where the label is ignored: what a policy-gradient loss reads (GRPO)."""
+    following = next_token_labels(batch)
+    if chunking.chunk_size:
+        entropies: list[torch.Tensor] = []
+        _, nll, targets = forward_target_nll(
+            model, batch, device, autocast, chunking.at_temperature(temperature), entropy=entropies
+        )
+        (entropy,) = entropies
+        logps = scatter_logprobs(nll, targets, following.shape)
+        return logps, -scatter_logprobs(entropy, targets, following.shape)
+    logits = model_forward(model, batch, device, autocast).logits / temperature
+    following = following.to(device)
+    return logprobs_from_logits(logits, following), entropy_from_logits(logits, following)
 
 
 def local_counts(batches: list[Batch]) -> list[float]:
@@ -383,10 +425,19 @@ class TrainStep:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
-    def resume(self, saved: dict[str, Any], start_step: int) -> list[str]:
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Collective: files the checkpoint keeps beside the shards ({name: picklable object},
+        rank 0's written with torch.save): a method's work between steps (GRPO's rollouts
+        reused over several steps, or done before a stop). Nothing by default."""
+        return {}
+
+    def resume(
+        self, saved: dict[str, Any], start_step: int, *, folder: Path | None = None
+    ) -> list[str]:
         """After the optimizer's tensors are loaded: the current config decides the learning
         rate, weight decay, betas and the schedule from `start_step` on (the loaded param groups
-        carry the checkpoint's); the scaler continues. Returns what changed, one line each."""
+        carry the checkpoint's); the scaler continues. `folder`: the checkpoint's, where its
+        `checkpoint_files` are. Returns what changed, one line each."""
         settings = saved.get("optimizer_settings") or settings_in_optimizer(self.optimizer)
         apply_settings(self.optimizer, self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config, start_step=start_step)

@@ -59,7 +59,7 @@ from fsdp_utils.parallel.parallelize import (
 from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_parallel
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, TrainStep
+from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep
 from fsdp_utils.train.timelimit import (
     LegEnd,
     StopController,
@@ -170,9 +170,10 @@ class Trainer:
         self.sampler = StepSampler(len(self.train_blocks), self.plan, config.seed)
         if config.num_epochs is not None:  # the steps follow from the data: before the schedule
             blocks, total = len(self.train_blocks), self.plan.total_batch_size
-            self.config = self.method.config = config = epoch_steps(config, blocks, total)
+            repeat = self.method.steps_per_batch
+            self.config = self.method.config = config = epoch_steps(config, blocks, total, repeat)
             self.log.max_steps = config.max_training_steps
-            self.log.info(describe_epochs(config, blocks, total))
+            self.log.info(describe_epochs(config, blocks, total, repeat))
         self.samples = self._sample_prompts()
 
         self.checkpointer = Checkpointer(
@@ -200,7 +201,7 @@ class Trainer:
         if (router := RouterLoss.describe(config, self.hf_config)) is not None:
             self.log.info(router)
         self.autocast = autocast_context(config, env.device)
-        parts = StepParts(self.autocast, self.models.frozen_copy)
+        parts = StepParts(self.autocast, self.models.frozen_copy, stop=self.stop.requested)
         stopped = self.method.before_first_step(self.model, parts, self.stop.requested)
         if stopped is not None:
             raise StoppedBeforeFirstStep(stopped, f"--method {config.method}'s work")
@@ -222,7 +223,7 @@ class Trainer:
     def _resume(self, info: CheckpointInfo) -> None:
         watch = Stopwatch()
         self.checkpointer.load(info, self.model, self.optimizer)
-        changes = self.train_step.resume(info.meta, start_step=info.step)
+        changes = self.train_step.resume(info.meta, start_step=info.step, folder=info.path)
         self.state.step = info.step
         self.state.tokens_seen = int(info.meta.get("tokens_seen", 0))
         self.log.event(
@@ -267,7 +268,7 @@ class Trainer:
         """This rank's micro-batches of optimizer step `step` (counted from 0), on the host: its
         data-parallel rank's examples, its slice of their sequences (--sequence_parallel)."""
         sp = self.sequence_parallel
-        micro = self.sampler.micro_batches(step, sp.data_rank)
+        micro = self.sampler.micro_batches(step // self.method.steps_per_batch, sp.data_rank)
         return [slice_batch(self.train_blocks.batch(i), rank=sp.rank, size=sp.size) for i in micro]
 
     def train(self) -> dict[str, Any]:
@@ -298,10 +299,14 @@ class Trainer:
             self._seed_step()
             step = self.state.step + 1
             log_now = step % config.log_every == 0 or step == config.max_training_steps
-            with self.probes.around(step):
-                metrics = self.train_step(
-                    batches, step=step, global_counts=global_counts, check=log_now
-                )
+            try:
+                with self.probes.around(step):
+                    metrics = self.train_step(
+                        batches, step=step, global_counts=global_counts, check=log_now
+                    )
+            except StepInterrupted as stopped:  # before its update: the weights are unchanged
+                self._stop_inside_step(stopped)
+                return _summary("interrupted", stopped.reason, last, None, started)
             self.state.step = step
             self.state.tokens_seen += metrics["tokens"]
             more = step < config.max_training_steps
@@ -376,7 +381,9 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             # Which blocks the step trained on: two runs (or a run and its resumption) that
             # log the same ids saw the same data in the same order.
-            "batch_id": self.sampler.batch_fingerprint(self.state.step - 1),
+            "batch_id": self.sampler.batch_fingerprint(
+                (self.state.step - 1) // self.method.steps_per_batch
+            ),
             **memory_snapshot(self.env.device),
         }
         self.log.step(record)
@@ -429,6 +436,7 @@ class Trainer:
         path, seconds = self.checkpointer.save(
             self.state.step, self.model, self.optimizer, extra,
             (self.hf_config, self.data.tokenizer_dir(self.model_dir)),
+            files=step.checkpoint_files(),
         )  # fmt: skip
         step.last_saved_step = self.state.step
         self.stop.saved(seconds)
@@ -445,6 +453,22 @@ class Trainer:
             self.save_checkpoint()
         except CheckpointError as err:  # keep training: the next save may succeed
             self.log.event("checkpoint_failed", f"checkpoint: {err}", step=self.state.step)
+
+    def _stop_inside_step(self, stopped: StepInterrupted) -> None:
+        """Collective: a stop honoured inside step `self.state.step + 1` (`StepInterrupted`):
+        its work so far is saved with the weights of step `self.state.step`, and the leg ends
+        (the next one's step goes on with it)."""
+        self.save_checkpoint()
+        self.stop.consume_stop_file()  # handled: the next leg must not stop at once
+        self.probes.close()
+        self.log.event(
+            "stopping",
+            f"stopping inside step {self.state.step + 1}: {stopped.reason} during "
+            f"{stopped.during}; saved with step {self.state.step}'s weights (rerun the same "
+            "command to go on; a requeued job does)",
+            step=self.state.step,
+            reason=stopped.reason,
+        )
 
     def _end_of_leg(self, reason: str) -> LegEnd:
         """Collective. A stop was requested: save this step, then either finish the run in this
@@ -503,6 +527,11 @@ class Trainer:
             self.log.info(warning)
 
     def close(self) -> None:
+        """Every exit path (the CLI's `finally`): the method's outside resources (a chess
+        engine behind a reward), then the log."""
+        method = getattr(self, "method", None)
+        if method is not None:
+            method.close()
         self.log.close()
 
 

@@ -12,7 +12,6 @@ runs from a checkout (installed editable or not), else from the installed distri
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import os
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
+from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
 
 DISTRIBUTION = "fsdp-utils"
@@ -144,7 +144,7 @@ def floor_pins(requirements: Iterable[Requirement]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fsdp_utils.versions",
         description="The declared dependency ranges (pyproject.toml) and the versions installed.",
     )

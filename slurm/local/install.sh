@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Install Debian's Slurm (slurmctld, slurmd, client commands), munge and iproute2, only if
-# missing, and make sure munge has a key. Idempotent: `make setup-system` runs it; rerunning
+# Install Debian's Slurm (slurmctld, slurmd, client commands), munge, iproute2 and Stockfish
+# (the chess evaluation's engine judge, /usr/games/stockfish), only if missing, and make sure
+# munge has a key. Idempotent: `make setup-system` runs it; rerunning
 # changes nothing.
 set -euo pipefail
 
-packages=(slurm-wlm munge iproute2)  # iproute2: `ip` for the multi-node cluster
+# iproute2: `ip` for the multi-node cluster; stockfish: the engine judge (docs/chess-eval.md)
+packages=(slurm-wlm munge iproute2 stockfish)
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" \
@@ -29,3 +31,5 @@ if ! as_root test -s /etc/munge/munge.key; then
     as_root chmod 0600 /etc/munge/munge.key
 fi
 echo "Slurm $(/usr/sbin/slurmctld -V | awk '{print $2}') and munge are installed."
+# Stockfish prints its name and version as its first line, then waits for UCI commands.
+echo "$(/usr/games/stockfish </dev/null | head -n 1 | cut -d" " -f1-2) is installed (/usr/games/stockfish)."

@@ -12,8 +12,9 @@ SECTION = Section("data", "data")
 _opt = SECTION.option
 
 DataFormat = Literal[
-    "auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates", "preference"
-]
+    "auto", "chess", "text", "chat", "prompt_completion", "alpaca", "templates", "preference",
+    "prompts",
+]  # fmt: skip
 LongExamples = Literal["drop", "truncate", "error"]
 # The text a game becomes (see fsdp_utils.data.render). Fields: {result}, {termination}, {moves}.
 DEFAULT_TEMPLATE = "[Result {result}] [Termination {termination}] {moves}"
@@ -31,7 +32,8 @@ class DataOptions:
         metadata=_opt(
             "auto: from the columns (Moves/Termination/Result: chess; messages or "
             "conversations: chat; prompt+completion; instruction+output: alpaca; text); or "
-            "name one. templates: --prompt_template/--response_template over any columns."
+            "name one. templates: --prompt_template/--response_template over any columns; "
+            "prompts: a prompt column alone (--method grpo)."
         ),
     )
     chat_template: str | None = field(

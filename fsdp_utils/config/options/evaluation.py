@@ -3,7 +3,9 @@ evaluation, answers to sample prompts."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .section import Section, check_at_least
 
@@ -19,6 +21,30 @@ EVAL_SCORING_FIELDS = (
 )
 
 
+EngineUse = Literal["auto", "on", "off"]
+# A rung of the ladder of opponents (fsdp_utils/chess_eval/ladder.py): a random mover, or
+# Stockfish at a depth, a node limit, a Skill Level (0-20) or a UCI_Elo (1350-2850 in 15.1).
+LADDER_RUNG = re.compile(r"random|(depth|nodes|skill|elo):(\d+)")
+
+
+def ladder_rungs(text: str | None) -> list[str]:
+    """`--chess_eval_ladder`'s rungs, checked: a ValueError names the one that is not a rung."""
+    rungs = [word.strip() for word in (text or "").split(",") if word.strip()]
+    for rung in rungs:
+        match = LADDER_RUNG.fullmatch(rung)
+        if match is None:
+            raise ValueError(
+                f"--chess_eval_ladder: {rung!r} is not an opponent. Rungs are random, depth:N, "
+                "nodes:N, skill:N (Stockfish's Skill Level, 0-20) and elo:N (UCI_Elo, 1350 "
+                "or more), comma-separated, e.g. random,depth:1,skill:0,elo:1350."
+            )
+        if match.group(1) == "skill" and int(match.group(2)) > 20:
+            raise ValueError(f"--chess_eval_ladder: {rung}: Skill Level goes from 0 to 20.")
+        if match.group(1) in ("depth", "nodes") and int(match.group(2)) < 1:
+            raise ValueError(f"--chess_eval_ladder: {rung}: a limit of at least 1.")
+    return rungs
+
+
 def bool_text(text: str) -> bool:
     """A flag's optional true/false value (lm-eval's reading: true, 1 or yes is true)."""
     return text.strip().lower() in ("true", "1", "yes")
@@ -32,11 +58,20 @@ def bool_or_name(text: str) -> bool | str:
     return text
 
 
+# Held out by default: right for the chess games and most published sets; a set too small for
+# it (under 2 x 200 rows) holds out a tenth instead (`fsdp_utils.data.prepare.eval_count`).
+DEFAULT_EVAL_EXAMPLES = 200
+
+
 @dataclass
 class EvaluationOptions:
     eval_examples: int = field(
-        default=200,
-        metadata=_opt("Documents held out for evaluation (0: no eval split)."),
+        default=DEFAULT_EVAL_EXAMPLES,
+        metadata=_opt(
+            "Documents held out for evaluation (0: no eval split). The default holds out a "
+            f"tenth of a set under {2 * DEFAULT_EVAL_EXAMPLES} documents, where "
+            f"{DEFAULT_EVAL_EXAMPLES} would leave fewer to train on; the log says how many."
+        ),
     )
     eval_every: int = field(
         default=50,
@@ -123,6 +158,49 @@ class EvaluationOptions:
         default=None,
         metadata=_opt("Sequences per forward pass in the chess evaluation (default: 8)."),
     )
+    chess_eval_engine: EngineUse = field(
+        default="auto",
+        metadata=_opt(
+            "The engine judge in the chess evaluation (centipawn loss, Lichess accuracy, "
+            "best-move rate, games against --chess_eval_ladder): auto (when Stockfish is found), "
+            "on (required: the preflight refuses a missing engine), off."
+        ),
+    )
+    chess_engine: str | None = field(
+        default=None,
+        metadata=_opt(
+            "The Stockfish binary (default: $FSDP_UTILS_STOCKFISH, then `stockfish` on PATH, "
+            "then /usr/games/stockfish).",
+            cli={"metavar": "PATH"},
+        ),
+    )
+    chess_eval_depth: int = field(
+        default=10,
+        metadata=_opt("The engine judge's search depth per position (fixed: reproducible)."),
+    )
+    chess_eval_nodes: int | None = field(
+        default=None,
+        metadata=_opt("A node limit per position for the engine judge instead of the depth."),
+    )
+    chess_eval_judged_plies: int = field(
+        default=1,
+        metadata=_opt(
+            "Moves of each continuation the engine judges: its first N legal moves (at most "
+            "--chess_eval_plies)."
+        ),
+    )
+    chess_eval_ladder: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Opponents the model plays games against, weakest first, comma-separated: random, "
+            "depth:N, nodes:N, skill:N, elo:N (e.g. random,depth:1,skill:0,elo:1350).",
+            cli={"metavar": "RUNGS"},
+        ),
+    )
+    chess_eval_ladder_games: int = field(
+        default=8,
+        metadata=_opt("Games against each rung of --chess_eval_ladder (colours alternate)."),
+    )
     sample_prompts: str | None = field(
         default=None,
         metadata=_opt(
@@ -155,6 +233,14 @@ def check(options: EvaluationOptions) -> None:
         )
     check_at_least(options, ("chess_eval_every",), least=0)
     check_at_least(options, ("chess_eval_games", "chess_eval_batch_size"))
+    check_at_least(options, ("chess_eval_depth", "chess_eval_nodes", "chess_eval_judged_plies"))
+    check_at_least(options, ("chess_eval_ladder_games",), least=2)
+    if options.chess_eval_judged_plies > options.chess_eval_plies:
+        raise ValueError(
+            f"--chess_eval_judged_plies {options.chess_eval_judged_plies} is more than the "
+            f"{options.chess_eval_plies} plies each continuation has (--chess_eval_plies)."
+        )
+    ladder_rungs(options.chess_eval_ladder)
     if options.chess_eval_temperature < 0:
         raise ValueError(
             "--chess_eval_temperature must be >= 0 (0: greedy), got "

@@ -1,5 +1,7 @@
 """The training method (`--method`, fsdp_utils/methods/) and the options of one method
-(`only_for` in their metadata: DPO's, distillation's)."""
+(`only_for` in their metadata: DPO's, GRPO's, distillation's). GRPO's carry the names and
+defaults of TRL's GRPOConfig (trl 1.16.0, trl/trainer/grpo_config.py), so that settings carry
+over."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from .section import Section
 
 SECTION = Section(
     "method",
-    "training method (fsdp_utils/methods/; DPO: docs/preference.md; distillation: "
-    "docs/distillation.md)",
+    "training method (fsdp_utils/methods/; DPO: docs/preference.md; GRPO: docs/grpo.md; "
+    "distillation: docs/distillation.md)",
 )
 _opt = SECTION.option
 
@@ -25,16 +27,31 @@ def _distill(help: str) -> dict[str, Any]:
     return SECTION.option(help, only_for="distill")
 
 
+def _grpo(help: str) -> dict[str, Any]:
+    return SECTION.option(help, only_for="grpo")
+
+
 DpoLoss = Literal["sigmoid", "ipo"]
 ReferenceMode = Literal["cached", "live"]
 # TRL's GKDTrainer: beta 0 is the forward KL, 1 the reverse KL, between them the generalized JSD
 DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
 TeacherQuantize = Literal["none", "nf4"]
+GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSampling = Literal["token", "sequence"]
 # The methods whose examples are preference pairs (a chosen and a rejected answer, 2 sequences
 # each): the data stage prepares pairs for them (fsdp_utils/data/formats.py) and the batch sizes
 # count pairs (fsdp_utils/config/batch.py). It is said here, not by the methods package, because
 # those stages sit below it (`python -m fsdp_utils.data` prepares a run's data without it).
 PAIRED_METHODS = frozenset({"dpo"})
+# The methods that score the policy against a reference model: continuing a LoRA adapter
+# (--lora --lora_from), their reference is a frozen copy of it (`TrainConfig.reference_adapter`,
+# which the model stage builds), as TRL's DPOTrainer takes `ref_adapter_name`.
+REFERENCE_METHODS = frozenset({"dpo"})
+# The methods that train on prompts and sample their own answers (G completions per prompt):
+# the data stage prepares prompts for them (fsdp_utils/data/prompts.py) and the batch sizes
+# count prompts (fsdp_utils/config/batch.py).
+PROMPT_METHODS = frozenset({"grpo"})
 
 
 @dataclass
@@ -47,6 +64,9 @@ class MethodOptions:
             "sft: supervised fine-tuning (the loss on the answers); dpo: Direct Preference "
             "Optimization on pairs of a chosen and a rejected answer (columns chosen, rejected "
             "and optionally prompt; docs/preference.md). With dpo the batch sizes count pairs; "
+            "grpo: reinforcement learning from rewards on the model's own completions of "
+            "prompts (column prompt; --reward_funcs; docs/grpo.md). With grpo the batch sizes "
+            "count prompts (--num_generations completions each); "
             "distill: distillation from a bigger model of the same vocabulary (--teacher, "
             "docs/distillation.md)."
         ),
@@ -170,10 +190,118 @@ class MethodOptions:
             "With --lmbda: at most this many tokens per sampled completion (TRL's max_new_tokens)."
         ),
     )
+    # GRPO (docs/grpo.md): TRL's GRPOConfig names and defaults (trl 1.16.0).
+    reward_funcs: str | None = field(
+        default=None,
+        metadata=_grpo(
+            "Comma-separated reward functions: FILE.py:FUNCTION (TRL's signature: prompts, "
+            "completions, completion_ids, the dataset's other columns and **kwargs; returns "
+            "a float, or None to skip, per completion) or a built-in name (docs/grpo.md: "
+            "chess_legal, chess_engine, chess_format, exact_answer, length)."
+        ),
+    )
+    reward_weights: str | None = field(
+        default=None,
+        metadata=_grpo("Comma-separated weight of each reward function (default: all 1.0)."),
+    )
+    num_generations: int = field(
+        default=8,
+        metadata=_grpo("Completions sampled per prompt (G), at least 2: a group's rewards are "
+                       "compared with each other."),
+    )  # fmt: skip
+    max_completion_length: int = field(
+        default=512,
+        metadata=_grpo(
+            "Tokens sampled per completion at most; a prompt and its completion must fit "
+            "--max_seq_length."
+        ),
+    )
+    temperature: float = field(
+        default=1.0, metadata=_grpo("Sampling temperature of the completions (above 0).")
+    )
+    top_k: int = field(default=0, metadata=_grpo("Sample from the k most likely tokens (0: all)."))
+    top_p: float = field(
+        default=1.0, metadata=_grpo("Sample from the smallest set of tokens of this probability.")
+    )
+    loss_type: GrpoLoss = field(
+        default="dapo",
+        metadata=_grpo(
+            "How the per-token losses are averaged (docs/grpo.md): dapo: over the step's "
+            "completion tokens (TRL's default); grpo: over each completion's tokens, then over "
+            "completions; dr_grpo: over completions x --max_completion_length; bnpo: over each "
+            "micro-batch's completion tokens."
+        ),
+    )
+    scale_rewards: ScaleRewards = field(
+        default="group",
+        metadata=_grpo(
+            "Advantages: reward minus its group's mean, divided by the standard deviation of "
+            "the group (group), of the whole step (batch), or not divided (none: Dr. GRPO)."
+        ),
+    )
+    epsilon: float = field(
+        default=0.2, metadata=_grpo("Lower clipping bound of the ratio: 1 - epsilon.")
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata=_grpo("Upper clipping bound: 1 + epsilon_high (default: --epsilon; DAPO: 0.28)."),
+    )
+    importance_sampling_level: ImportanceSampling = field(
+        default="token",
+        metadata=_grpo(
+            "token: a probability ratio per token; sequence: one per completion, the mean of "
+            "its tokens' log-ratios (GSPO)."
+        ),
+    )
+    beta: float = field(
+        default=0.0,
+        metadata=_grpo(
+            "Weight of the KL penalty (k3 estimator) against the reference: the starting model "
+            "(a frozen sharded copy; with --lora the adapters off). 0: no reference at all."
+        ),
+    )
+    # TRL's use_bias_correction_kl (default True) turned around: a flag can only turn on.
+    no_bias_correction_kl: bool = field(
+        default=False,
+        metadata=_grpo(
+            "The KL term without the probability ratio it is multiplied by by default (TRL's "
+            "use_bias_correction_kl=False; the ratio makes the KL gradient unbiased: "
+            "DeepSeek-V3.2)."
+        ),
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata=_grpo(
+            "Optimizer steps per rollout (mu): the same completions trained on again, with "
+            "their log-probabilities from when they were sampled."
+        ),
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata=_grpo("Leave completions that ran out of tokens out of the loss (DAPO)."),
+    )
+    log_completions_every: int = field(
+        default=10,
+        metadata=_grpo(
+            "Every N steps, log a few completions with their rewards (completions.jsonl in the "
+            "run folder; 0: never)."
+        ),
+    )
 
     @property
     def trains_on_pairs(self) -> bool:
         return self.method in PAIRED_METHODS
+
+    @property
+    def trains_on_prompts(self) -> bool:
+        return self.method in PROMPT_METHODS
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of the batch becomes: 2 for a pair, G for a prompt, else 1."""
+        if self.trains_on_pairs:
+            return 2
+        return self.num_generations if self.trains_on_prompts else 1
 
 
 def check(options: MethodOptions) -> None:
@@ -195,6 +323,8 @@ def check(options: MethodOptions) -> None:
             )
     if options.method == "distill":
         _check_distill(options)
+    if options.method == "grpo":
+        _check_grpo(options)
     if options.method != "dpo":
         return
     if options.dpo_beta <= 0:
@@ -245,4 +375,67 @@ def _check_distill(options: MethodOptions) -> None:
             f"--lmbda {options.lmbda}: the student's own samples are scored by the live "
             "teacher, which a cache written before training cannot hold. Give --teacher MODEL "
             "(with or without --teacher_cache for the data's batches), or --lmbda 0."
+        )
+
+
+def reward_names(options: MethodOptions) -> list[str]:
+    """--reward_funcs as a list (FILE.py:FUNCTION or built-in names)."""
+    return [n.strip() for n in (options.reward_funcs or "").split(",") if n.strip()]
+
+
+def reward_weights(options: MethodOptions) -> list[float]:
+    """--reward_weights as floats, one per reward function (default: 1.0 each)."""
+    if options.reward_weights is None:
+        return [1.0] * len(reward_names(options))
+    try:
+        return [float(w) for w in options.reward_weights.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--reward_weights {options.reward_weights!r}: expected comma-separated numbers, "
+            "one per reward function, e.g. --reward_weights 1.0,0.5."
+        ) from None
+
+
+def _check_grpo(options: MethodOptions) -> None:
+    names = reward_names(options)
+    if not names:
+        raise ValueError(
+            "--method grpo needs rewards: --reward_funcs my_rewards.py:correct (TRL's "
+            "reward-function signature) or a built-in one, e.g. --reward_funcs exact_answer "
+            "(docs/grpo.md lists them)."
+        )
+    weights = reward_weights(options)
+    if len(weights) != len(names):
+        raise ValueError(
+            f"--reward_weights gives {len(weights)} weight(s) for {len(names)} reward "
+            f"function(s) ({', '.join(names)}): give one per function, in the same order."
+        )
+    if options.num_generations < 2:
+        raise ValueError(
+            f"--num_generations {options.num_generations}: GRPO compares the rewards of a "
+            "prompt's completions with each other, so it needs at least 2 per prompt (TRL's "
+            "default is 8): --num_generations 8."
+        )
+    if options.max_completion_length < 1:
+        raise ValueError(
+            f"--max_completion_length must be at least 1, got {options.max_completion_length}."
+        )
+    if not options.temperature > 0 or options.top_k < 0 or not 0 < options.top_p <= 1:
+        raise ValueError(
+            "GRPO samples its completions: --temperature must be above 0, --top_k at least 0 "
+            f"(0: off) and 0 < --top_p <= 1; got {options.temperature}, {options.top_k}, "
+            f"{options.top_p}."
+        )
+    if options.epsilon <= 0 or (options.epsilon_high is not None and options.epsilon_high <= 0):
+        raise ValueError(
+            f"--epsilon and --epsilon_high must be positive, got {options.epsilon} and "
+            f"{options.epsilon_high}."
+        )
+    if options.beta < 0:
+        raise ValueError(f"--beta must be 0 (no KL term) or positive, got {options.beta}.")
+    if options.num_iterations < 1:
+        raise ValueError(f"--num_iterations must be at least 1, got {options.num_iterations}.")
+    if options.log_completions_every < 0:
+        raise ValueError(
+            f"--log_completions_every must be 0 (never) or more, got {options.log_completions_every}."
         )

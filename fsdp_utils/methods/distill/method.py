@@ -17,7 +17,6 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.prepare import PreparedData
 from fsdp_utils.hub.resolve import (
-    ResolvedAssets,
     config_folder,
     load_model_config,
     resolve_model_dir,
@@ -107,15 +106,20 @@ class Distill(Method):
     # --- checks and the teacher's files -------------------------------------------------------
 
     @classmethod
-    def check(cls, config: TrainConfig, assets: ResolvedAssets) -> None:
+    def preflight(cls, config: TrainConfig) -> None:
+        """Before any work: the student's and the teacher's logits read in chunks, the teacher
+        in the offline cache with the student's vocabulary, a cache to read when there is no
+        teacher."""
         _not_split(config)
-        _known_logits(assets.model_config, "student")
+        student_dir = resolve_model_dir(config.model, config.revision, config.cache_dir)
+        student_config = load_model_config(student_dir)
+        _known_logits(student_config, "student")
         if config.teacher is not None:
             teacher_dir = cls.teacher_dir(config)
             teacher_config = load_model_config(teacher_dir)
             _known_logits(teacher_config, "teacher")
             check_same_vocabulary(
-                (config.model, assets.model_dir, assets.model_config),
+                (config.model, student_dir, student_config),
                 (config.teacher, teacher_dir, teacher_config),
             )
         elif config.teacher_cache is not None:  # read only: it must be there, whole

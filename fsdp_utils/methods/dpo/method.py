@@ -25,11 +25,22 @@ from .reference import (
     LiveReference,
     Reference,
     Released,
+    StartingAdapter,
     cache_folder,
     compute_reference_cache,
     is_cached,
 )
 from .step import PreferenceStep, build_preference_step, evaluate_pairs
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout of the model set to 0 (LoRA's --lora_dropout included), as TRL's DPOTrainer
+    does by default (`DPOConfig.disable_dropout`, `trl.trainer.utils.disable_dropout_in_model`):
+    the reference runs without dropout (eval mode), so a policy with it would not start at the
+    reference, and the first loss would not be ln 2."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
 
 
 class DPO(Method):
@@ -60,7 +71,12 @@ class DPO(Method):
 
     def describe(self) -> str:
         c = self.config
-        if c.lora:
+        if c.reference_adapter:
+            reference = (
+                f"the starting adapter {c.lora_from}, a frozen copy beside the trained one "
+                "(the model fine-tuned before DPO; TRL's ref_adapter_name)"
+            )
+        elif c.lora:
             reference = "the model with its LoRA adapters off (no second model)"
         elif c.reference == "live":
             reference = "a frozen sharded copy of the starting model (--reference live)"
@@ -69,7 +85,8 @@ class DPO(Method):
         return (
             f"dpo: loss {c.dpo_loss}, beta {c.dpo_beta:g}"
             + (f", label smoothing {c.dpo_label_smoothing:g}" if c.dpo_label_smoothing else "")
-            + f"; batch sizes count pairs (2 sequences each); reference: {reference}"
+            + f"; batch sizes count pairs (2 sequences each); reference: {reference}; dropout "
+            "off (TRL's disable_dropout: the policy starts where the reference is)"
         )
 
     def needs_starting_weights(self) -> bool:
@@ -106,9 +123,12 @@ class DPO(Method):
         )
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
+        disable_dropout(model)
         forward = self._forward(parts)
         reference: Reference
-        if self.config.lora:
+        if self.config.reference_adapter:
+            reference = StartingAdapter(model, forward)
+        elif self.config.lora:
             reference = AdaptersOff(model, forward)
         elif self.needs_frozen_copy(self.config):
             self.live = parts.frozen_copy()

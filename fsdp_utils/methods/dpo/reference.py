@@ -3,6 +3,9 @@ wrong device or a table read by rank:
 
 - `AdaptersOff` (--lora): the trained model itself with its LoRA adapters switched off, under
   no_grad: the base model, with no second copy in memory;
+- `StartingAdapter` (--lora --lora_from ADAPTER, a LoRA fine-tune continued): the model with
+  a frozen copy of the starting adapter active instead of the trained one (TRL's
+  `ref_adapter_name`): the model the user fine-tuned, for the adapter's few megabytes;
 - `CachedReference` (the default otherwise): computed once before training, sharded with FSDP2
   like the training forward (`compute_reference_cache`), and written beside the prepared data
   under a key of the model's files, the prepared data and the settings that change the numbers
@@ -18,12 +21,11 @@ batch, fp32 on the device, computed through the same forward as the policy's (tr
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +37,7 @@ from torch import nn
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PAIR_ROWS, PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
+from fsdp_utils.model.lora import adapters_disabled, reference_adapter_active
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import no_grad_pass
@@ -52,26 +55,6 @@ class Reference(Protocol):
     def logps(self, batch: Batch) -> torch.Tensor:
         """[sequences] the reference's summed answer log-probabilities, fp32 on the device."""
         ...
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The model with its peft adapters off (peft's `disable_adapter`, for a model that is not
-    a PeftModel: ours injects the adapters into the transformers model). The flag is set
-    directly: peft's `enable_adapters` would also flip the adapters' requires_grad, which FSDP2
-    tracks on its sharded parameters."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers, "--lora but no adapter in the model"
-    before = [layer._disable_adapters for layer in layers]
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer, was in zip(layers, before, strict=True):
-            layer._disable_adapters = was
 
 
 @dataclass
@@ -98,6 +81,16 @@ class AdaptersOff:
 
     def logps(self, batch: Batch) -> torch.Tensor:
         with adapters_disabled(self.model):
+            return self.forward.logps(self.model, batch)
+
+
+@dataclass
+class StartingAdapter:
+    model: nn.Module  # carrying the frozen reference adapter (`TrainConfig.reference_adapter`)
+    forward: ForwardSettings
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        with reference_adapter_active(self.model):
             return self.forward.logps(self.model, batch)
 
 

@@ -1,7 +1,8 @@
 """What `--model` names, and that model built, sharded and loaded as the trainer does it.
 
-`--model` is a hub id in the offline cache, a model folder, a run folder (its final model,
-`<run>/final`) or a PEFT LoRA adapter folder (over the base its `adapter_config.json` names).
+`--model` is a hub id in the offline cache, a model folder, a run folder (its final model:
+`<run>/final_merged`, else `<run>/final`) or a PEFT LoRA adapter folder (over the base its
+`adapter_config.json` names), as every command reads it (`fsdp_utils.config.model_path`).
 The model then takes the trainer's steps (`fsdp_utils.trainer.trainer`): built on the meta
 device, transformed (the LoRA adapters of an adapter folder, exactly as `--lora_from` continues
 one), sharded with FSDP2 per decoder layer, materialised rank by rank, its weights read slice by
@@ -10,7 +11,6 @@ slice. No rank ever holds the whole model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_utils.config.layout import RunLayout
+from fsdp_utils.config.model_path import model_path, run_quantize
 from fsdp_utils.config.train_config import Precision, TrainConfig
 from fsdp_utils.hub.resolve import load_model_config, resolve_model_dir
 from fsdp_utils.model.build import build_meta_model, config_dtype
@@ -27,7 +28,6 @@ from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.materialize import build_model
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 @dataclass(frozen=True)
@@ -63,51 +63,31 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_MARKERS)
 
 
-def _is_run_folder(path: Path) -> bool:
-    layout = RunLayout.of(path)
-    return layout.final_model.is_dir() and not (path / "model.safetensors").is_file()
-
-
 def resolve_model_source(model: str, cache_dir: str | None = None) -> ModelSource:
     """`--model` -> its folders. ValueError (MissingAssetError: with the download command)
     when something is not here."""
-    path = Path(model).expanduser()
-    run_dir = None
-    if path.is_dir() and _is_run_folder(path):
-        run_dir, path = path, RunLayout.of(path).final_model
-    adapter_dir = None
-    if (path / ADAPTER_CONFIG).is_file():
-        adapter_dir = path
-        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ValueError(
-                f"{path / ADAPTER_CONFIG} names no base_model_name_or_path: which model the "
-                "adapter belongs to is unknown. Add it to the file (the hub id or folder of the "
-                "base model)."
-            )
-        weights_dir = resolve_model_dir(str(base), None, cache_dir)
-        tokenizer_dir = path if _has_tokenizer(path) else weights_dir
-    else:
-        weights_dir = resolve_model_dir(str(path) if run_dir else model, None, cache_dir)
-        tokenizer_dir = weights_dir
+    found = model_path(model)
+    weights_dir = resolve_model_dir(found.model, None, cache_dir)
+    adapter_dir = found.adapter
+    tokenizer_dir = weights_dir
+    if adapter_dir is not None and _has_tokenizer(adapter_dir):
+        tokenizer_dir = adapter_dir
     if not _has_tokenizer(tokenizer_dir):
         raise ValueError(
-            f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): benchmarks "
+            f"{tokenizer_dir} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): evaluations "
             "write their prompts with the model's own tokenizer. A run's final/ folder and an "
             "exported checkpoint carry theirs; copy it beside the weights."
         )
     quantize = _run_quantize(adapter_dir) if adapter_dir else "none"
-    return ModelSource(model, weights_dir, adapter_dir, tokenizer_dir, run_dir, quantize)
+    return ModelSource(model, weights_dir, adapter_dir, tokenizer_dir, found.run_dir, quantize)
 
 
 def _run_quantize(adapter_dir: Path) -> str:
     """A run's final/ adapter over a 4-bit base (--qlora) is evaluated over that base, as it
     trained and as --eval_tasks scores it: the run folder's config.json says so."""
-    layout = RunLayout.of(adapter_dir.parent)
-    if layout.final_model.resolve() != adapter_dir.resolve() or not layout.config.is_file():
-        return "none"
-    config = json.loads(layout.config.read_text()).get("config", {})
-    return str(config.get("quantize", "none"))
+    run = adapter_dir.parent
+    is_final = RunLayout.of(run).final_model.resolve() == adapter_dir.resolve()
+    return run_quantize(run) if is_final else "none"
 
 
 def default_precision(hf_config: Any) -> Precision:

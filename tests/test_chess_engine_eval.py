@@ -1,0 +1,307 @@
+"""The engine judge inside the chess evaluation, the ladder's games and engine games as data,
+with real Stockfish processes and scripted players through the real decoding loop.
+
+One evaluation per player is shared by the checks that read it (module fixtures); the engine
+searches shallow (depth 6) and the games are few, so the module takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import chess
+import chess.engine
+import pytest
+from transformers import AutoTokenizer
+
+from fsdp_utils.chess_eval.cli import main as chess_eval_main
+from fsdp_utils.chess_eval.evaluator import ChessEvaluator, EngineSettings, format_table
+from fsdp_utils.chess_eval.judge import EngineNotFound, find_engine
+from fsdp_utils.chess_eval.ladder import OPENINGS, elo_difference, wilson_interval
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.prepare import held_out_games
+from tests.chess_players import ScriptedPlayer, board_from_prompt, fixed_writer
+
+DEPTH = 6
+GAMES = 8
+
+
+@pytest.fixture(scope="module")
+def config(tiny_assets, tmp_path_factory) -> TrainConfig:
+    return TrainConfig(
+        model=str(tiny_assets["model"]), dataset=str(tiny_assets["data"]), dataset_include="",
+        data_cache_dir=str(tmp_path_factory.mktemp("engine_eval_cache")), max_seq_length=512,
+        eval_examples=20, chess_eval_games=GAMES, chess_eval_plies=1,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    return AutoTokenizer.from_pretrained(tiny_assets["model"])
+
+
+@pytest.fixture(scope="module")
+def games(config):
+    return held_out_games(config, limit=GAMES)
+
+
+def _evaluator(games, tokenizer, **engine) -> ChessEvaluator:
+    settings = EngineSettings(path=find_engine(), depth=DEPTH, **engine)
+    return ChessEvaluator(
+        games, tokenizer, template=TrainConfig().template, plies=1, max_seq_length=512, seed=0,
+        batch_size=8, engine=settings,
+    )  # fmt: skip
+
+
+def engine_writer(options: dict, limit: chess.engine.Limit, engines: list):
+    """A player whose move is Stockfish's (with `options`), on an engine the test ends."""
+    engine = chess.engine.SimpleEngine.popen_uci(find_engine())
+    engine.configure({"Threads": 1, **options})
+    engines.append(engine)
+
+    def write(prompt: str) -> tuple[str, bool]:
+        board = board_from_prompt(prompt)
+        if board.is_game_over():
+            return "", True
+        return " " + engine.play(board, limit, game=object()).move.uci(), False
+
+    return write
+
+
+def random_writer(prompt: str) -> tuple[str, bool]:
+    board = board_from_prompt(prompt)
+    if board.is_game_over():
+        return "", True
+    rng = random.Random(prompt)
+    return " " + rng.choice(sorted(board.legal_moves, key=lambda m: m.uci())).uci(), False
+
+
+@pytest.fixture(scope="module")
+def movers(games, tokenizer):
+    """Three players on the same positions: random, Skill Level 0 (10 ms), and full strength at
+    the judge's own depth (a deeper mover would be judged by a weaker judge: on positions of
+    random games, mostly decided, that makes its loss noise)."""
+    engines: list = []
+    players = {
+        "random": random_writer,
+        "skill0": engine_writer({"Skill Level": 0}, chess.engine.Limit(time=0.01), engines),
+        "full": engine_writer({"Hash": 16}, chess.engine.Limit(depth=DEPTH), engines),
+    }
+    try:
+        evaluator = _evaluator(games, tokenizer)
+        results = {name: evaluator.run(ScriptedPlayer(tokenizer, w)) for name, w in players.items()}
+    finally:
+        for engine in engines:
+            engine.quit()
+    return evaluator, results
+
+
+def test_random_loses_more_than_skill_0_which_loses_more_than_full_strength(movers):
+    evaluator, r = movers
+    loss = {name: m["engine_centipawn_loss"] for name, m in r.items()}
+    accuracy = {name: m["engine_accuracy"] for name, m in r.items()}
+    assert loss["random"] > loss["skill0"] > loss["full"], loss
+    assert accuracy["random"] < accuracy["skill0"] < accuracy["full"], accuracy
+    # Full strength at the judge's depth is the judge's own choice (deterministic search).
+    assert loss["full"] == 0 and accuracy["full"] == 100 and r["full"]["engine_best_move_rate"] == 1
+    assert r["random"]["engine_best_move_rate"] < r["full"]["engine_best_move_rate"]
+    # The same positions for all three: every opening, middlegame and ending prefix, and the
+    # balanced ones the engine found (within +-100 cp).
+    positions = {
+        name: {(x["position"], x["fen"]) for x in m["move_records"]} for name, m in r.items()
+    }
+    assert positions["random"] == positions["skill0"] == positions["full"]
+    assert r["full"]["engine_positions"] == 3 * GAMES + len(evaluator.balanced or [])
+    balanced = [x for x in r["full"]["move_records"] if x["phase"] == "balanced"]
+    assert balanced and all(abs(x["cp_before"]) <= 100 for x in balanced)
+    assert r["full"]["engine_moves"] == r["full"]["engine_positions"]  # all legal, none illegal
+    assert "centipawn loss" in format_table(r["random"], step=None)
+
+
+def test_per_move_records_are_complete_and_the_table_reads_them(movers):
+    _, r = movers
+    record = r["random"]["move_records"][0]
+    for key in ("fen", "move", "best_move", "cp_before", "cp_after", "cp_loss", "accuracy",
+                "depth", "win_before", "win_after", "judgement", "nodes_searched"):  # fmt: skip
+        assert key in record, key
+    assert record["depth"] == DEPTH and record["legal"] is True
+    board = chess.Board(record["fen"])
+    assert chess.Move.from_uci(record["move"]) in board.legal_moves
+    rates = sum(r["random"][f"engine_{k}_rate"] for k in ("inaccuracy", "mistake", "blunder"))
+    assert 0 < rates <= 1
+
+
+def test_garbage_gets_no_engine_figures_and_counts_its_illegal_moves(games, tokenizer):
+    m = _evaluator(games, tokenizer).run(ScriptedPlayer(tokenizer, fixed_writer(" Nf3 e4")))
+    assert m["engine_moves"] == 0 and m["engine_illegal"] == m["engine_positions"] > 0
+    assert m["engine_centipawn_loss"] is None and m["engine_accuracy"] is None
+    assert {x["failure"] for x in m["move_records"]} == {"unparseable"}
+    assert m["legal_move_rate"] == 0.0 and m["engine_error"] is None
+
+
+def _stockfish_children() -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat.split("(", 1)[1].split(") ", 1)
+        if name.startswith("stockfish") and int(rest.split()[1]) == os.getpid() and rest[0] != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def test_an_engine_killed_mid_run_is_an_error_beside_the_legal_move_figures(games, tokenizer):
+    """The judge's engine dies while the model is writing: the referee's figures stand, the
+    engine's are replaced by the error, and no engine process is left behind."""
+    killed: list[int] = []
+
+    def kill_then_move(prompt: str) -> tuple[str, bool]:
+        if not killed:
+            killed.extend(_stockfish_children())
+            for pid in killed:
+                os.kill(pid, 9)
+        return random_writer(prompt)
+
+    m = _evaluator(games, tokenizer).run(ScriptedPlayer(tokenizer, kill_then_move))
+    assert killed, "the judge's engine was running during generation"
+    assert m["engine_error"] and "stopped answering" in m["engine_error"]
+    assert m["legal_move_rate"] == 1.0 and m["continuations"] == 3 * GAMES
+    assert "engine_centipawn_loss" not in m and m["move_records"] == []
+    assert "FAILED" in format_table(m, step=None)
+    assert not _stockfish_children()
+
+
+# --- the ladder -------------------------------------------------------------------------
+
+
+def test_openings_are_legal_and_scores_have_intervals():
+    for _, moves in OPENINGS:
+        board = chess.Board()
+        for uci in moves:
+            board.push_uci(uci)
+    low, high = wilson_interval(0.0, 8)
+    assert low == 0.0 and 0.2 < high < 0.4
+    low, high = wilson_interval(0.5, 8)
+    assert low < 0.5 < high and math.isclose(low + high, 1.0)
+    assert elo_difference(0.5) == 0 and math.isinf(elo_difference(0.0))
+    assert elo_difference(0.75) == pytest.approx(190.8, abs=0.1)  # 400 log10(3)
+
+
+def test_ladder_games_alternate_colours_and_an_illegal_move_loses(games, tokenizer):
+    """Against the random mover and Stockfish at depth 1: a legal random player plays on (the
+    depth-1 rung beats it), a garbage player loses every game on its first move."""
+    ev = _evaluator(games, tokenizer, ladder=("random", "depth:1"), ladder_games=4)
+    garbage = ev.run(ScriptedPlayer(tokenizer, fixed_writer(" Nf3")))
+    records = garbage["game_records"]
+    assert [(g["rung"], g["model_color"]) for g in records] == [
+        (rung, color) for rung in ("random", "depth:1") for color in ("white", "black") * 2
+    ]
+    assert all(g["points"] == 0 and g["termination"] == "model unparseable" for g in records)
+    assert garbage["ladder_random_score"] == 0 and garbage["ladder_random_illegal_losses"] == 4
+    assert garbage["ladder_random_elo_diff"] is None  # -inf: not a number in JSON
+    assert len(garbage["pgns"]) == 8 and "an illegal move loses" in garbage["pgns"][0]
+    assert records[0]["opening"] == records[1]["opening"] != records[2]["opening"]
+
+    ev = _evaluator(games, tokenizer, ladder=("depth:1",), ladder_games=2)
+    legal = ev.run(ScriptedPlayer(tokenizer, random_writer))
+    assert legal["ladder_depth1_losses"] == 2 and legal["ladder_depth1_illegal_losses"] == 0
+    assert all(g["plies"] > 6 for g in legal["game_records"])
+    pgn = chess.pgn.read_game(__import__("io").StringIO(legal["pgns"][0]))
+    assert pgn is not None and pgn.headers["Opening"] == OPENINGS[0][0]
+
+
+# --- missing engine, the command and its preflight ----------------------------------------
+
+
+def test_missing_engine_auto_skips_on_refuses(config, tmp_path, monkeypatch, capsys):
+    missing = str(tmp_path / "no-stockfish")
+    settings, note = EngineSettings.from_config(
+        config.replace(chess_engine=None, chess_eval_engine="off")
+    )
+    assert settings is None and "off" in note
+    monkeypatch.setenv("FSDP_UTILS_STOCKFISH", missing)
+    with pytest.raises(EngineNotFound, match="conda-forge"):
+        EngineSettings.from_config(config.replace(chess_eval_engine="on"))
+    settings, note = EngineSettings.from_config(config)
+    assert settings is None and "legality only" in note
+
+    args = [str(config.model), "--dataset", config.dataset, "--dataset_include", "",
+            "--data_cache_dir", str(config.data_cache_dir), "--eval_examples", "20", "--games",
+            "2", "--engine", "on", "--preflight"]  # fmt: skip
+    assert chess_eval_main(args) == 2
+    err = capsys.readouterr().err
+    assert "FSDP_UTILS_STOCKFISH" in err and "apt-get install stockfish" in err
+    assert "Traceback" not in err
+    monkeypatch.delenv("FSDP_UTILS_STOCKFISH")
+    assert chess_eval_main(args) == 0
+    assert "preflight OK" in (out := capsys.readouterr().out) and "Stockfish" in out
+    # A rung the engine refuses fails in the preflight, not after the games began.
+    assert chess_eval_main([*args, "--ladder", "random,elo:100"]) == 2
+    assert "'elo:100' cannot be played" in capsys.readouterr().err
+
+
+def test_the_trainers_preflight_refuses_a_required_engine_that_is_missing(
+    tiny_assets, tmp_path, capsys
+):
+    from fsdp_utils.cli import main as finetune_main
+
+    args = ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+            "--dataset_include", "", "--output_dir", str(tmp_path / "run"), "--preflight",
+            "--chess_eval_every", "5", "--chess_eval_engine", "on",
+            "--chess_engine", str(tmp_path / "nowhere" / "stockfish")]  # fmt: skip
+    assert finetune_main(args) == 2
+    err = capsys.readouterr().err
+    assert "is not an executable file" in err and "conda install -c conda-forge stockfish" in err
+
+
+def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_path, capsys):
+    out = tmp_path / "records"
+    args = [str(tiny_assets["model"]), "--dataset", config.dataset, "--dataset_include", "",
+            "--data_cache_dir", str(config.data_cache_dir), "--eval_examples", "20",
+            "--games", "3", "--plies", "2", "--depth", "4", "--output_dir", str(out), "--json"]  # fmt: skip
+    assert chess_eval_main(args) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["engine"].startswith("Stockfish") and document["engine_depth"] == 4
+    summary = json.loads((out / "summary.json").read_text())
+    moves = [json.loads(line) for line in (out / "moves.jsonl").read_text().splitlines()]
+    assert summary["engine_positions"] == len({m["position"] for m in moves}) >= 9
+    assert summary["engine_moves"] + summary["engine_illegal"] == len(moves)
+    assert "move_records" not in document and document["written"]
+
+
+# --- engine games as data -----------------------------------------------------------------
+
+
+def test_self_play_is_the_same_on_one_and_two_processes_and_remakes_the_shipped_games(tmp_path):
+    import pyarrow.parquet as pq
+
+    from fsdp_utils.chess_eval.judge import engine_version
+    from fsdp_utils.chess_eval.selfplay import main as selfplay_main
+    from fsdp_utils.chess_eval.selfplay import self_play
+    from fsdp_utils.demo import ENGINE_GAMES, engine_games
+
+    assert selfplay_main(["--games", "4", "--output", str(tmp_path / "one")]) == 0
+    one = pq.read_table(tmp_path / "one" / "chess_game_0001.parquet").to_pylist()
+    assert one == self_play(4, seed=0, depth=1, processes=2)
+    for game in one:  # laion/strategic_game_chess's schema, and games that really ended so
+        board = chess.Board()
+        for uci in game["Moves"]:
+            board.push_uci(uci)
+        outcome = board.outcome(claim_draw=True)
+        assert outcome is not None and outcome.result() == game["Result"]
+        assert outcome.termination.name == game["Termination"]
+    made = json.loads((ENGINE_GAMES / "selfplay.json").read_text())
+    assert (
+        json.loads((tmp_path / "one" / "selfplay.json").read_text())["engine"] == engine_version()
+    )
+    if made["engine"] == engine_version():  # the engine that made the shipped file remakes it
+        assert engine_games()[:4] == one
+    assert len(engine_games()) == made["games"]

@@ -1,0 +1,52 @@
+"""`sbatch slurm/finetune.sh --method grpo` on the real one-node Slurm (the tiny chess model,
+CPU, 2 processes with gloo), nothing else started: the first leg reaches its time limit, saves
+(at a step's end, or inside a step: its rollout kept) and requeues; the second resumes and
+completes, every step trained once. A built-in reward (chess_legal): no file to ship."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import local_slurm as slurm_fixture
+from tests.grpo_helpers import write_prompts
+from tests.local_slurm import ONE_MINUTE_LEG, LocalSlurm, finetune_env
+from tests.train_helpers import read_metrics
+
+local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_sbatch_grpo_survives_a_requeue(
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+) -> None:
+    prompts = write_prompts(tiny_assets["data"], tmp_path / "prompts.jsonl")
+    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
+    env = finetune_env(tiny_assets["model"], prompts, 4)
+    # Leg 1: a 1-minute limit and a 45 s margin leave too little for the steps: save, requeue
+    steps = 300
+    job = local_slurm.sbatch(
+        *ONE_MINUTE_LEG, f"--output={log}", "slurm/finetune.sh",
+        "--method", "grpo", "--reward_funcs", "chess_legal", "--num_generations", "4",
+        "--max_completion_length", "4", "--max_seq_length", "64", "--eval_examples", "16",
+        "--eval_every", "0", "--precision", "fp32", "--output_dir", str(run_dir),
+        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "0.75",
+        "--save_every_minutes", "0", "--log_every", "10", "--log_completions_every", "0",
+        cwd=REPO, env=env,
+    )  # fmt: skip
+    local_slurm.wait_for_requeue(job, log, then_minutes=10)
+    info = local_slurm.wait(job, timeout=580)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    assert "requeueing to resume" in text
+    records = read_metrics(run_dir, None)
+    stops = [r for r in records if r.get("kind") == "stopping"]
+    assert stops, text  # at a step's end or inside one, before the first step on a slow day
+    done = [r["step"] for r in records if r.get("kind") == "train"]
+    assert max(done) == steps and len(set(done)) == len(done) and done == sorted(done)
+    assert "reward" in next(r for r in records if r.get("kind") == "train")
+    assert (run_dir / "final" / "config.json").is_file()
