@@ -267,7 +267,8 @@ def chunked_target_nll(
         compute = functools.partial(_chunk_nll_entropy_columns, head, transform)
         both = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
         entropy.append(both[:, 1].detach())
-        return both[:, 0]
+        # A copy, not a view: it becomes the forward's output, and FSDP2 warns of views there
+        return both[:, 0].contiguous()
     if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
         picked = hidden.flatten(0, 1).index_select(0, targets.rows)
         return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)
