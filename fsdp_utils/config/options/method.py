@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .section import Section
+from .section import Section, check_at_least
 
 SECTION = Section(
     "method",
@@ -360,16 +360,10 @@ def _check_distill(options: MethodOptions) -> None:
         raise ValueError(
             f"--distill_temperature must be above 0, got {options.distill_temperature}."
         )
-    if not 0.0 <= options.distill_alpha <= 1.0:
-        raise ValueError(f"--distill_alpha must be in [0, 1], got {options.distill_alpha}.")
-    if not 0.0 <= options.lmbda <= 1.0:
-        raise ValueError(f"--lmbda must be in [0, 1], got {options.lmbda}.")
-    if options.teacher_top_k < 1:
-        raise ValueError(f"--teacher_top_k must be at least 1, got {options.teacher_top_k}.")
-    if options.distill_max_new_tokens < 1:
-        raise ValueError(
-            f"--distill_max_new_tokens must be at least 1, got {options.distill_max_new_tokens}."
-        )
+    for name in ("distill_alpha", "lmbda"):
+        if not 0.0 <= getattr(options, name) <= 1.0:
+            raise ValueError(f"--{name} must be in [0, 1], got {getattr(options, name)}.")
+    check_at_least(options, ("teacher_top_k", "distill_max_new_tokens"))
     if options.lmbda > 0 and options.teacher is None:
         raise ValueError(
             f"--lmbda {options.lmbda}: the student's own samples are scored by the live "
