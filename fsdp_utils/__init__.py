@@ -6,7 +6,8 @@ checks it: see `.importlinter`):
     config/      what a run is: TrainConfig, the command line, batch arithmetic, run folder, job
     hub/         the offline asset cache: download (login node), resolve (compute nodes)
     data/        dataset files -> rows -> tokens (+ loss masks) -> packed blocks -> batches
-    model/       meta build, decoder layers, sliced weight loading, LoRA, QLoRA's 4-bit base
+    model/       meta build, decoder layers, sliced weight loading, LoRA, QLoRA's 4-bit base,
+                 a distillation teacher
     parallel/    process groups, sequence parallelism, activation checkpointing, torch.compile,
                  FSDP2/DDP
     metrics/     rank 0's log and its reader, FLOPs/MFU/memory, trackers, plots
@@ -16,7 +17,8 @@ checks it: see `.importlinter`):
     train/       the step machinery every method shares: TrainStep (micro-batches, the loss
                  normalised by the step's count, clipping, non-finite checks), the chunked loss,
                  optimizer, time limit
-    methods/     training methods over it: SFT and DPO behind one interface, `--method` registry
+    methods/     training methods over it: SFT, DPO and distillation behind one interface,
+                 `--method` registry
     trainer/     the Trainer: composes the stages and the run's method (train -> train_step)
     plan/        will it fit in GPU memory? (one step traced on fake tensors)
     run/         before a run: preflight, run-folder start, shared paths; opening the Trainer

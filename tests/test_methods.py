@@ -48,7 +48,7 @@ def test_each_method_adds_its_name_to_the_identity_but_sft():
 
 def test_an_unknown_method_is_one_paragraph_naming_the_known(capsys):
     with pytest.raises(
-        ValueError, match=r"--method dop: no such training method\. Known: dpo, grpo, sft"
+        ValueError, match=r"--method dop: no such training method\. Known: distill, dpo, grpo, sft"
     ):
         registry.method_class("dop")
     # chess_finetune.py's checks say it before anything starts: exit 2, no traceback

@@ -17,7 +17,8 @@ held-out pairs (the adapters off), the policy's, and those of the base model loa
 transformers in this process, without FSDP. With "stop_after_reference_batches": K, the stop
 file is written on rank 0 after its K-th batch of the DPO reference pass, as slurm/finetune.sh
 writes it when Slurm signals the time limit: the pass asks before every batch, so it stops
-after K batches on every rank, whatever the machine's load.
+after K batches on every rank, whatever the machine's load; "stop_after_teacher_cache_batches"
+does the same in a distillation teacher's cache pass.
 """
 
 from __future__ import annotations
@@ -120,30 +121,46 @@ def _dpo_lora(trainer: Any, out: Path) -> None:
         torch.save({"reference": reference, "policy": policy, "base": eager}, out)
 
 
-@contextlib.contextmanager
-def _stop_in_reference_pass(batches: int | None, config: Any, rank: int) -> Iterator[None]:
-    from fsdp_utils.config.layout import RunLayout
-    from fsdp_utils.methods.dpo import reference
+# Work before the first step that asks the stop controller between its batches: the function
+# each batch calls, by the runs.json key that counts them (tests/test_preference.py,
+# tests/test_distill.py).
+_STOP_HOOKS = {
+    "stop_after_reference_batches": ("fsdp_utils.methods.dpo.reference", "ForwardSettings", "logps"),
+    "stop_after_teacher_cache_batches": (
+        "fsdp_utils.methods.distill.teacher", "LiveTeacher", "cache_entries"
+    ),
+}  # fmt: skip
 
-    if batches is None:
+
+@contextlib.contextmanager
+def _stop_in_pass(run: dict[str, Any], config: Any, rank: int) -> Iterator[None]:
+    import importlib
+
+    from fsdp_utils.config.layout import RunLayout
+
+    hooks = [(key, run[key]) for key in _STOP_HOOKS if run.get(key) is not None]
+    if not hooks:
         yield
         return
-    original = reference.ForwardSettings.logps
+    (key, batches), *_ = hooks
+    module_name, class_name, attribute = _STOP_HOOKS[key]
+    owner = getattr(importlib.import_module(module_name), class_name)
+    original = getattr(owner, attribute)
     done = 0
 
-    def counted(self: Any, model: Any, batch: Any) -> Any:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal done
-        result = original(self, model, batch)
+        result = original(self, *args, **kwargs)
         done += 1
         if done == batches and rank == 0:
             RunLayout.of(config.output_dir).stop_file(config.stop_file).touch()
         return result
 
-    reference.ForwardSettings.logps = counted  # type: ignore[method-assign]
+    setattr(owner, attribute, counted)
     try:
         yield
     finally:
-        reference.ForwardSettings.logps = original  # type: ignore[method-assign]
+        setattr(owner, attribute, original)
 
 
 def main() -> int:
@@ -159,7 +176,7 @@ def main() -> int:
             config, _ = parse_config(run["args"], build_parser())
             env = env or dist_utils.init_distributed(config.device)
             trainer = open_trainer(config, env)
-            with _stop_in_reference_pass(run.get("stop_after_reference_batches"), config, env.rank):
+            with _stop_in_pass(run, config, env.rank):
                 trainer.setup()
             if run.get("measure"):
                 _measure(trainer, Path(run["measure"]))

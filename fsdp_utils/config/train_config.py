@@ -126,6 +126,13 @@ def validate_config(config: TrainConfig) -> None:
             "--lora the reference is already the same model with its adapters off (no second "
             "model in memory). Drop --reference live."
         )
+    if config.method == "distill" and config.teacher_quantize != "none" and config.no_fsdp:
+        raise ValueError(
+            f"--teacher_quantize {config.teacher_quantize} with --no_fsdp: the 4-bit teacher is "
+            "sharded and gathered by FSDP2 (torchao's NF4Tensor implements its hooks), which DDP "
+            "does not have. Drop --no_fsdp (FSDP2 on one GPU works too), or drop "
+            "--teacher_quantize."
+        )
     if config.method == "grpo":
         _check_grpo(config)
     if config.method == "dpo" and config.train_on_prompt:

@@ -90,6 +90,25 @@ def resolve_model_dir(
     return snapshot
 
 
+def config_folder(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """The folder with a model's config.json, which is all the memory planner reads: the
+    offline cache normally holds the whole model (download_models.py); failing that, a
+    config.json that huggingface_hub cached on its own is enough to plan before downloading."""
+    try:
+        return resolve_model_dir(model, revision, cache_dir)
+    except MissingAssetError:
+        from huggingface_hub import try_to_load_from_cache
+
+        if looks_local(model):
+            raise
+        cached = try_to_load_from_cache(
+            model, "config.json", cache_dir=hub_cache_dir(cache_dir), revision=revision
+        )
+        if isinstance(cached, str):
+            return Path(cached).parent
+        raise
+
+
 def resolve_adapter_dir(adapter: str, cache_dir: str | None = None) -> Path:
     """Folder of a PEFT adapter (`--lora_from`): a local folder as is, or a hub id from the
     offline cache (`download_models.py --model ID` fetches an adapter repo like a model's:

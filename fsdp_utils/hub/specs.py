@@ -161,6 +161,8 @@ def specs_from_train_config(config: TrainConfig) -> list[AssetSpec]:
         specs.append(AssetSpec(config.model, "model", revision=config.revision))
     if config.lora_from and not looks_local(config.lora_from):  # an adapter repo: as a model's
         specs.append(AssetSpec(config.lora_from, "model"))
+    if config.teacher and not looks_local(config.teacher):  # --method distill's teacher
+        specs.append(AssetSpec(config.teacher, "model", revision=config.teacher_revision))
     # A --dataset_module reads its own files; --dataset is not used then.
     names = [d.strip() for d in config.dataset.split(",") if d.strip()]
     for name in names if config.dataset_module is None else []:

@@ -6,6 +6,8 @@
     registry.py   `--method NAME` -> its Method (`METHODS`, `register_method`)
     sft.py        supervised fine-tuning: the token loss (the default)
     dpo/          Direct Preference Optimization: pairs, a reference, DPO's loss
+    distill/      distillation from a bigger model: a sharded teacher, live or cached, and
+                  TRL's GKD losses in chunks
     grpo/         Group Relative Policy Optimization: prompts, rollouts, rewards, GRPO's loss
 
 The trainer (`fsdp_utils.trainer`) composes a method and never asks which one it is; the

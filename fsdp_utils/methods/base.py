@@ -16,14 +16,18 @@ The hooks, in the order the trainer calls them:
     describe()                   its line in the log
     needs_starting_weights()     load the starting weights even when resuming (DPO's cache)
     before_first_step(...)       work before the first step (DPO's reference pass); may stop
+    trains()                     False: that work was the whole job (a distillation teacher's
+                                 cache, --teacher_cache_only): no step, no final model
     build_step(model, parts)     its TrainStep: the loss and metrics of a micro-batch
     evaluate(model, examples)    the held-out loss and metrics
     before_export()              drop what it holds before the final model is written
     close()                      end what it started (every exit path)
 
-and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy` and
-`planned_step`. Methods whose examples are preference pairs are named in
-`fsdp_utils.config.options.method.PAIRED_METHODS`, which the stages below read.
+and, for the memory planner (`fsdp_utils.plan`, on fake tensors): `needs_frozen_copy`,
+`planned_step`, `frozen_models` (what it holds beside the trained model) and `memory_fixes`
+(changes of its own to try when a run does not fit). Methods whose examples are preference
+pairs are named in `fsdp_utils.config.options.method.PAIRED_METHODS`, which the stages below
+read.
 """
 
 from __future__ import annotations
@@ -121,8 +125,9 @@ class Method:
     def preflight(cls, config: TrainConfig) -> None:
         """Checks of what the method needs besides the model and data, run once per process
         before any work and by `--preflight` on the login node (GRPO: its reward functions
-        import, and a chess engine is there for the rewards that call one). ValueError: a user
-        mistake (exit 2)."""
+        import, and a chess engine is there for the rewards that call one; distillation: the
+        teacher in the offline cache, of the student's vocabulary). ValueError: a user mistake
+        (exit 2)."""
 
     # --- the run's identity and log ------------------------------------------------------
 
@@ -155,6 +160,12 @@ class Method:
         first, what it finished kept (the next leg carries on from there)."""
         return None
 
+    def trains(self) -> bool:
+        """False when the work before the first step is the whole job (a distillation
+        teacher's cache written in a job of its own): the trainer then builds no step, trains
+        nothing and writes no final model, and the run ends "completed"."""
+        return True
+
     # --- the step and the evaluation ------------------------------------------------------
 
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
@@ -166,6 +177,18 @@ class Method:
         """The step the planner traces on fake tensors: `build_step` unless the method has
         state it cannot trace (DPO's cache of reference log-probabilities)."""
         return self.build_step(model, parts)
+
+    def frozen_models(self) -> list[nn.Module]:
+        """Models it holds beside the trained one, built by itself (a distillation teacher):
+        the planner counts their shards as resident, since its tracker sees the trained
+        model's only."""
+        return []
+
+    @classmethod
+    def memory_fixes(cls, config: TrainConfig) -> list[tuple[str, str, TrainConfig]]:
+        """Changes of its own the planner tries, each planned, when a run does not fit:
+        (the flags, what they cost, the changed config). None by default."""
+        return []
 
     def evaluate(
         self, model: nn.Module, examples: Examples, *, batch_size: int, max_batches: int

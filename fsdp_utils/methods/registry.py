@@ -10,6 +10,7 @@ from __future__ import annotations
 from fsdp_utils.config.train_config import TrainConfig
 
 from .base import Method, MethodContext
+from .distill.method import Distill
 from .dpo.method import DPO
 from .grpo.method import GRPO
 from .sft import SFT
@@ -17,6 +18,7 @@ from .sft import SFT
 METHODS: dict[str, type[Method]] = {
     SFT.name: SFT,
     DPO.name: DPO,
+    Distill.name: Distill,
     GRPO.name: GRPO,
 }
 
@@ -38,8 +40,9 @@ def method_class(name: str) -> type[Method]:
         known = ", ".join(sorted(METHODS))
         raise ValueError(
             f"--method {name}: no such training method. Known: {known} (docs/preference.md "
-            "for dpo, docs/grpo.md for grpo; a method of your own is registered with "
-            "fsdp_utils.methods.registry.register_method before the run starts)."
+            "for dpo, docs/distillation.md for distill, docs/grpo.md for grpo; a method of your "
+            "own is registered with fsdp_utils.methods.registry.register_method before the run "
+            "starts)."
         )
     return METHODS[name]
 

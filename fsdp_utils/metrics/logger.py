@@ -42,7 +42,8 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
     # Mixture-of-experts runs with a router loss: logged beside the language-model loss.
     aux = f" | aux {m['aux_loss']:.4f}" if m.get("aux_loss") is not None else ""
     return (
-        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f}{aux}{_preference(m)} | "
+        f"step {m['step']:>5}/{max_steps} | loss {m['loss']:.4f}{aux}{_preference(m)}"
+        f"{_distillation(m)} | "
         f"lr {m['lr']:.2e} | "
         f"grad norm {_fmt(m.get('grad_norm'), '.3f')} | "
         f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/device) | "
@@ -62,15 +63,31 @@ def _preference(m: dict[str, Any], prefix: str = "") -> str:
     return f" | reward acc {100 * accuracy:.1f}% margin {m[f'{prefix}rewards/margins']:.4f}"
 
 
+def _distillation(m: dict[str, Any], prefix: str = "") -> str:
+    """Distillation's terms (--method distill), beside the loss: KL(teacher || student), the
+    labels' cross-entropy and how often the two models' most likely tokens agree."""
+    kl = m.get(f"{prefix}distill/teacher_kl")
+    if kl is None:
+        return ""
+    sampled = " (student's samples)" if m.get(f"{prefix}distill/on_policy") else ""
+    return (
+        f" | kl {kl:.4f} ce {m[f'{prefix}distill/ce']:.4f} "
+        f"top-1 agree {100 * m[f'{prefix}distill/top1_agreement']:.1f}%{sampled}"
+    )
+
+
 def format_eval(m: dict[str, Any]) -> str:
-    """An evaluation's line: the token loss's perplexity, DPO's reward accuracy, or GRPO's
-    rewards of the held-out prompts' completions (GRPO has no held-out loss)."""
+    """An evaluation's line: the token loss's perplexity, DPO's reward accuracy, GRPO's
+    rewards of the held-out prompts' completions (GRPO has no held-out loss), or
+    distillation's terms."""
     if "eval_reward" in m:
         return (
             f"reward {m['eval_reward']:.4f} (sampled) | {m['eval_greedy_reward']:.4f} (greedy) | "
             f"{m['eval_prompts']:,} prompts"
         )
-    if "eval_perplexity" in m:
+    if "eval_distill/teacher_kl" in m:
+        detail = _distillation(m, "eval_").removeprefix(" | ") + f" | {m['eval_tokens']:,} tokens"
+    elif "eval_perplexity" in m:
         detail = f"perplexity {m['eval_perplexity']:.2f} | {m['eval_tokens']:,} tokens"
     else:
         detail = _preference(m, "eval_").removeprefix(" | ") + f" | {m['eval_pairs']:,} pairs"

@@ -5,7 +5,8 @@ in a CSV beside it (`runs.csv`: panel, run, series, step, value).
 Panels: train loss, raw and smoothed, with the eval loss; learning rate; tokens/s; memory;
 gradient norm; a DPO run's rewards of the chosen and rejected answers with their margin, its
 reward accuracy and its log-probabilities, train and eval split (fields `rewards/...`,
-`logps/...`, `eval_rewards/...`); and the chess evaluation's skill measures (records of kind
+`logps/...`, `eval_rewards/...`); a distillation run's terms and top-1 agreement (`distill/...`);
+and the chess evaluation's skill measures (records of kind
 `chess_eval`: legal-move rate overall and per game phase, next-move accuracy, plies to the first illegal
 move, full-length continuations; with the engine judge, centipawn loss, Lichess accuracy, best-move
 and blunder rates) when the run has them. Several runs overlay, one colour each, with their names in
@@ -174,6 +175,12 @@ DPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("logps/chosen", "logps/rejected")),
 )  # fmt: skip
 DPO_STYLES = ("-", "--", ":")
+# Distillation's terms (fsdp_utils.methods.distill.step), drawn as DPO's are.
+DISTILL_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("distillation: the loss's terms", "mean over target tokens",
+     ("distill/teacher_kl", "distill/divergence", "distill/ce")),
+    ("distillation: top-1 agreement", "share of target tokens", ("distill/top1_agreement",)),
+)  # fmt: skip
 # GRPO's (fsdp_utils.methods.grpo, TRL's names), drawn the same way: the held-out prompts'
 # rewards (`eval_reward`: sampled, `eval_greedy_reward`) as dots on the train reward's panel.
 GRPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -239,23 +246,29 @@ def plot_runs(
     cuda = any(r.get("cuda_peak_allocated_gib") is not None for run in runs for r in run.train)
     memory = CUDA_MEMORY if cuda else HOST_MEMORY
     chess_panels = _logged_panels(CHESS_PANELS, (r for run in runs for r in run.chess))
-    dpo_panels = _logged_panels(DPO_PANELS, (r for run in runs for r in run.train))
-    grpo_records = (r for run in runs for r in [*run.train, *run.evals])
-    dpo_panels += _logged_panels(GRPO_PANELS, grpo_records)
-    dpo_only = bool(dpo_panels) and all(
-        any("rewards/accuracies" in r for r in run.train) for run in runs
+    method_panels = _logged_panels(
+        DPO_PANELS + DISTILL_PANELS, (r for run in runs for r in run.train)
     )
-    grpo_only = all(any("reward" in r for r in run.train) for run in runs)
+    grpo_records = (r for run in runs for r in [*run.train, *run.evals])
+    method_panels += _logged_panels(GRPO_PANELS, grpo_records)
+
+    def only(field: str) -> bool:
+        return bool(method_panels) and all(any(field in r for r in run.train) for run in runs)
+
     loss_label = "cross-entropy (nats/token)"
-    if dpo_only or grpo_only:
-        loss_label = "DPO loss, mean over pairs" if dpo_only else "GRPO loss (--loss_type's mean)"
+    if only("rewards/accuracies"):
+        loss_label = "DPO loss, mean over pairs"
+    elif only("reward"):
+        loss_label = "GRPO loss (--loss_type's mean)"
+    elif only("distill/teacher_kl"):
+        loss_label = "alpha x divergence + (1 - alpha) x CE, per token"
     panels: list[tuple[str, str]] = [  # (title, y label)
         ("loss", loss_label),
         ("learning rate", "learning rate"),
         ("throughput", "tokens/s (all processes)"),
         ("memory", "GiB"),
         ("gradient norm", "global L2 norm (before clipping)"),
-        *[(title_, ylabel) for title_, ylabel, _ in dpo_panels],
+        *[(title_, ylabel) for title_, ylabel, _ in method_panels],
         *[(title_, ylabel) for title_, ylabel, _ in chess_panels],
     ]
     columns = 2
@@ -299,7 +312,7 @@ def plot_runs(
             draw("memory", run.name, series, *_series(run.train, key), color=color, lw=1.5, ls=ls)
         draw("gradient norm", run.name, "grad norm", *_series(run.train, "grad_norm"),
              color=color, lw=1.2)  # fmt: skip
-        for title_, _, fields in dpo_panels:
+        for title_, _, fields in method_panels:
             for name, ls in zip(fields, DPO_STYLES, strict=False):
                 draw(title_, run.name, name, *_series(run.train, name), color=color, lw=1.5,
                      ls=ls)  # fmt: skip
@@ -339,7 +352,7 @@ def plot_runs(
                          for name, ls in zip(fields, CHESS_STYLES, strict=False)],
                 fontsize="small",
             )  # fmt: skip
-    for title_, _, fields in dpo_panels:
+    for title_, _, fields in method_panels:
         # Line styles say which series, dots the eval split's; colours say which run.
         labels = [name.split("/")[-1] for name in fields] if len(fields) > 1 else ["train"]
         if len(set(labels)) < len(labels):  # rollout/seconds, update/seconds: say which

@@ -26,15 +26,21 @@ def build_model(
     key_map: dict[str, WeightSource],
     *,
     load_weights: bool,
+    frozen: bool = False,
 ) -> nn.Module:
     """The model on `env`'s device, sharded, in training mode. `key_map`: model key ->
     checkpoint key, taken on the meta model before its transforms (`checkpoint_key_map`).
     `load_weights`: False when a checkpoint will fill the weights (a resumed run); a LoRA or
     --freeze_layers run loads its frozen part anyway, since its checkpoints hold only what
-    trains (`load_initial_weights`)."""
+    trains (`load_initial_weights`). `frozen`: a model that only runs forward (a distillation
+    teacher, `fsdp_utils.model.teacher`): no gradients, eval mode (no dropout), and no DDP
+    wrapper with --no_fsdp (nothing of it is reduced)."""
     model = parallelize_model(meta, config, env)
     materialize(model, env.device, offload=config.cpu_offload)
     load_initial_weights(model, model_dir, key_map, config, resuming=not load_weights)
+    if frozen:
+        model.requires_grad_(False)
+        return model.eval()
     if config.no_fsdp:
         model = wrap_ddp(model, env.device)
     model.train()

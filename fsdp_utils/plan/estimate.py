@@ -41,12 +41,12 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.data.sequence_slices import slice_batch
-from fsdp_utils.hub.resolve import MissingAssetError, load_model_config, resolve_model_dir
-from fsdp_utils.methods.base import MethodContext, StepParts
+from fsdp_utils.hub.resolve import config_folder, load_model_config
+from fsdp_utils.methods.base import Method, MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method, method_class
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
-from fsdp_utils.model.qlora import unsharded_bytes
+from fsdp_utils.model.qlora import is_nf4, local_bytes, unsharded_bytes
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
@@ -197,9 +197,11 @@ class _Completions:
 
 
 def _local_bytes(model: Any) -> int:
-    """This device's bytes of a model's (sharded) parameters."""
-    total = 0
+    """This device's bytes of a model's (sharded) parameters, 4-bit weights as stored."""
+    total = local_bytes(model)[0]
     for param in model.parameters():
+        if is_nf4(param):
+            continue
         local = param.to_local() if hasattr(param, "to_local") else param
         total += local.numel() * local.element_size()
     return total
@@ -216,14 +218,14 @@ def traced_step(
     batch: BatchPlan,
     reference_model: Any = None,
     sequence_parallel: SequenceParallel | None = None,
-) -> TrainStep:
+) -> tuple[TrainStep, Method]:
     """The trainer's step on a (fake) model: the run's method (`Method.planned_step`) with the
-    same optimizer, schedule, loss scaling, router loss, micro-batch loop and gradient sync. No
-    gradient scaler for fp16-mixed: it holds two scalars and unscales in place (no memory to
-    plan), and its inf check would read a fake value and could skip the step.
-    `reference_model`: the frozen copy a method keeps (`Method.needs_frozen_copy`: DPO's
-    --reference live), built and materialised by the caller. `sequence_parallel`: rank 0's
-    place in the data x sequence mesh (--sequence_parallel)."""
+    same optimizer, schedule, loss scaling, router loss, micro-batch loop and gradient sync; and
+    the method (its `frozen_models` are planned too). No gradient scaler for fp16-mixed: it
+    holds two scalars and unscales in place (no memory to plan), and its inf check would read a
+    fake value and could skip the step. `reference_model`: the frozen copy a method keeps
+    (`Method.needs_frozen_copy`: DPO's --reference live), built and materialised by the caller.
+    `sequence_parallel`: rank 0's place in the data x sequence mesh (--sequence_parallel)."""
     context = MethodContext(
         env, batch, model.config, Path(), log=lambda line: None,
         sequence_parallel=sequence_parallel,
@@ -231,7 +233,7 @@ def traced_step(
     method = build_method(config, context)
     copy = (lambda: reference_model) if reference_model is not None else _no_frozen_copy
     parts = StepParts(autocast_context(config, env.device), copy, grad_scaler=False)
-    return method.planned_step(model, parts)
+    return method.planned_step(model, parts), method
 
 
 @contextlib.contextmanager
@@ -259,30 +261,8 @@ def fake_world(cluster: Cluster) -> Iterator[DistEnv]:
 
 
 def model_config_dir(config: TrainConfig) -> Path:
-    """The folder with the model's config.json: all the planner reads.
-
-    The offline cache normally holds the whole model (download_models.py); failing that, a
-    config.json that huggingface_hub cached on its own is enough to plan before downloading.
-    """
-    try:
-        return resolve_model_dir(config.model, config.revision, config.cache_dir)
-    except MissingAssetError:
-        from huggingface_hub import try_to_load_from_cache
-
-        from fsdp_utils.hub.cache import hub_cache_dir
-        from fsdp_utils.hub.specs import looks_local
-
-        if looks_local(config.model):
-            raise
-        cached = try_to_load_from_cache(
-            config.model,
-            "config.json",
-            cache_dir=hub_cache_dir(config.cache_dir),
-            revision=config.revision,
-        )
-        if isinstance(cached, str):
-            return Path(cached).parent
-        raise
+    """The folder with the model's config.json: all the planner reads (`config_folder`)."""
+    return config_folder(config.model, config.revision, config.cache_dir)
 
 
 def check_plannable(config: TrainConfig) -> None:
@@ -439,15 +419,22 @@ def _trace(
             if reference_model is not None:
                 materialize(reference_model, env.device)
                 reference_model.requires_grad_(False)
-            step = traced_step(model, config, env, batch, reference_model, sp)
+            step, method = traced_step(model, config, env, batch, reference_model, sp)
             # Warm-up: creates the optimizer state, untracked.
             step(placeholder_micro_batches(batch, 1, config.seed, sp), step=1)
             count = traced_micro_batches(batch, config.defer_grad_sync)
             memory = track_train_step(
                 step, lambda: placeholder_micro_batches(batch, count, config.seed, sp), step=2
             )
-            if reference_model is not None:
-                memory = with_resident(memory, PARAMETERS[0], _local_bytes(reference_model))
+            # The frozen models beside the trained one, which the tracker does not see: DPO's
+            # --reference live copy, a distillation teacher (NF4 or not)
+            frozen = [reference_model] if reference_model is not None else []
+            frozen_bytes = sum(_local_bytes(m) for m in [*frozen, *method.frozen_models()])
+            if frozen_bytes:
+                memory = with_resident(memory, PARAMETERS[0], frozen_bytes)
+                memory = dataclasses.replace(
+                    memory, extra={**memory.extra, "frozen_bytes": frozen_bytes}
+                )
             if unmanaged := unsharded_bytes(model):  # a 4-bit base FSDP2 leaves whole
                 memory = with_resident(memory, PARAMETERS[0], unmanaged)
             return memory

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from fsdp_utils.config.batch import divisors
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.methods.registry import method_class
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.hardware import Gpu
 from fsdp_utils.plan.report import Fix, Margin, MemoryPlan
@@ -55,6 +56,7 @@ def evaluate(
         gpu=gpu,
         trace_seconds=result.seconds,
         trace_method=result.method,
+        frozen_bytes=int(result.memory.extra.get("frozen_bytes", 0)),
         rollout=result.rollout,
     )
 
@@ -188,6 +190,8 @@ def _fixes(plan: MemoryPlan, progress: Progress, full_trace: bool) -> list[Fix]:
         fixes.append(Fix(flags, cost, result.required_bytes, bool(result.fits)))
         return bool(result.fits)
 
+    for flags, cost, trial in method_class(config.method).memory_fixes(config):
+        attempt(flags, cost, trial)  # the method's own (a distillation teacher in 4 bits, ...)
     smaller = _max_batch_plan(
         config,
         cluster,

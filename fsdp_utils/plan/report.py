@@ -85,6 +85,9 @@ class MemoryPlan:
     trace_seconds: float
     trace_method: str = ""  # extrapolated from which depths, or every layer traced and why
     fixes: tuple[Fix, ...] = ()
+    # Of the parameters: those of frozen models held beside the trained one (a distillation
+    # teacher, DPO's --reference live copy), no gradients and no optimizer state
+    frozen_bytes: int = 0
     # A method that samples its own completions (GRPO): its rollout phase, beside the update
     # (the breakdown above); the run's peak is the higher of the two.
     rollout: RolloutPlan | None = None
@@ -234,6 +237,7 @@ class MemoryPlan:
             "fixes": [dataclasses.asdict(fix) for fix in self.fixes],
             "trace_seconds": self.trace_seconds,
             "trace_method": self.trace_method,
+            "frozen_bytes": self.frozen_bytes,
             **self._rollout_dict(),
             "config": self.config.to_dict(),
         }
@@ -314,6 +318,8 @@ def format_plan(plan: MemoryPlan) -> str:
     shards = plan.shard_degree
     share = f"1/{shards} of " if shards > 1 else ""
     held = "in host RAM (CPU offload)" if plan.config.cpu_offload else f"{dtype}, {share}the model"
+    if plan.frozen_bytes:
+        held += f" + {plan.frozen_bytes / GIB:.2f} GiB of a frozen model (teacher, reference)"
     lines = [
         f"Memory plan: {plan.config.model} ({m.model_type}, {_count(m.parameters)} parameters, "
         f"{m.decoder_layers} x {m.decoder_layer_class})",

@@ -28,6 +28,7 @@ it runs as in the model's own forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -226,6 +227,13 @@ def _chunk_nll_entropy(
     return nll, -(detached.exp() * detached).sum(-1)
 
 
+def _chunk_nll_entropy_columns(
+    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """[chunk, 2]: `_chunk_nll_entropy`'s two, side by side (`chunked_over_targets`' shape)."""
+    return torch.stack(_chunk_nll_entropy(head, transform, hidden, tokens), dim=1)
+
+
 def entropy_from_logits(logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
     """[batch, predicting positions] entropy of each position's next-token distribution (no
     gradient), 0 where the label is ignored: the unchunked counterpart of the chunks'."""
@@ -248,72 +256,66 @@ def chunked_target_nll(
     recomputing any chunk where `fused_applies`; `entropy`: a list that gets the [targets]
     entropies of the same distributions, detached), from the last hidden states
     [batch, seq, hidden] (those the output layer would get) through `head` and `transform`,
-    `chunk_size` target tokens at a time, each chunk's logits but the last recomputed in
-    backward.
+    `chunk_size` target tokens at a time (`chunked_over_targets`).
 
     Only positions with a target go through the output layer (answers-only masks and padding
     cost nothing). A batch without targets still runs one position through the output layer
     (its loss dropped), so that the layer takes part in every backward, as with the unchunked
     loss (DDP expects it)."""
-    flat = hidden.flatten(0, 1)
-    rows, tokens = targets.rows, targets.tokens
-    if rows.numel() == 0:
-        nll = _chunk_nll(head, transform, flat[:1], tokens.new_zeros(1))[:0]
-        if entropy is not None:
-            entropy.append(nll.detach())
-        return nll.sum() if summed else nll
-    picked = flat.index_select(0, rows)
     if entropy is not None:
         assert not summed, "entropies are per target"
-        return _nll_and_entropy(head, transform, picked, tokens, chunk_size, entropy)
-    if summed and fused_applies(head, transform, hidden):
-        return _LinearNLLSum.apply(picked, head.weight, tokens, chunk_size)
-    starts = range(0, rows.numel(), chunk_size)
-    pieces = [
-        # The last chunk keeps its logits for backward, which begins right after it: the peak
-        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
-        (_chunk_nll if start == starts[-1] else _checkpointed)(
-            head, transform, picked[start : start + chunk_size], tokens[start : start + chunk_size]
-        )
-        for start in starts
-    ]
-    nll = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        compute = functools.partial(_chunk_nll_entropy_columns, head, transform)
+        both = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
+        entropy.append(both[:, 1].detach())
+        # A copy, not a view: it becomes the forward's output, and FSDP2 warns of views there
+        return both[:, 0].contiguous()
+    if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
+        picked = hidden.flatten(0, 1).index_select(0, targets.rows)
+        return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)
+    compute = functools.partial(_chunk_nll, head, transform)
+    nll = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
     return nll.sum() if summed else nll
 
 
-def _checkpointed(
-    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
-) -> torch.Tensor:
-    return checkpoint(_chunk_nll, head, transform, hidden, tokens, use_reentrant=False)
+ChunkCompute = Callable[..., torch.Tensor]
 
 
-def _nll_and_entropy(
-    head: nn.Module,
-    transform: LogitTransform | None,
-    picked: torch.Tensor,
-    tokens: torch.Tensor,
+def chunked_over_targets(
+    compute: ChunkCompute,
+    hidden: torch.Tensor,
+    targets: Targets,
+    *,
     chunk_size: int,
-    entropy: list[torch.Tensor],
+    per_target: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
-    """`chunked_target_nll`'s chunks with the entropies beside (each chunk but the last under
-    checkpoint, as there)."""
-    starts = range(0, tokens.numel(), chunk_size)
-    nlls, entropies = [], []
-    for start in starts:
-        args = (
-            head,
-            transform,
+    """`compute(hidden chunk [c, hidden], target tokens [c], *per_target chunks)` -> [c, ...]
+    for every target token ([targets, ...]), from the last hidden states [batch, seq, hidden],
+    `chunk_size` target tokens at a time, each chunk but the last under `torch.utils.checkpoint`
+    (its logits freed after the forward and recomputed in backward). `per_target`: tensors with
+    a row per target token that `compute` reads beside them (a teacher's hidden states or
+    cached log-probabilities: fsdp_utils/methods/distill/).
+
+    Only positions with a target are computed (answers-only masks and padding cost nothing); a
+    batch without targets computes one position, dropped."""
+    flat = hidden.flatten(0, 1)
+    rows, tokens = targets.rows, targets.tokens
+    if rows.numel() == 0:
+        pads = (x.new_zeros((1, *x.shape[1:])) for x in per_target)
+        return compute(flat[:1], tokens.new_zeros(1), *pads)[:0]
+    picked = flat.index_select(0, rows)
+    starts = range(0, rows.numel(), chunk_size)
+    checkpointed = functools.partial(checkpoint, compute, use_reentrant=False)
+    pieces = [
+        # The last chunk keeps its logits for backward, which begins right after it: the peak
+        # is the same as recomputing them, and a batch of one chunk recomputes nothing.
+        (compute if start == starts[-1] else checkpointed)(
             picked[start : start + chunk_size],
             tokens[start : start + chunk_size],
+            *(x[start : start + chunk_size] for x in per_target),
         )
-        if start == starts[-1]:
-            nll, ent = _chunk_nll_entropy(*args)
-        else:
-            nll, ent = checkpoint(_chunk_nll_entropy, *args, use_reentrant=False)
-        nlls.append(nll)
-        entropies.append(ent)
-    entropy.append(torch.cat(entropies))
-    return nlls[0] if len(nlls) == 1 else torch.cat(nlls)
+        for start in starts
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class _LinearNLLSum(torch.autograd.Function):

@@ -89,26 +89,28 @@ def model_forward(
         )
 
 
-def forward_target_nll(
+HiddenLoss = Callable[[nn.Module, torch.Tensor, Targets], torch.Tensor]
+
+
+def forward_target_chunks(
     model: nn.Module,
     batch: Batch,
     device: torch.device,
     autocast: Callable[[], Any],
-    chunking: LossChunking,
-    *,
-    summed: bool = False,
-    entropy: list[torch.Tensor] | None = None,
+    loss_of_hidden: HiddenLoss,
     **extra: Any,
 ) -> tuple[Any, torch.Tensor, Targets]:
-    """`model_forward` with the loss in chunks (train/loss.py): the model's outputs (logits of no
-    position), -log p of each target token, and where the targets are.
+    """`model_forward` whose output layer runs on the target positions only, through
+    `loss_of_hidden(output layer, last hidden states, targets)` (train/loss.py's chunks): the
+    model's outputs (logits of no position), what `loss_of_hidden` returned, and where the
+    targets are.
 
     Two hooks for the length of the forward: the output layer gets no positions (the hidden
-    states it would have got are kept), and the chunks run at the end of the outermost module's
-    forward, before FSDP's post-forward hook: FSDP still holds the root's parameters (the output
-    layer's among them) gathered, and the result joins the outputs (as `loss`: -log p of each
-    target), on which FSDP hangs its pre-backward hook that gathers them again for the chunks'
-    recompute. `entropy`: a list that gets the targets' entropies (`chunked_target_nll`)."""
+    states it would have got are kept), and `loss_of_hidden` runs at the end of the outermost
+    module's forward, before FSDP's post-forward hook: FSDP still holds the root's parameters
+    (the output layer's among them) gathered, and the result joins the outputs (as `loss`), on
+    which FSDP hangs its pre-backward hook that gathers them again for the chunks'
+    recompute."""
     targets = Targets.of(next_token_labels(batch), batch["input_ids"].shape[1]).to(device)
     head = output_layer(model)
     hidden: list[torch.Tensor] = []
@@ -121,15 +123,7 @@ def forward_target_nll(
         assert len(hidden) == 1, "the output layer ran more than once in a forward"
         stop.remove()  # the chunks call the output layer themselves
         # In the outputs' `loss` field (None without labels): FSDP hooks only dataclass fields
-        outputs["loss"] = chunked_target_nll(
-            head,
-            hidden[0],
-            targets,
-            chunk_size=chunking.chunk_size,
-            transform=chunking.transform,
-            summed=summed,
-            entropy=entropy,
-        )
+        outputs["loss"] = loss_of_hidden(head, hidden[0], targets)
         return outputs
 
     stop = head.register_forward_pre_hook(stop_before_head)
@@ -140,6 +134,30 @@ def forward_target_nll(
         stop.remove()
         run.remove()
     return outputs, outputs.loss, targets
+
+
+def forward_target_nll(
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    chunking: LossChunking,
+    *,
+    summed: bool = False,
+    entropy: list[torch.Tensor] | None = None,
+    **extra: Any,
+) -> tuple[Any, torch.Tensor, Targets]:
+    """`model_forward` with the loss in chunks (train/loss.py, `forward_target_chunks`): the
+    model's outputs, -log p of each target token (`summed`: their sum), where the targets are.
+    `entropy`: a list that gets the targets' entropies (`chunked_target_nll`)."""
+
+    def nll(head: nn.Module, hidden: torch.Tensor, targets: Targets) -> torch.Tensor:
+        return chunked_target_nll(
+            head, hidden, targets, chunk_size=chunking.chunk_size,
+            transform=chunking.transform, summed=summed, entropy=entropy,
+        )  # fmt: skip
+
+    return forward_target_chunks(model, batch, device, autocast, nll, **extra)
 
 
 def forward_loss_sum(
@@ -371,13 +389,18 @@ class TrainStep:
         objective = loss_sum
         if router is not None:  # weighted by this micro-batch's targets (train/router_loss.py)
             objective = loss_sum + router.objective_term(outputs, batch_targets(batch))
-        # FSDP and DDP average gradients over ranks; multiplying by the world size turns that
-        # average into the sum over all ranks' tokens, divided by the global token count.
+        self.backward(objective, global_targets)
+        return loss_sum.detach().to(torch.float64)
+
+    def backward(self, objective: torch.Tensor, global_targets: float) -> None:
+        """Backward of a micro-batch's summed objective, normalised by the step's count (of all
+        micro-batches and ranks) and scaled for fp16-mixed. FSDP and DDP average gradients over
+        ranks; multiplying by the world size turns that average into the sum over all ranks'
+        tokens, divided by the global token count."""
         loss = objective * (self.world_size / max(global_targets, 1.0))
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-        return loss_sum.detach().to(torch.float64)
 
     def clip_gradients(self) -> torch.Tensor | None:
         """Clip to --grad_clip and return the global gradient norm, on the device (no sync)."""

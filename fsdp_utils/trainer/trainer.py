@@ -99,6 +99,8 @@ class Trainer:
     peak_tflops: float | None
     eval_seconds: float | None = None  # the last evaluation's, for the time-limit estimate
     stopped_early: str | None = None  # why setup stopped before the first step (`setup`)
+    # Set when the method's work before the first step was the whole job (`Method.trains`)
+    work_only: str | None = None
     samples: SamplePrompts | None = None  # --sample_prompts
 
     def __init__(
@@ -187,8 +189,10 @@ class Trainer:
             self.log.info(line)
 
         watch = Stopwatch()
-        # Work before the first step may read the starting weights even when resuming.
+        # Work before the first step may read the starting weights even when resuming; a job
+        # that trains nothing needs none.
         load = resume_from is None or self.method.needs_starting_weights()
+        load = load and self.method.trains()
         self.model = self.models.build(meta, load_weights=load)
         self.fsdp_groups = self.models.fsdp_groups
         self.log.info(f"model: built, sharded and loaded in {watch.lap():.1f}s")
@@ -201,6 +205,9 @@ class Trainer:
         stopped = self.method.before_first_step(self.model, parts, self.stop.requested)
         if stopped is not None:
             raise StoppedBeforeFirstStep(stopped, f"--method {config.method}'s work")
+        if not self.method.trains():  # that work was the job: no step, no final model
+            self.work_only = f"--method {config.method}'s work before the first step was the job"
+            return
         self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
@@ -270,6 +277,9 @@ class Trainer:
         config = self.config
         if self.stopped_early is not None:  # setup saved what it did; the next leg goes on
             return _summary("interrupted", self.stopped_early, {}, None, time.perf_counter())
+        if self.work_only is not None:
+            self.log.info(f"training: none ({self.work_only})")
+            return _summary("completed", self.work_only, {}, None, time.perf_counter())
         self.log.event(
             "start",
             f"training: steps {self.state.step} -> {config.max_training_steps}, "
@@ -486,7 +496,7 @@ class Trainer:
 
     def save_final_model(self) -> Path | None:
         """Collective: the final model (`fsdp_utils.checkpoint.final_model`), timed, logged."""
-        if self.config.no_final_save:
+        if self.config.no_final_save or self.work_only is not None:
             return None
         self.train_step.check_weights_finite("writing the final model", self.state.step)
         self.method.before_export()

@@ -1,6 +1,7 @@
 """The training method (`--method`, fsdp_utils/methods/) and the options of one method
-(`only_for` in their metadata: DPO's, GRPO's). GRPO's carry the names and defaults of TRL's
-GRPOConfig (trl 1.16.0, trl/trainer/grpo_config.py), so that settings carry over."""
+(`only_for` in their metadata: DPO's, GRPO's, distillation's). GRPO's carry the names and
+defaults of TRL's GRPOConfig (trl 1.16.0, trl/trainer/grpo_config.py), so that settings carry
+over."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .section import Section
+from .section import Section, check_at_least
 
 SECTION = Section(
     "method",
-    "training method (fsdp_utils/methods/; DPO: docs/preference.md; GRPO: docs/grpo.md)",
+    "training method (fsdp_utils/methods/; DPO: docs/preference.md; GRPO: docs/grpo.md; "
+    "distillation: docs/distillation.md)",
 )
 _opt = SECTION.option
 
@@ -21,12 +23,19 @@ def _dpo(help: str) -> dict[str, Any]:
     return SECTION.option(help, only_for="dpo")
 
 
+def _distill(help: str) -> dict[str, Any]:
+    return SECTION.option(help, only_for="distill")
+
+
 def _grpo(help: str) -> dict[str, Any]:
     return SECTION.option(help, only_for="grpo")
 
 
 DpoLoss = Literal["sigmoid", "ipo"]
 ReferenceMode = Literal["cached", "live"]
+# TRL's GKDTrainer: beta 0 is the forward KL, 1 the reverse KL, between them the generalized JSD
+DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
+TeacherQuantize = Literal["none", "nf4"]
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSampling = Literal["token", "sequence"]
@@ -57,7 +66,9 @@ class MethodOptions:
             "and optionally prompt; docs/preference.md). With dpo the batch sizes count pairs; "
             "grpo: reinforcement learning from rewards on the model's own completions of "
             "prompts (column prompt; --reward_funcs; docs/grpo.md). With grpo the batch sizes "
-            "count prompts (--num_generations completions each)."
+            "count prompts (--num_generations completions each); "
+            "distill: distillation from a bigger model of the same vocabulary (--teacher, "
+            "docs/distillation.md)."
         ),
     )
     # The options of one method (`only_for` in their metadata): setting one with another
@@ -91,6 +102,94 @@ class MethodOptions:
         ),
     )
 
+    teacher: str | None = field(
+        default=None,
+        metadata=_distill(
+            "The teacher: a hub id (from the offline cache: download_models.py fetches it with "
+            "the run's --config) or a local model folder, of the student's tokenizer. Loaded "
+            "and sharded beside the student, frozen; with --teacher_cache only when the cache "
+            "is not yet written."
+        ),
+    )
+    teacher_revision: str | None = field(
+        default=None, metadata=_distill("The teacher's revision (branch, tag or commit).")
+    )
+    teacher_quantize: TeacherQuantize = field(
+        default="none",
+        metadata=_distill(
+            "none: the teacher in its 16-bit precision (bf16; fp32 with --precision fp32); "
+            "nf4: its decoder layers' linear weights in 4 bits (QLoRA's NF4, 0.52 bytes per "
+            "parameter)."
+        ),
+    )
+    distill_loss: DistillLoss = field(
+        default="forward_kl",
+        metadata=_distill(
+            "forward_kl: KL(teacher || student), the mass-covering one (TRL's beta 0); "
+            "reverse_kl: KL(student || teacher), mode-seeking (TRL's beta 1; MiniLLM, on-policy "
+            "distillation); jsd: the generalized Jensen-Shannon divergence of --distill_beta."
+        ),
+    )
+    distill_beta: float = field(
+        default=0.5,
+        metadata=_distill(
+            "With --distill_loss jsd: the teacher's weight in the mixture (TRL GKDTrainer's "
+            "beta, strictly between 0 and 1; 0.5: the symmetric JSD)."
+        ),
+    )
+    distill_temperature: float = field(
+        default=1.0,
+        metadata=_distill(
+            "Both models' logits are divided by this before the divergence (above 1: softer "
+            "distributions); the cross-entropy on the labels stays at 1."
+        ),
+    )
+    distill_alpha: float = field(
+        default=0.5,
+        metadata=_distill(
+            "loss = alpha * divergence + (1 - alpha) * cross-entropy on the labels, per target "
+            "token (torchtune's kd_ratio); 1: the divergence alone (TRL's GKD). Batches the "
+            "student sampled (--lmbda) carry the divergence alone."
+        ),
+    )
+    teacher_cache: str | None = field(
+        default=None,
+        metadata=_distill(
+            "A folder for the teacher's top --teacher_top_k log-probabilities of every target "
+            "token of the prepared data (train and eval). Written when empty (with --teacher: "
+            "sharded, resumed by a requeued job after the time limit), then read: a run with a "
+            "complete cache loads no teacher. Refused when it holds another teacher's or data "
+            "set's."
+        ),
+    )
+    teacher_top_k: int = field(
+        default=64,
+        metadata=_distill(
+            "Log-probabilities kept per token in --teacher_cache (with the rest's mass): "
+            "8 x K + 4 bytes per token (docs/distillation.md has the disk per million tokens)."
+        ),
+    )
+    teacher_cache_only: bool = field(
+        default=False,
+        metadata=_distill(
+            "Write --teacher_cache and end: the teacher's job of its own (on a partition with "
+            "the memory for it); the student's job then reads the cache without --teacher."
+        ),
+    )
+    lmbda: float = field(
+        default=0.0,
+        metadata=_distill(
+            "The share of optimizer steps whose completions the student samples from the "
+            "prompts of the data (on-policy, GKD's lambda; TRL's lmbda), scored by the live "
+            "teacher token by token; 0: the data's answers only."
+        ),
+    )
+    distill_max_new_tokens: int = field(
+        default=128,
+        metadata=_distill(
+            "With --lmbda: at most this many tokens per sampled completion (TRL's max_new_tokens)."
+        ),
+    )
     # GRPO (docs/grpo.md): TRL's GRPOConfig names and defaults (trl 1.16.0).
     reward_funcs: str | None = field(
         default=None,
@@ -222,6 +321,8 @@ def check(options: MethodOptions) -> None:
                 + " (and a dataset of chosen/rejected pairs)" * (owner in PAIRED_METHODS)
                 + ", or drop them."
             )
+    if options.method == "distill":
+        _check_distill(options)
     if options.method == "grpo":
         _check_grpo(options)
     if options.method != "dpo":
@@ -234,6 +335,41 @@ def check(options: MethodOptions) -> None:
         )
     if options.dpo_label_smoothing and options.dpo_loss != "sigmoid":
         raise ValueError("--dpo_label_smoothing applies to --dpo_loss sigmoid only.")
+
+
+def _check_distill(options: MethodOptions) -> None:
+    """Distillation's values and the combinations that cannot work, each with its fix."""
+    if options.teacher is None and options.teacher_cache is None:
+        raise ValueError(
+            "--method distill needs a teacher: --teacher MODEL (loaded beside the student), "
+            "or --teacher_cache DIR written by a job of the teacher's own (docs/distillation.md)."
+        )
+    if options.teacher_cache_only and (options.teacher is None or options.teacher_cache is None):
+        raise ValueError(
+            "--teacher_cache_only writes the teacher's cache and ends: give both --teacher MODEL "
+            "and --teacher_cache DIR."
+        )
+    if not 0.0 < options.distill_beta < 1.0:
+        raise ValueError(
+            f"--distill_beta must be strictly between 0 and 1, got {options.distill_beta} (its "
+            "ends are --distill_loss forward_kl, beta 0, and reverse_kl, beta 1)."
+        )
+    if options.distill_beta != 0.5 and options.distill_loss != "jsd":
+        raise ValueError("--distill_beta weighs --distill_loss jsd's mixture: add it or drop beta.")
+    if not options.distill_temperature > 0:
+        raise ValueError(
+            f"--distill_temperature must be above 0, got {options.distill_temperature}."
+        )
+    for name in ("distill_alpha", "lmbda"):
+        if not 0.0 <= getattr(options, name) <= 1.0:
+            raise ValueError(f"--{name} must be in [0, 1], got {getattr(options, name)}.")
+    check_at_least(options, ("teacher_top_k", "distill_max_new_tokens"))
+    if options.lmbda > 0 and options.teacher is None:
+        raise ValueError(
+            f"--lmbda {options.lmbda}: the student's own samples are scored by the live "
+            "teacher, which a cache written before training cannot hold. Give --teacher MODEL "
+            "(with or without --teacher_cache for the data's batches), or --lmbda 0."
+        )
 
 
 def reward_names(options: MethodOptions) -> list[str]:
