@@ -294,7 +294,14 @@ def test_a_stop_in_the_reference_pass_keeps_its_pairs_and_the_next_leg_goes_on(p
     steps = {"max_training_steps": 3, "log_every": 1}
     split = _args(pref_assets, root / "split", data_cache_dir=root / "data", **steps)
     whole = _args(pref_assets, root / "whole", data_cache_dir=root / "whole_data", **steps)
-    runs = [{"args": split, "stop_after_reference_batches": 2}, {"args": split}, {"args": whole}]
+    early = _args(pref_assets, root / "early", data_cache_dir=root / "early_data", **steps)
+    runs = [
+        {"args": split, "stop_after_reference_batches": 2}, {"args": split}, {"args": whole},
+        # issue 47's requeue defect: stops before any work, then before the first pair
+        {"args": early, "stop_at_start": True},
+        {"args": early, "stop_after_reference_batches": 0},
+        {"args": early},
+    ]  # fmt: skip
     out = _torchrun(2, runs, root / "w2").stdout
     assert "dpo: the reference pass stopped at 8 of 300 pairs; they are kept" in out
     assert "stopping before the first step: stop file during --method dpo's work" in out
@@ -317,6 +324,31 @@ def test_a_stop_in_the_reference_pass_keeps_its_pairs_and_the_next_leg_goes_on(p
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in whole_run], rtol=0, atol=1e-6
     )
+    _check_the_early_stops(root, out, whole_run)
+
+
+def _check_the_early_stops(root: Path, out: str, whole_run: list[dict[str, Any]]) -> None:
+    """The stop file before the run started: the leg ends before the data and the model, both
+    ranks return (torchrun goes on to the next run), "interrupted", the stop file consumed. Then
+    written as the reference pass begins: it stops before its first pair, nothing kept. The
+    third leg computes every pair and trains as the run whose cache was made in one go."""
+    started = out.index("stopping before the first step: stop file during the start, before")
+    assert started < out.index(f"data: preparing 1 file(s) -> {root / 'early_data'}")
+    assert "dpo: the reference pass stopped before its first pair" in out
+    early = root / "early"
+    records = read_metrics(early, None)
+    stops = [r for r in records if r["kind"] == "stopping"]
+    assert [r["reason"] for r in stops] == ["stop file", "stop file"]
+    kinds = [r["kind"] for r in records if r["kind"] in ("stopping", "start", "train")]
+    assert kinds == ["stopping", "stopping", "start", "train", "train", "train"]
+    assert not (early / "STOP").exists()
+    assert not list((root / "early_data").glob("*/reference/*.partial.npz"))
+    trained = read_metrics(early)
+    assert [r["batch_id"] for r in trained] == [r["batch_id"] for r in whole_run]
+    np.testing.assert_allclose(
+        [r["loss"] for r in trained], [r["loss"] for r in whole_run], rtol=0, atol=1e-6
+    )
+    assert json.loads((early / "status.json").read_text())["status"] == "completed"
 
 
 @pytest.mark.slow
