@@ -192,9 +192,6 @@ def exit_process(code: int) -> NoReturn:
 
 
 def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None) -> int:
-    from fsdp_utils.parallel.distributed import PeerFailure, ReportedError
-    from fsdp_utils.train.step import TrainingDivergedError
-
     argv = sys.argv[1:] if argv is None else argv
     if "--plan" in argv:  # the planner's parser has every training flag and its own
         from fsdp_utils.plan import main as plan_main
@@ -208,7 +205,11 @@ def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None
     if args.print_config:
         print(config.to_json())
         return 0
+    # torch (through these) only now: `--help`, `--print_config` and a mistake in the flags
+    # answer in a second, not after the ~9 s of importing torch.distributed's tensor machinery.
+    from fsdp_utils.parallel.distributed import PeerFailure, ReportedError
     from fsdp_utils.run.host_memory import fix_mmap_threshold
+    from fsdp_utils.train.step import TrainingDivergedError
 
     fix_mmap_threshold()  # freed activations go back to the system (run/host_memory.py)
     try:
