@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,7 +28,7 @@ from fsdp_utils.methods.dpo.loss import DpoSettings, dpo_loss
 from fsdp_utils.metrics.plot import RunCurves, plot_runs
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests.chat_helpers import write_jsonl
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_script, tiny_args
 
 # --- TRL's DPO loss, copied as the independent reference -------------------------------------
 # From https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/dpo_trainer.py
@@ -135,12 +134,7 @@ def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
 def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> subprocess.CompletedProcess:
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps(runs, default=str))
-    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
-    command += [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(nproc, "tests/trainer_runs.py", [str(root / "runs.json")])
     check_ok(result)
     return result
 
