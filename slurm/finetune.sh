@@ -180,8 +180,7 @@ srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TAS
     "$TRAIN_SCRIPT" "${train_args[@]}" &
 train_pid=$!
 while kill -0 "$train_pid" 2>/dev/null; do
-    sleep 2 &
-    wait $!  # not a foreground sleep: `wait` returns as soon as a trapped signal arrives
+    wait "$train_pid"  # returns when training ends, or at once when a trapped signal arrives
 done
 wait "$train_pid"
 exit_code=$?
