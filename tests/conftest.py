@@ -105,7 +105,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # xdist turns the marker into this suffix of the test's id, by which its scheduler
             # groups tests, but in a hook that comes before this one: without this line every
             # Slurm module was a unit of its own, and two of them ran at once.
-            if config.getvalue("loadgroup") and "@" not in item.nodeid:
+            if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid:
                 item._nodeid = f"{item.nodeid}@{unit[id(item)]}"
     items.sort(key=lambda item: -known.get(unit[id(item)], DEFAULT_UNIT_S))  # stable
 
