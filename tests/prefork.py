@@ -79,6 +79,8 @@ def _child(request: dict[str, Any], rank: int, port: int, out: str, err: str) ->
     """In the forked process: become rank `rank` of the run, run it, and exit with its code."""
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the server's `_on_term`
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         os.setpgid(0, 0)  # its own group: ending it ends what it started (data workers)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -129,6 +131,15 @@ def _child(request: dict[str, Any], rank: int, port: int, out: str, err: str) ->
             os._exit(code)
 
 
+_running: list[int] = []  # the server's: the processes of the run it has going
+
+
+def _on_term(signum: int, frame: Any) -> None:
+    """The server is ended (its client gave up on a run): the run's processes end with it."""
+    _end(_running, signal.SIGKILL)
+    os._exit(1)
+
+
 def _end(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -140,11 +151,15 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_before = used.ru_utime + used.ru_stime
     pids: dict[int, int] = {}
+    # Blocked across the fork: a child must not run the server's SIGTERM handler.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             _child(request, rank, port, request["stdout"], request["stderr"])
         pids[pid] = rank
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    _running[:] = list(pids)
     codes: dict[int, int] = {}
     deadline = time.monotonic() + request["timeout"]
     terminated_at: float | None = None
@@ -186,6 +201,7 @@ def serve() -> None:
     from fsdp_utils.hub.offline import enable_offline_mode
 
     enable_offline_mode()
+    signal.signal(signal.SIGTERM, _on_term)
     for name in PREIMPORTS:
         importlib.import_module(name)
     # What the imports made stays out of the garbage collector's passes, in the server and in
@@ -225,12 +241,25 @@ class Server:
         """One run at a time: a test's threads that launch runs wait for each other."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         with self.lock:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                reply = self.proc.stdout.readline()
+            except BaseException:  # pytest-timeout, Ctrl-C: its reply would answer the next
+                self.kill()  # request; the next launch starts a new server
+                raise
         if not reply:
             raise RuntimeError(f"tests/prefork.py ended (exit {self.proc.wait()})")
         return dict(json.loads(reply))
+
+    def kill(self) -> None:
+        """End the server, which ends the run it has going (SIGTERM: `_on_term`)."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def close(self) -> None:
         if self.proc.poll() is None:
