@@ -12,9 +12,7 @@ from fsdp_utils.versions import exit_if_untested
 enable_offline_mode()
 
 if __name__ == "__main__":
-    import sys
-
     exit_if_untested()  # before anything imports torch or transformers
-    from fsdp_utils.cli import main
+    from fsdp_utils.cli import exit_process, main
 
-    sys.exit(main())
+    exit_process(main())

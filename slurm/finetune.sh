@@ -114,8 +114,20 @@ if ! "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" --nodes "$
     exit 2
 fi
 
-# A STOP file from an earlier leg is stale unless Slurm already signalled this one.
-if [ "$stop_requested" = 1 ]; then touch "$STOP_FILE"; else rm -f "$STOP_FILE"; fi
+# An earlier leg's STOP file is stale. Removed before the check below: a signal from now on
+# either comes before the check (trap: stop_requested) or touches the file the trainer watches.
+rm -f "$STOP_FILE"
+# Slurm's signal came while the job was starting (bash runs the trap once the preflight ends):
+# the trainer is not started, since importing and setting up would spend what is left of the
+# job, and Slurm's TIMEOUT would then end a leg that is never requeued. The leg ends here as one
+# that stopped before its first step: requeued, the next resumes where the last one saved.
+if [ "$stop_requested" = 1 ]; then
+    echo "$(date '+%F %T') the time limit is near and the trainer has not started: not starting it"
+    rm -f "$STOP_FILE"
+    decision=$("$PYTHON" -m fsdp_utils.slurm.launch after-run "$RUN_DIR" 0 --not-started)
+    [ "$decision" != requeue ] || scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
 rm -f "$RUN_DIR/status.json"
 
 # --- GPU sampler: one per node, in the background -----------------------------------------------
@@ -168,8 +180,7 @@ srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TAS
     "$TRAIN_SCRIPT" "${train_args[@]}" &
 train_pid=$!
 while kill -0 "$train_pid" 2>/dev/null; do
-    sleep 2 &
-    wait $!  # not a foreground sleep: `wait` returns as soon as a trapped signal arrives
+    wait "$train_pid"  # returns when training ends, or at once when a trapped signal arrives
 done
 wait "$train_pid"
 exit_code=$?

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -54,37 +55,66 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_demo_assets(tmp_path_factory.mktemp("tiny_assets"), num_games=400, num_shards=2)
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): on the
-# 2-core CI machine one process alone left ~40% of the CPU idle, mostly while Slurm jobs
-# start, requeue and end. Two rules keep that safe and cheap:
-# - every module with a test that uses a local Slurm cluster runs on one worker, one test
-#   after another: the one-node cluster has 2 emulated GPUs, and a job queued behind another
-#   job's would spend its test's timeout waiting (the 2-node cluster's jobs take the same 2
-#   CPUs); whole modules, because a module's other tests may bring a cluster up and down
-#   themselves (test_multinode.py checks the teardown, which a lease held elsewhere stops);
-# - every other module runs whole on one worker, so its module-scoped runs (one short
-#   training shared by several checks) are made once, as without xdist.
-SLURM_FIXTURES = frozenset({"local_slurm", "multinode_slurm"})
-SLURM_GROUP = "local-slurm"
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A unit of
+# work goes whole to one worker:
+# - every module with a test on the one-node local Slurm (fixture `local_slurm`): one unit, its
+#   tests one after another. Its node has the machine's 2 CPUs, and a job asks for both: a job
+#   queued behind another test's would spend its test's timeout waiting;
+# - the two-node cluster's modules (fixture `multinode_slurm`): one unit too. That cluster has its
+#   own daemons, ports and state, so it runs beside the other (each thinks it has the 2 CPUs);
+# - every other module: its shared runs (module-scoped fixtures) are made once, on one worker.
+# Units start longest first (tests/durations.json, seconds per unit as last measured; a unit
+# not in it counts as DEFAULT_UNIT_S), so that neither worker waits at the end for the other.
+# `PYTEST_ARGS=--update-durations make test` writes the file anew from the run.
+SLURM_GROUPS = {"local_slurm": "local-slurm", "multinode_slurm": "multinode-slurm"}
+DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_UNIT_S = 30.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-durations",
+        action="store_true",
+        help="write tests/durations.json: the seconds of each unit of work (a module, or a "
+        "Slurm group) in this run, by which the next runs order them (longest first)",
+    )
+
+
+def work_units(items: list[pytest.Item]) -> dict[str, str]:
+    """Each module's unit of work: the group of the Slurm cluster one of its tests uses (the
+    whole module: its other tests may bring that cluster up and down themselves), or itself."""
+    units: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        names = set(getattr(item, "fixturenames", ()))
+        group = next((g for f, g in SLURM_GROUPS.items() if f in names), None)
+        if group is not None or module not in units:
+            units[module] = group or units.get(module, module)
+    return units
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the modules of the Slurm tests as one xdist group and collect them first, so that
-    the longest unit of work starts at once while the other worker takes the other modules."""
-    slurm_modules = {
-        item.path for item in items if SLURM_FIXTURES & set(getattr(item, "fixturenames", ()))
-    }
+    """Mark the Slurm groups, and order the units of work longest first."""
+    units = work_units(items)
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    unit = {id(item): units[item.nodeid.split("::", 1)[0]] for item in items}
     for item in items:
-        if item.path in slurm_modules:
-            item.add_marker(pytest.mark.xdist_group(SLURM_GROUP))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable
+        if unit[id(item)] in SLURM_GROUPS.values():
+            item.add_marker(pytest.mark.xdist_group(unit[id(item)]))
+            # xdist turns the marker into this suffix of the test's id, by which its scheduler
+            # groups tests, but in a hook that comes before this one: without this line every
+            # Slurm module was a unit of its own, and two of them ran at once.
+            if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid:
+                item._nodeid = f"{item.nodeid}@{unit[id(item)]}"
+    items.sort(key=lambda item: -known.get(unit[id(item)], DEFAULT_UNIT_S))  # stable
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`--dist loadgroup`, but an unmarked test is scheduled with its module (xdist's own
     loadgroup sends each unmarked test alone, which would repeat a module's shared run on
-    both workers), in collection order."""
+    both workers), in collection order: the longest unit first, each next unit to the first
+    worker that is free."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -96,3 +126,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     config.option.loadscopereorder = False
     return ModuleOrGroupScheduling(config, log)
+
+
+_unit_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each unit's seconds (setup, call and teardown), on the process that reports."""
+    nodeid = report.nodeid
+    unit = nodeid.rsplit("@", 1)[1] if "@" in nodeid.rsplit("]", 1)[-1] else None
+    unit = unit or nodeid.split("::", 1)[0]
+    _unit_seconds[unit] = _unit_seconds.get(unit, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """--update-durations: the units' seconds, on the process that saw every report (the
+    xdist controller, or the only process)."""
+    config = session.config
+    if not config.getoption("update_durations") or hasattr(config, "workerinput"):
+        return
+    rounded = {unit: round(seconds, 1) for unit, seconds in sorted(_unit_seconds.items())}
+    DURATIONS.write_text(json.dumps(rounded, indent=1) + "\n")

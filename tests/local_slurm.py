@@ -33,10 +33,6 @@ from fsdp_utils.slurm.local_multinode import default_multi_cluster
 REPO = Path(__file__).resolve().parent.parent
 # The checkout's git-ignored state folder, shared with `slurm/local/up.sh`.
 STATE_DIR = REPO / "slurm" / "local" / "state"
-# A requeue test's first leg: 2 emulated GPUs, a 1-minute limit, the USR1 warning 40 s before.
-ONE_MINUTE_LEG = (
-    "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=1", "--signal=B:USR1@40"
-)  # fmt: skip
 
 
 def finetune_env(model: Path, dataset: Path, total_batch_size: int) -> dict[str, str]:

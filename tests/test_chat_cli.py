@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 
 from fsdp_utils.synthetic import random_conversations, save_chat_model, train_chat_tokenizer
 from tests.chat_helpers import write_jsonl
+from tests.prefork import launch
 from tests.train_helpers import run_finetune, tiny_args
 
 
@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
 
 @pytest.fixture(scope="module")
 def results(assets) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every case's chess_finetune.py, two at a time (each is mostly Python's imports)."""
+    """Every case's chess_finetune.py, one after another (forked: no imports to overlap)."""
 
     def run(case: str) -> subprocess.CompletedProcess[str]:
         model, dataset, options, _ = CASES[case]
@@ -76,8 +76,7 @@ def results(assets) -> dict[str, subprocess.CompletedProcess[str]]:
         )  # fmt: skip
         return run_finetune(1, args, timeout=180)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(CASES, pool.map(run, CASES), strict=True))
+    return {case: run(case) for case in CASES}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -101,12 +100,10 @@ def test_an_unknown_data_format_is_refused_by_the_parser(assets, tmp_path):
 def test_download_models_prepare_runs_the_dataset_module(assets, tmp_path):
     """On the login node: download_models.py --config train.yaml --prepare runs the module
     and prepares; the training job then finds the preparation (same key)."""
-    import sys
 
     from fsdp_utils.config.parse import load_config_file
     from fsdp_utils.config.train_config import TrainConfig
     from fsdp_utils.data.prepare import prepare_dataset
-    from tests.train_helpers import REPO_ROOT
 
     module = tmp_path / "my_data.py"
     module.write_text(
@@ -125,10 +122,7 @@ def test_download_models_prepare_runs_the_dataset_module(assets, tmp_path):
             }
         )
     )  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "download_models.py"), "--config", str(config_file), "--prepare"],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-    )  # fmt: skip
+    result = launch(1, "download_models.py", ["--config", str(config_file), "--prepare"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"data: {module}:build: 20 rows" in result.stdout
     assert "data: format prompt_completion" in result.stdout and "prepared in" in result.stdout

@@ -32,6 +32,7 @@ from tests.train_helpers import (
     finetune_command,
     read_metrics,
     run_finetune,
+    run_module,
     tiny_args,
     worker_pids,
 )
@@ -141,11 +142,9 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
 
     # The export of the last checkpoint is the model written at the end of training.
     exported = tmp_path / "exported"
-    subprocess.run(
-        [str(Path(finetune_command(1, [])[0])), "-m", "fsdp_utils.export",
-         str(split / "checkpoints" / "step_00000008"), str(exported)],
-        check=True, cwd=REPO_ROOT, capture_output=True, timeout=120,
-    )  # fmt: skip
+    check_ok(
+        run_module("fsdp_utils.export", str(split / "checkpoints" / "step_00000008"), str(exported))
+    )
     final = AutoModelForCausalLM.from_pretrained(split / "final").state_dict()
     reloaded = AutoModelForCausalLM.from_pretrained(exported).state_dict()
     assert final.keys() == reloaded.keys()

@@ -11,7 +11,7 @@ import pytest
 
 from tests import local_slurm as slurm_fixture
 from tests.grpo_helpers import write_prompts
-from tests.local_slurm import ONE_MINUTE_LEG, LocalSlurm, finetune_env
+from tests.local_slurm import LocalSlurm, finetune_env
 from tests.train_helpers import read_metrics
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
@@ -19,6 +19,7 @@ local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own na
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
+LEG = ("--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=3", "--signal=B:USR1@40")
 
 
 def test_sbatch_grpo_survives_a_requeue(
@@ -27,18 +28,21 @@ def test_sbatch_grpo_survives_a_requeue(
     prompts = write_prompts(tiny_assets["data"], tmp_path / "prompts.jsonl")
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
     env = finetune_env(tiny_assets["model"], prompts, 4)
-    # Leg 1: a 1-minute limit and a 45 s margin leave too little for the steps: save, requeue
+    # Leg 1: a 3-minute limit and a 2.5-minute margin leave too little for the steps: save,
+    # requeue. Slurm's USR1 (40 s before the end) comes after the margin: a second line of
+    # defence. On a loaded machine the trainer may start after the margin: it then stops before
+    # its first step, and requeues all the same.
     steps = 300
     job = local_slurm.sbatch(
-        *ONE_MINUTE_LEG, f"--output={log}", "slurm/finetune.sh",
+        *LEG, f"--output={log}", "slurm/finetune.sh",
         "--method", "grpo", "--reward_funcs", "chess_legal", "--num_generations", "4",
         "--max_completion_length", "4", "--max_seq_length", "64", "--eval_examples", "16",
         "--eval_every", "0", "--precision", "fp32", "--output_dir", str(run_dir),
-        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "0.75",
+        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "2.5",
         "--save_every_minutes", "0", "--log_every", "10", "--log_completions_every", "0",
         cwd=REPO, env=env,
     )  # fmt: skip
-    local_slurm.wait_for_requeue(job, log, then_minutes=10)
+    local_slurm.wait_for_requeue(job, log, timeout=300, then_minutes=10)
     info = local_slurm.wait(job, timeout=580)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text

@@ -249,3 +249,33 @@ def test_a_longer_circle_is_named_in_order(tmp_path):
         "    pkg/b.py:2 imports pkg.c\n"
         "    pkg/c.py:2 imports pkg.a"
     )
+
+
+# --- what a command imports before it parses its flags ----------------------------------------
+
+HEAVY = ("torch", "transformers", "datasets", "peft", "torchao", "lm_eval", "matplotlib")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["chess_finetune.py", "--help"],
+        ["chess_finetune.py", "--print_config", "--model", "m"],
+        ["download_models.py", "--help"],
+        ["monitoring/gpu_report.py", "--help"],
+    ],
+)
+def test_help_imports_nothing_heavy(command):
+    """`--help` answers in about a second on a busy login node: nothing that imports torch or
+    transformers (9 s of torch.distributed's tensor machinery, measured there under load,
+    before chess_finetune.py's flags were read) comes before the flags are parsed."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", *command],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()}
+    assert not {name for name in imported if name.split(".")[0] in HEAVY}, command

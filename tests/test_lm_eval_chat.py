@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT
 from tests.lm_eval_checks import (
     assert_same_answers,
     assert_same_metrics,
@@ -31,6 +28,7 @@ from tests.lm_eval_checks import (
     responses,
 )
 from tests.lm_eval_data import TASK_YAMLS, cache_task_data
+from tests.train_helpers import run_script
 
 TASKS = ["arc_easy", "gsm8k"]  # multiple choice, generation
 SAMPLED = "gsm8k_sampled"  # gsm8k with sampling in its YAML (see user_tasks)
@@ -164,15 +162,14 @@ def test_two_processes_score_as_hflm_and_sample_as_one_process(
 ) -> None:
     out = tmp_path / "results"
     command = [
-        str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-        "-m", "fsdp_utils.evaluate", "--model", str(assets["model"]),
+        "fsdp_utils.evaluate", "--model", str(assets["model"]),
         "--tasks", ",".join([*TASKS, SAMPLED]), "--include_path", str(assets["user"]),
         "--apply_chat_template", "--system_instruction", SYSTEM, "--seed", str(SEED),
         "--num_fewshot", str(NUM_FEWSHOT), "--limit", str(LIMIT), "--max_length", str(MAX_LENGTH),
         "--gen_kwargs", GEN_KWARGS, "--batch_size", "3", "--log_samples", "--output_dir", str(out),
         "--cache_dir", str(assets["cache"]), "--bootstrap_iters", "0",
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    run = run_script(2, "-m", command, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "FSDP2 over 2 process(es)" in run.stdout
     # The log and the results file say how it was scored, under lm-eval's own keys.

@@ -9,13 +9,15 @@ checkpoint is resumed on 2 and on 1 process(es).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -37,7 +39,14 @@ from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.synthetic import save_tiny_model
 from tests.lora_helpers import lora_model_on_cpu
 from tests.test_plan_validation import _measure
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
+from tests.train_helpers import (
+    REPO_ROOT,
+    check_ok,
+    read_metrics,
+    run_finetune,
+    run_script,
+    tiny_args,
+)
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -183,12 +192,7 @@ def lora_run(tiny_assets, data_cache, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lora") / "run"
     args = tiny_args(tiny_assets, out, data_cache, save_every_steps=SAVE_AT, merge=True, **LORA)
     probe = out.parent / "probe.pt"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "lora_probe.py"), "--probe_out", str(probe), *args]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(2, "tests/lora_probe.py", ["--probe_out", str(probe), *args], timeout=300)
     check_ok(result)
     return {"out": out, "args": args, "probe": torch.load(probe), "stdout": result.stdout}
 
@@ -206,6 +210,7 @@ def _token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
 _ASSET_HASHES = """
 import hashlib, sys
 from pathlib import Path
+from unittest import mock
 from fsdp_utils.synthetic import build_demo_assets
 root = Path(sys.argv[1])
 build_demo_assets(root, num_games=400, num_shards=2)
@@ -215,17 +220,22 @@ for path in sorted(p for p in root.rglob("*") if p.is_file()):
 
 
 def test_the_tiny_assets_are_the_same_in_every_process(tmp_path):
-    """The seeded model, games and tokenizer, byte for byte, from two processes. The tokenizer
+    """The seeded model, games and tokenizer, byte for byte, from two processes (this one and a
+    new interpreter, each with its own hash seed; a fork would share this one's). The tokenizer
     was not: tokenizers' BPE trainer numbered the word-final characters in a hash map's order,
     random per process, so the seeded model learned from another vocabulary's order each time
     and the held-out gain below varied from run to run (6.2498 against 6.2523 once, on a clean
     clone); `synthetic.canonical_ids` numbers them from the tokens alone."""
-    outputs = []
-    for name in ("one", "two"):
-        command = [sys.executable, "-c", _ASSET_HASHES, str(tmp_path / name)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-        check_ok(result)
-        outputs.append(result.stdout)
+    here = io.StringIO()
+    with (
+        contextlib.redirect_stdout(here),
+        mock.patch.object(sys, "argv", ["-c", str(tmp_path / "one")]),
+    ):
+        exec(_ASSET_HASHES, {"__name__": "__main__"})
+    command = [sys.executable, "-c", _ASSET_HASHES, str(tmp_path / "two")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    check_ok(result)
+    outputs = [here.getvalue(), result.stdout]
     assert "model/tokenizer.json" in outputs[0] and "model/model.safetensors" in outputs[0]
     assert outputs[0] == outputs[1]
 

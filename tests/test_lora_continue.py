@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,13 @@ from fsdp_utils.model.lora import (
 from fsdp_utils.model.peft_adapter import read_adapter_folder
 from fsdp_utils.synthetic import save_tiny_model
 from tests.lora_helpers import lora_model_on_cpu
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
+from tests.train_helpers import (
+    check_ok,
+    read_metrics,
+    run_finetune,
+    run_script,
+    tiny_args,
+)
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -224,12 +228,7 @@ def data_cache(tmp_path_factory) -> Path:
 def _probe_run(args: list[str], probe: Path) -> dict:
     """tests/lora_probe.py on 2 processes: the real trainer, plus the logits of two held-out
     blocks before and after training and the whole trained state."""
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "lora_probe.py"), "--probe_out", str(probe), *args]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(2, "tests/lora_probe.py", ["--probe_out", str(probe), *args], timeout=300)
     check_ok(result)
     return {"probe": torch.load(probe), "stdout": result.stdout}
 

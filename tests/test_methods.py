@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +26,7 @@ from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from fsdp_utils.train.step import Batch, TrainStep, build_train_step, forward_loss_sum
 from tests.chat_helpers import write_jsonl
+from tests.prefork import launch
 from tests.train_helpers import REPO_ROOT, check_ok, read_metrics, tiny_args
 
 FIXTURE_RUN = REPO_ROOT / "tests" / "fixtures" / "run_452c872"
@@ -115,9 +114,8 @@ def test_a_run_folder_written_before_the_split_resumes(tmp_path):
         method="dpo", dpo_beta=0.2, lora=True, lora_r=2, lora_target_modules="q_proj,v_proj",
         eval_examples=8, no_final_save=True,
     )  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "chess_finetune.py"), *args],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    result = launch(
+        1, str(REPO_ROOT / "chess_finetune.py"), args, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     check_ok(result)

@@ -10,9 +10,7 @@ the legs that resume on one process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +39,7 @@ from fsdp_utils.train.loss import count_targets, token_loss_sum
 from fsdp_utils.train.optim import build_optimizer, build_scheduler
 from fsdp_utils.train.router_loss import RouterLoss, resolve_coefficient
 from fsdp_utils.train.step import TrainStep
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_script, tiny_args
 
 DEEP = ("mixtral", "qwen3_moe")  # every check; the other families: train and export
 OTHERS = tuple(arch for arch in TINY_MOE_ARCHITECTURES if arch not in DEEP)
@@ -293,14 +291,7 @@ LORA = {
 
 def _launch(nproc: int, runs: list[dict], path: Path) -> subprocess.CompletedProcess[str]:
     path.write_text(json.dumps(runs))
-    script = str(REPO_ROOT / "tests" / "trainer_runs.py")
-    command = [sys.executable, script, str(path)]
-    if nproc > 1:
-        command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", script, str(path)]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(nproc, "tests/trainer_runs.py", [str(path)], timeout=900)
     check_ok(result)
     return result
 
@@ -487,9 +478,7 @@ def test_each_rank_reads_only_the_rows_of_its_shard(moe_models, tmp_path):
     AutoModelForCausalLM.from_config(uneven).save_pretrained(folders[1])
     folders[2].symlink_to(moe_models["mixtral"], target_is_directory=True)
     out = tmp_path / "loaded.json"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "fused_load_probe.py"), str(out), *map(str, folders)]
-    check_ok(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT))
+    check_ok(run_script(2, "tests/fused_load_probe.py", [str(out), *map(str, folders)]))
     results = json.loads(out.read_text())
     for name, result in results.items():
         assert result["different"] == [], name

@@ -228,7 +228,10 @@ def test_watch_follows_a_sampled_job_to_its_post_mortem(
     env = report_env(local_slurm)
     job_id = local_slurm.sbatch(*SMALL, str(script), cwd=tmp_path, env=env)
     local_slurm.wait(job_id, states=frozenset({"RUNNING"}))
-    time.sleep(2)  # let the sampler write a few rows
+    deadline = time.monotonic() + 60  # the sampler's first rows, not a fixed sleep
+    while sum(len(p.read_text().splitlines()) for p in (run / "gpu_samples").glob("*.csv")) < 5:
+        assert time.monotonic() < deadline, "the sampler wrote nothing"
+        time.sleep(0.1)
     watch = gpu_report(
         job_id, "--watch", "--json", "--refresh", "1", "--samples", "2", "--interval", "0.2",
         env=env, timeout=150,

@@ -4,8 +4,6 @@ only (no weights), with what users get wrong."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from fsdp_utils.plan import find_max_batch, main, plan_memory
 from fsdp_utils.plan.estimate import Cluster, estimate
 from fsdp_utils.plan.report import Margin
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, tiny_model_config
+from tests.train_helpers import run_module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_MARGIN = Margin(runtime_bytes=0, allocator_fraction=0.0)
@@ -165,13 +164,7 @@ def test_a_config_transformers_cannot_build(tmp_path):
 
 def test_command_line(configs, capsys):
     common = ["--model", str(configs["llama"]), "--gpus_per_node", "2", "--max_seq_length", "64"]
-    fits = subprocess.run(
-        [sys.executable, "-m", "fsdp_utils.plan", *common, "--gpu_memory", "a100-80gb", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=300,
-    )
+    fits = run_module("fsdp_utils.plan", *common, "--gpu_memory", "a100-80gb", "--json")
     assert fits.returncode == 0, fits.stderr
     result = json.loads(fits.stdout)
     assert result["fits"] is True and result["gpu"]["name"] == "A100-80GB"

@@ -4,8 +4,6 @@ trainer, and the textbook state memory of CodeLlama-7B and -13B."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.plan import StepMemory, plan_memory
 from fsdp_utils.plan.estimate import Cluster, estimate
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, tiny_args
+from tests.train_helpers import REPO_ROOT, check_ok, run_script, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +25,7 @@ def data_cache(tmp_path_factory) -> Path:
 
 def _measure(args: list[str], out: Path) -> StepMemory:
     """`torchrun -m fsdp_utils.plan.measure`: the real Trainer, FSDP2 over gloo, 2 processes."""
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "fsdp_utils.plan.measure", "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT
-    )
+    result = run_script(2, "-m", ["fsdp_utils.plan.measure", "--out", str(out), *args])
     check_ok(result)
     return StepMemory.from_dict(json.loads(out.read_text()))
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import pytest
 
 from fsdp_utils.metrics import plot
 from fsdp_utils.metrics.logger import RunLogger, latest_history, read_metrics
-from tests.train_helpers import REPO_ROOT
+from tests.train_helpers import run_module
 
 
 def _write(run_dir: Path, records: list[dict[str, Any]], *, cut_last: bool = False) -> None:
@@ -264,11 +262,7 @@ def test_sweep_overlays_runs_in_value_order(tmp_path: Path, capsys) -> None:
 
 def test_not_a_run_folder_is_one_paragraph_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_utils.plot", str(tmp_path / "empty"), "-o",
-         str(tmp_path / "x.png")],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
-    )  # fmt: skip
+    result = run_module("fsdp_utils.plot", str(tmp_path / "empty"), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     message = result.stderr.strip()

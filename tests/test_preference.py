@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,7 +28,7 @@ from fsdp_utils.methods.dpo.loss import DpoSettings, dpo_loss
 from fsdp_utils.metrics.plot import RunCurves, plot_runs
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests.chat_helpers import write_jsonl
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_script, tiny_args
 
 # --- TRL's DPO loss, copied as the independent reference -------------------------------------
 # From https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/dpo_trainer.py
@@ -135,12 +134,7 @@ def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
 def _torchrun(nproc: int, runs: list[dict[str, Any]], root: Path) -> subprocess.CompletedProcess:
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps(runs, default=str))
-    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
-    command += [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(nproc, "tests/trainer_runs.py", [str(root / "runs.json")])
     check_ok(result)
     return result
 
@@ -294,7 +288,14 @@ def test_a_stop_in_the_reference_pass_keeps_its_pairs_and_the_next_leg_goes_on(p
     steps = {"max_training_steps": 3, "log_every": 1}
     split = _args(pref_assets, root / "split", data_cache_dir=root / "data", **steps)
     whole = _args(pref_assets, root / "whole", data_cache_dir=root / "whole_data", **steps)
-    runs = [{"args": split, "stop_after_reference_batches": 2}, {"args": split}, {"args": whole}]
+    early = _args(pref_assets, root / "early", data_cache_dir=root / "early_data", **steps)
+    runs = [
+        {"args": split, "stop_after_reference_batches": 2}, {"args": split}, {"args": whole},
+        # issue 47's requeue defect: stops before any work, then before the first pair
+        {"args": early, "stop_at_start": True},
+        {"args": early, "stop_after_reference_batches": 0},
+        {"args": early},
+    ]  # fmt: skip
     out = _torchrun(2, runs, root / "w2").stdout
     assert "dpo: the reference pass stopped at 8 of 300 pairs; they are kept" in out
     assert "stopping before the first step: stop file during --method dpo's work" in out
@@ -317,6 +318,31 @@ def test_a_stop_in_the_reference_pass_keeps_its_pairs_and_the_next_leg_goes_on(p
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in whole_run], rtol=0, atol=1e-6
     )
+    _check_the_early_stops(root, out, whole_run)
+
+
+def _check_the_early_stops(root: Path, out: str, whole_run: list[dict[str, Any]]) -> None:
+    """The stop file before the run started: the leg ends before the data and the model, both
+    ranks return (torchrun goes on to the next run), "interrupted", the stop file consumed. Then
+    written as the reference pass begins: it stops before its first pair, nothing kept. The
+    third leg computes every pair and trains as the run whose cache was made in one go."""
+    started = out.index("stopping before the first step: stop file during the start, before")
+    assert started < out.index(f"data: preparing 1 file(s) -> {root / 'early_data'}")
+    assert "dpo: the reference pass stopped before its first pair" in out
+    early = root / "early"
+    records = read_metrics(early, None)
+    stops = [r for r in records if r["kind"] == "stopping"]
+    assert [r["reason"] for r in stops] == ["stop file", "stop file"]
+    kinds = [r["kind"] for r in records if r["kind"] in ("stopping", "start", "train")]
+    assert kinds == ["stopping", "stopping", "start", "train", "train", "train"]
+    assert not (early / "STOP").exists()
+    assert not list((root / "early_data").glob("*/reference/*.partial.npz"))
+    trained = read_metrics(early)
+    assert [r["batch_id"] for r in trained] == [r["batch_id"] for r in whole_run]
+    np.testing.assert_allclose(
+        [r["loss"] for r in trained], [r["loss"] for r in whole_run], rtol=0, atol=1e-6
+    )
+    assert json.loads((early / "status.json").read_text())["status"] == "completed"
 
 
 @pytest.mark.slow

@@ -1,13 +1,23 @@
 """`sbatch slurm/finetune.sh --method dpo` on the real one-node Slurm (tiny chat model, CPU,
-2 processes with gloo): the first leg reaches its time limit, saves and requeues; the second
-resumes its checkpoint, reuses the reference cache, and completes. On a loaded machine the
-time limit can come while the first leg still computes the reference log-probabilities: it then
-keeps the pairs done and requeues before its first step, and the second leg computes the rest
-(tests/test_preference.py checks that path at a chosen batch)."""
+2 processes with gloo), three legs whose ends the test chooses, whatever the machine's load:
+
+1. Slurm's time-limit signal (sent by the test, as `--signal=B:USR1@...` sends it) comes while
+   the job is starting: the script does not start the trainer (importing and setting up would
+   spend what is left of the job, and a leg that Slurm's TIMEOUT ends is never requeued), and
+   requeues; or, if the signal reached the script only after it started the trainer, the trainer
+   stops before its first step. Either way: no step, requeued (issue 47's defect: such a leg
+   stayed in its start until TIMEOUT).
+2. The reference pass, then `--stop_after_steps` ends the leg after its budget of steps: saved,
+   requeued.
+3. It resumes that checkpoint, reuses the reference cache, and completes.
+
+A stop during the reference pass, before its first pair, and at the start are checked on 2
+processes without Slurm in tests/test_preference.py."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +25,7 @@ import pytest
 from fsdp_utils.synthetic import preference_pairs, save_chat_model
 from tests import local_slurm as slurm_fixture
 from tests.chat_helpers import write_jsonl
-from tests.local_slurm import ONE_MINUTE_LEG, LocalSlurm, finetune_env
+from tests.local_slurm import LocalSlurm, finetune_env
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
 
@@ -29,32 +39,39 @@ def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) 
     data = write_jsonl(tmp_path / "prefs.jsonl", preference_pairs(300))
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
     env = finetune_env(model, data, 8)
-    # Leg 1: a 1-minute limit and a 45 s margin leave too little for 400 steps: save, requeue
-    steps = 400
+    steps, budget = 24, 12  # legs 2 and 3: 12 steps each
     job = local_slurm.sbatch(
-        *ONE_MINUTE_LEG, f"--output={log}", "slurm/finetune.sh",
+        "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=10",
+        f"--output={log}", "slurm/finetune.sh",
         "--method", "dpo", "--dataset_include", "", "--max_seq_length", "64",
         "--eval_examples", "16", "--eval_every", "0", "--precision", "fp32",
         "--output_dir", str(run_dir), "--max_training_steps", str(steps),
-        "--time_limit_margin_minutes", "0.75", "--save_every_minutes", "0",
+        "--stop_after_steps", str(budget), "--save_every_minutes", "0",
         cwd=REPO, env=env,
     )  # fmt: skip
-    # Leg 2 may have all of it to do (the first may stop before its first step): on a loaded
-    # machine (load 12 on 2 cores) 5 minutes were not enough for the reference pass and 400 steps
-    local_slurm.wait_for_requeue(job, log, then_minutes=10)
-    info = local_slurm.wait(job, timeout=580)
+    # Leg 1: the signal once the script is past its trap (its first line names the job), while
+    # the preflight runs: bash runs the trap when the preflight ends.
+    deadline = time.monotonic() + 120
+    while not (log.exists() and f"job {job} (restart 0) on" in log.read_text()):
+        assert time.monotonic() < deadline, local_slurm.job_info(job)
+        time.sleep(0.1)
+    local_slurm.run("scancel", "--batch", "--signal=USR1", job)
+    info = local_slurm.wait(job, timeout=480)
     text = log.read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
-    assert "requeueing to resume" in text
-    # Leg 1 stopped after steps and a checkpoint, or before its first step (what it finished
-    # kept); which of the two depends on the machine's load, and both must requeue and finish.
-    early = "stopping before the first step" in text
-    assert "dpo: computing the reference log-probabilities" in text  # leg 1, or leg 2
-    if not early:  # leg 2 reuses the whole cache
-        assert "dpo: reference log-probabilities from" in text
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), text
+    leg1, leg2, leg3 = text.split(f"job {job} (restart ")[1:]
+    assert "Slurm signalled the coming time limit" in leg1
+    assert (
+        "the time limit is near and the trainer has not started: not starting it" in leg1
+        or "stopping before the first step: stop file during the start" in leg1
+    ), leg1
+    assert "requeueing to resume" in leg1 and "dpo: computing" not in leg1
+    assert "dpo: computing the reference log-probabilities" in leg2
+    assert "stop_after_steps" in leg2 and "requeueing to resume" in leg2
+    assert "dpo: reference log-probabilities from" in leg3  # leg 3 reuses the whole cache
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     done = [r["step"] for r in records if r.get("kind") == "train"]
     assert done.count(1) == 1 and max(done) == steps and len(set(done)) == len(done)
-    assert early or any(r.get("kind") == "resumed" for r in records)
+    assert [r["step"] for r in records if r.get("kind") == "resumed"] == [budget]
     assert "rewards/accuracies" in next(r for r in records if r.get("kind") == "train")
     assert (run_dir / "final" / "config.json").is_file()

@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fsdp_utils.run.preflight import read_plan
+from tests.prefork import launch
 
 REPO = Path(__file__).resolve().parent.parent
 CODELLAMA_7B = REPO / "tests" / "fixtures" / "configs" / "codellama-7b"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "chess_finetune.py", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+    return launch(1, "chess_finetune.py", list(args), cwd=REPO, timeout=300)
 
 
 def _assets(tiny_assets) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,10 @@ from fsdp_utils.plan.tracking import StepMemory
 from fsdp_utils.synthetic import preference_pairs, save_chat_model, save_tiny_model
 from tests.chat_helpers import write_jsonl
 from tests.train_helpers import (
-    REPO_ROOT,
-    TORCHRUN,
     check_ok,
     read_metrics,
     run_finetune,
+    run_script,
     tiny_args,
 )
 
@@ -269,12 +267,7 @@ def qlora_runs(tiny_assets, model_256, tmp_path_factory) -> dict[str, Any]:
                           "lora_from": root / "run" / "final"})},
     ]  # fmt: skip
     (root / "runs.json").write_text(json.dumps(runs))
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(2, "tests/trainer_runs.py", [str(root / "runs.json")], timeout=900)
     check_ok(result)
     return {"root": root, "cache": cache, "stdout": result.stdout, "runs": runs,
             "probe": torch.load(root / "probe.pt")}  # fmt: skip
@@ -489,7 +482,7 @@ def test_the_traps_end_with_one_paragraph_and_exit_2(tiny_assets, tmp_path):
     args = tiny_args(
         {**tiny_assets, "model": odd}, tmp_path / "odd", tmp_path / "cache", qlora=True
     )
-    result = run_finetune(2, args)
+    result = run_finetune(2, args, torchrun=True)
     # Under torchrun: rank 0 prints the paragraph once, torchrun's closing report repeats it
     # (every rank's error file) as the last thing in the log, and exits 1 itself.
     expected = "cannot be split so. These weights split over 1, 3 ranks."

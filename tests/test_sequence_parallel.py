@@ -12,7 +12,6 @@ tests/sequence_parallel_probe.py, and the comparison here fails for each.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from fsdp_utils.synthetic import (
     tiny_model_config,
 )
 from tests.chat_helpers import write_jsonl
-from tests.train_helpers import REPO_ROOT, TORCHRUN, read_metrics, tiny_args
+from tests.train_helpers import REPO_ROOT, read_metrics, run_script, tiny_args
 
 # --- each rank's slice ---------------------------------------------------------------------
 
@@ -144,12 +143,7 @@ def test_preflight_refuses_with_one_paragraph_and_exit_2(tiny_assets, tmp_path):
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> dict[str, dict[str, float]]:
     out = tmp_path_factory.mktemp("sp_probe") / "probe.json"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "sequence_parallel_probe.py"), str(out)]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(2, "tests/sequence_parallel_probe.py", [str(out)])
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -280,12 +274,9 @@ def _launch(nproc: int, runs: dict[str, list[str]], root: Path) -> None:
     spec.write_text(
         json.dumps([{"name": n, "argv": [str(a) for a in argv]} for n, argv in runs.items()])
     )
-    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
-    command += [str(REPO_ROOT / "tests" / "sequence_parallel_runs.py"), str(spec), str(root)]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(
+        nproc, "tests/sequence_parallel_runs.py", [str(spec), str(root)], timeout=900
+    )
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 

@@ -169,10 +169,10 @@ def test_run_that_does_not_fit_fails_in_preflight(
 def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """One job, several checks. Leg 1 (1-minute limit): the trainer stops 45 s before the end
-    (it reads the end time; USR1 at 40 s before is the second line of defence) with too much
+    """One job, several checks. Leg 1 (3-minute limit): the trainer stops 2.75 min before the
+    end (it reads the end time; USR1 at 40 s before is the second line of defence) with too much
     left to finish, every rank saves, the script requeues. Leg 2 (the test raises the limit to
-    5 min) resumes its own checkpoint although the command says `--resume never`; then Slurm's
+    10 min) resumes its own checkpoint although the command says `--resume never`; then Slurm's
     signal (sent by the test as `--signal=B:USR1@...` would) arrives with little work left: the
     run finishes in this leg instead of requeueing one more. Also: `--resume never` set the
     abandoned run in the folder aside; the stop file and run folder come from a --config file;
@@ -180,7 +180,10 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     run_dir, log, halt = tmp_path / "run", tmp_path / "slurm.out", tmp_path / "HALT"
     # Leg 1 has 15 s between the job's start and the margin; on a quiet machine the start takes
     # about 10 s and a step 0.08 s, so 60 steps could end in it and nothing would be requeued.
-    # 150 (~12 s) cannot, and what is left fits easily in leg 2's 5 minutes.
+    # 150 (~12 s) cannot, and what is left fits easily in leg 2's 10 minutes. On a loaded
+    # machine the trainer starts after the margin, and stops after its first step. Slurm's USR1
+    # comes 2 minutes later: early enough, it would find the trainer not started yet, and the
+    # leg would end before its first step (slurm/finetune.sh; tests/test_preference_slurm.py).
     steps = 150
     abandoned = run_dir / "checkpoints" / "step_00005000"  # a higher step than this run reaches
     abandoned.mkdir(parents=True)
@@ -194,14 +197,14 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
         GPU_SAMPLE_INTERVAL="1",
         PATH=os.environ["PATH"],  # no nvidia-smi: the sampler says so and ends at once
     )
-    sbatch = (*RESOURCES[:-1], "--time=1", "--signal=B:USR1@40")
+    sbatch = (*RESOURCES[:-1], "--time=3", "--signal=B:USR1@40")
     job = submit(
         local_slurm, log, env, *TINY_RUN, "--config", str(config), "--resume", "never",
-        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "0.75",
+        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "2.75",
         "--save_every_minutes", "0",
         sbatch=sbatch,
     )  # fmt: skip
-    local_slurm.wait_for_requeue(job, log)
+    local_slurm.wait_for_requeue(job, log, timeout=240, then_minutes=10)
 
     def resumed_and_stepping() -> bool:
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []

@@ -185,6 +185,18 @@ def test_command_line(tmp_path: Path) -> None:
     assert after.stdout == "requeue\n" and "interrupted at step 3" in after.stderr
     after = run_launch("after-run", str(tmp_path), "0", env={"REQUEUE": "0"})
     assert after.stdout == "done\n" and "REQUEUE=0" in after.stderr
+    # Slurm's signal before the trainer started: a leg ended before its first step, at the
+    # step the last leg saved (no status.json at all: step 0), requeued within MAX_REQUEUES.
+    after = run_launch("after-run", str(tmp_path), "0", "--not-started", env={})
+    assert after.stdout == "requeue\n"
+    assert "interrupted at step 3 (signal before the trainer started)" in after.stderr
+    (tmp_path / "status.json").unlink()
+    after = run_launch("after-run", str(tmp_path), "0", "--not-started", env={})
+    assert after.stdout == "requeue\n" and "interrupted at step 0" in after.stderr
+    after = run_launch(
+        "after-run", str(tmp_path), "0", "--not-started", env={"SLURM_RESTART_COUNT": "20"}
+    )
+    assert after.stdout == "done\n" and "already requeued 20 times" in after.stderr
     multi = slurm_env(SLURM_JOB_NODELIST="localhost,gpu08", RDZV_HOST="localhost")
     plan = run_launch("plan", "--", "--model", "m", env=multi)
     assert plan.returncode == 2 and "error: The rendezvous host 'localhost'" in plan.stderr

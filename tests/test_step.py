@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,8 @@ from fsdp_utils.train.optim import (
     settings_in_optimizer,
 )
 from fsdp_utils.train.timelimit import StopController
-from tests.train_helpers import REPO_ROOT, check_ok, read_metrics, run_finetune, tiny_args
+from tests.prefork import launch
+from tests.train_helpers import check_ok, read_metrics, run_finetune, tiny_args
 
 # --- the process-group backend (issue: --cpu_offload on GPUs) --------------------------------
 
@@ -143,12 +143,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def _poisoned(args: list[str], step: int) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(REPO_ROOT / "tests" / "poison_gradient.py"), *args]
     env = {"POISON_GRADIENT_AT_STEP": str(step), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, **env},
-    )  # fmt: skip
+    return launch(1, "tests/poison_gradient.py", args, env={**os.environ, **env}, timeout=300)
 
 
 RUN = {"max_training_steps": 6, "learning_rate": 1e-3, "warmup_steps": 1, "batch_size_per_device": 4,

@@ -1,4 +1,6 @@
-"""Run chess_finetune.py for real: a plain process (1) or torchrun (>1), CPU/gloo."""
+"""Run chess_finetune.py for real, CPU/gloo: forked from the pre-imported server of
+tests/prefork.py (1 process, or several as torchrun's workers), or, with `torchrun=True`,
+as a plain process (1) or under torchrun (>1) where the launcher itself is the point."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_utils.metrics import logger as metrics
+from tests.prefork import launch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -23,9 +26,19 @@ def finetune_command(nproc: int, args: list[str]) -> list[str]:
 
 
 def run_finetune(
-    nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None
+    nproc: int,
+    args: list[str],
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    *,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess[str]:
+    """`chess_finetune.py ARGS` on `nproc` processes, as `subprocess.run(capture_output=True)`
+    would give it. Forked by tests/prefork.py (the imports are paid once per pytest process),
+    unless `torchrun`: the real `python` or `torchrun` command."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not torchrun:
+        return launch(nproc, "chess_finetune.py", args, env=full_env, timeout=timeout)
     return subprocess.run(
         finetune_command(nproc, args),
         capture_output=True,
@@ -34,6 +47,23 @@ def run_finetune(
         env=full_env,
         cwd=REPO_ROOT,
     )
+
+
+def run_script(
+    nproc: int, script: str, args: list[str], timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """A test's own launcher script (tests/trainer_runs.py, tests/finetune_runs.py, ...), or
+    "-m" and a module, on `nproc` processes, forked as torchrun's workers (tests/prefork.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return launch(nproc, script, args, env=env, timeout=timeout, distributed=True)
+
+
+def run_module(
+    module: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` as one plain process, forked (tests/prefork.py)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return launch(1, "-m", [module, *args], env=full_env, timeout=timeout)
 
 
 def tiny_args(
@@ -80,12 +110,9 @@ def run_finetunes(nproc: int, runs: dict[str, list[str]], root: Path) -> dict[st
     root.mkdir(parents=True, exist_ok=True)
     listed = [{"name": name, "argv": [str(a) for a in argv]} for name, argv in runs.items()]
     (root / "runs.json").write_text(json.dumps(listed))
-    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
-    command += [str(REPO_ROOT / "tests" / "finetune_runs.py"), str(root / "runs.json")]
-    command += [str(root / "results.json")]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result = run_script(
+        nproc, "tests/finetune_runs.py", [str(root / "runs.json"), str(root / "results.json")],
+        timeout=900,
     )  # fmt: skip
     (root / "output.txt").write_text(result.stdout)
     done = root / "results.json"

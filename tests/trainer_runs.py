@@ -17,8 +17,10 @@ held-out pairs (the adapters off), the policy's, and those of the base model loa
 transformers in this process, without FSDP. With "stop_after_reference_batches": K, the stop
 file is written on rank 0 after its K-th batch of the DPO reference pass, as slurm/finetune.sh
 writes it when Slurm signals the time limit: the pass asks before every batch, so it stops
-after K batches on every rank, whatever the machine's load; "stop_after_teacher_cache_batches"
-does the same in a distillation teacher's cache pass.
+after K batches on every rank, whatever the machine's load; K = 0: as the pass begins, before
+its first pair; "stop_after_teacher_cache_batches" does the same in a distillation teacher's cache
+pass. With "stop_at_start": the stop file is there before the Trainer is opened, as when Slurm's
+signal came while the job was starting.
 """
 
 from __future__ import annotations
@@ -143,6 +145,23 @@ def _stop_in_pass(run: dict[str, Any], config: Any, rank: int) -> Iterator[None]
         yield
         return
     (key, batches), *_ = hooks
+    if key == "stop_after_reference_batches" and batches == 0:
+        # As the pass begins: DPO's before_first_step, before the pass first asks.
+        from fsdp_utils.methods.dpo.method import DPO
+
+        begin = DPO.before_first_step
+
+        def stopped_first(self: Any, *args: Any) -> Any:
+            if rank == 0:
+                RunLayout.of(config.output_dir).stop_file(config.stop_file).touch()
+            return begin(self, *args)
+
+        DPO.before_first_step = stopped_first  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DPO.before_first_step = begin  # type: ignore[method-assign]
+        return
     module_name, class_name, attribute = _STOP_HOOKS[key]
     owner = getattr(importlib.import_module(module_name), class_name)
     original = getattr(owner, attribute)
@@ -175,6 +194,12 @@ def main() -> int:
         for run in runs:
             config, _ = parse_config(run["args"], build_parser())
             env = env or dist_utils.init_distributed(config.device)
+            if run.get("stop_at_start") and env.is_main:
+                from fsdp_utils.config.layout import RunLayout
+
+                stop_file = RunLayout.of(config.output_dir).stop_file(config.stop_file)
+                stop_file.parent.mkdir(parents=True, exist_ok=True)
+                stop_file.touch()
             trainer = open_trainer(config, env)
             with _stop_in_pass(run, config, env.rank):
                 trainer.setup()

@@ -77,14 +77,14 @@ def looks_local(name: str) -> bool:
 
 def looks_like_path(name: str) -> bool:
     """Meant as a path, whether or not it exists: `looks_local`, a file's suffix (a hub id
-    names a repository, not a file: `data/chat.jsonl`), more than one `/` (a hub id has one:
-    org/name), or a first folder that exists here (`data/chat` beside a `data/` folder).
+    names a repository, not a file: `data/chat.jsonl`), more than two names between its `/`s
+    (a hub id has two: org/name; `org//name` is a mistyped id, not a path), or a first folder that exists here (`data/chat` beside a `data/` folder).
     Callers ask after the offline cache had no such hub id, so a cached one still wins."""
     path = PurePosixPath(name)
     return (
         looks_local(name)
         or path.suffix in (*DATA_SUFFIXES, ".safetensors", ".bin", ".json", ".yaml")
-        or name.count("/") > 1
+        or len(path.parts) > 2
         or (len(path.parts) > 1 and Path(path.parts[0]).expanduser().is_dir())
     )
 
@@ -102,11 +102,11 @@ def no_such_path(flag: str, name: str) -> str:
     except OSError:
         beside = []
     close = closest(wanted, beside, n=3)
-    where = "." if folder == Path(".") else str(folder)
+    where = "./" if folder == Path(".") else str(folder).rstrip("/") + "/"
     hint = (
-        f" In {where}/ the closest names are: {', '.join(close)}."
+        f" In {where} the closest names are: {', '.join(close)}."
         if close
-        else f" {where}/ holds {len(beside)} entries, none named like {wanted!r}."
+        else f" {where} holds {len(beside)} entries, none named like {wanted!r}."
     )
     return (
         f"{flag} {name}: no such file or folder.{hint} Fix the path (a path is read where it "

@@ -6,9 +6,11 @@
     eval "$(python -m fsdp_utils.slurm.launch nodes)"
         the same without a run folder (slurm/evaluate.sh): NNODES, NPROC_PER_NODE,
         WORLD_SIZE, RDZV_ENDPOINT, RDZV_ID and OMP_NUM_THREADS.
-    python -m fsdp_utils.slurm.launch after-run <run_dir> <exit code>
+    python -m fsdp_utils.slurm.launch after-run <run_dir> <exit code> [--not-started]
         prints `requeue` if the trainer stopped early to save (status.json "interrupted") and the
-        job may be requeued, else `done`; the reason goes to stderr.
+        job may be requeued, else `done`; the reason goes to stderr. --not-started: Slurm's
+        signal came before the script started the trainer, which it then never started (the
+        leg is one that stopped before its first step, at the step status.json last gave).
 
 Processes per node: one per GPU, found in SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or
 `nvidia-smi -L` (in that order); `NPROC_PER_NODE` overrides; no GPU at all means one CPU process
@@ -284,6 +286,13 @@ def decide_after_run(
     return AfterRun(True, f"interrupted at step {step} ({reason}): requeueing to resume")
 
 
+def not_started_status(previous: Mapping[str, object] | None) -> dict[str, object]:
+    """The status of a leg whose trainer the script never started (Slurm's signal came while
+    the job was starting): interrupted before its first step, at the previous leg's step."""
+    step = previous.get("step", 0) if previous is not None else 0
+    return {"status": "interrupted", "reason": "signal before the trainer started", "step": step}
+
+
 def user_error(status: Mapping[str, object] | None) -> str | None:
     """The message of a run that failed on a user mistake (status.json's `user_error`), which
     the job's log should end with: torchrun's and srun's reports come after the trainer's."""
@@ -346,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     after = sub.add_parser("after-run", help="print `requeue` or `done`")
     after.add_argument("run_dir", type=Path)
     after.add_argument("exit_code", type=int)
+    after.add_argument("--not-started", action="store_true")
     args = parser.parse_args(argv)
     env = os.environ
     if args.command in ("plan", "nodes"):
@@ -362,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.shell_assignments(), end="")
         return 0
     status = read_status(args.run_dir)
+    if args.not_started:
+        status = not_started_status(status)
     decision = decide_after_run(
         status,
         args.exit_code,

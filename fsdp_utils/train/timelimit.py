@@ -328,7 +328,7 @@ class StopController:
             self.consume_stop_file()
         return LegEnd(finish, decision.why)
 
-    def _local_stop_code(self) -> int:
+    def _local_stop_code(self, *, end_time: bool = True) -> int:
         if self.flag.received is not None and not self.deferred:
             return 3
         if not self.is_main:
@@ -337,6 +337,8 @@ class StopController:
             return 1
         if self.stop_file.exists() and not self.deferred:
             return 2
+        if not end_time:
+            return 0
         end = self._end_time()
         if end is not None and time.time() + self.margin() >= end:
             return 4
@@ -372,15 +374,22 @@ class StopController:
         all-reduce of host scalars, as `poll`'s."""
         return _agreed(dist_utils.all_reduce_host_sum(self._votes()))
 
+    def requested_at_start(self) -> str | None:
+        """Collective, as the run starts: `requested`, but for a request (the stop file, a
+        signal) only. A run that starts inside its time-limit margin goes on to its first step
+        and saves it: stopping at once would requeue a leg that did nothing, again and again
+        when the job's limit is short."""
+        return _agreed(dist_utils.all_reduce_host_sum(self._votes(end_time=False)))
+
     def requested_here(self) -> str | None:
         """This rank's own view, without a collective: for work rank 0 does alone while the
         others wait (data preparation). Rank 0 sees every source: the stop file, the end time,
         a signal (torchrun forwards none; the sbatch script writes the stop file)."""
         return REASONS.get(self._local_stop_code())
 
-    def _votes(self) -> list[float]:
+    def _votes(self, *, end_time: bool = True) -> list[float]:
         votes = [0.0] * len(REASONS)
-        code = self._local_stop_code()
+        code = self._local_stop_code(end_time=end_time)
         if code:
             votes[code - 1] = 1.0
         return votes

@@ -153,6 +153,12 @@ class Trainer:
         self.stop = StopController.for_run(config, self.layout, is_main=env.is_main)
         if (limit := self.stop.describe_time_limit()) is not None:
             self.log.info(limit)
+        # A request that came before this process started (Slurm's signal while the job was
+        # starting: the stop file is already there) ends the leg now, not after the data and
+        # the model: on a loaded node those took the rest of the job's time, and Slurm's
+        # TIMEOUT then ended a leg that was never requeued (issue 47).
+        if (early := self.stop.requested_at_start()) is not None:
+            raise StoppedBeforeFirstStep(early, "the start, before the data and the model")
         self.sequence_parallel = sp = init_sequence_parallel(env, config.sequence_parallel)
         context = MethodContext(
             env, self.plan, self.hf_config, self.model_dir, self.log.info, sequence_parallel=sp
