@@ -267,8 +267,14 @@ def gathered_parameters(model: nn.Module) -> Iterator[None]:
 
 def _reshards_after_forward(module: FSDPModule) -> bool:
     """A shard group's reshard_after_forward as `parallelize` set it. FSDP2 has a setter and no
-    getter: its parameter groups keep a post-forward mesh exactly when they reshard."""
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    getter: its parameter groups keep a post-forward mesh exactly when they reshard. torch
+    2.11 (our floor, the lent GPUs' image) holds one group per state (`_fsdp_param_group`,
+    None without parameters); later releases a list (`_fsdp_param_groups`)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
     return any(group.post_forward_mesh_info is not None for group in groups)
 
 
