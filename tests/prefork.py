@@ -222,12 +222,17 @@ def serve() -> None:
 
 
 class Server:
-    """The server of this pytest process, started on first use."""
+    """The server of this pytest process, started on first use. `network=False`: a second
+    server in a network namespace of its own with only loopback up (`unshare --net`, as on a
+    compute node without internet), for runs whose point is that there is no network."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, network: bool = True) -> None:
+        command = [sys.executable, __file__, "--serve"]
+        if not network:
+            command = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+                       *command]  # fmt: skip
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -272,6 +277,7 @@ class Server:
 
 
 _server: Server | None = None
+_offline_server: Server | None = None  # launch(..., network=False)
 cpu_seconds = 0.0  # the CPU time of every run launched from this process so far
 
 
@@ -284,14 +290,20 @@ def launch(
     cwd: Path = REPO_ROOT,
     timeout: float = 600,
     distributed: bool = False,
+    network: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run `target` (a script path relative to `cwd`, or "-m" and a module as `args[0]`) with
     `args` on `nproc` forked processes; `env` is their whole environment (default: this
-    process's). `distributed`: the torchrun variables even for one process. The result is
-    what `subprocess.run(..., capture_output=True, text=True)` of torchrun would give."""
-    global _server
-    if _server is None or _server.proc.poll() is not None:
+    process's). `distributed`: the torchrun variables even for one process. `network=False`:
+    forked from a server with no network but loopback (`unshare --net`; needs root). The result
+    is what `subprocess.run(..., capture_output=True, text=True)` of torchrun would give."""
+    global _server, _offline_server
+    if network and (_server is None or _server.proc.poll() is not None):
         _server = Server()
+    if not network and (_offline_server is None or _offline_server.proc.poll() is not None):
+        _offline_server = Server(network=False)
+    server = _server if network else _offline_server
+    assert server is not None
     with tempfile.TemporaryDirectory(prefix="prefork-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         request = {
@@ -300,7 +312,7 @@ def launch(
             "timeout": timeout, "distributed": distributed,
             "stdout": str(out), "stderr": str(err),
         }  # fmt: skip
-        reply = _server.request(request)
+        reply = server.request(request)
         stdout = out.read_text() if out.exists() else ""
         stderr = err.read_text() if err.exists() else ""
     global cpu_seconds

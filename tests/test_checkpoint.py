@@ -27,9 +27,8 @@ from fsdp_utils.checkpoint.sharded import (
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.synthetic import save_tiny_model
 from tests.train_helpers import (
-    REPO_ROOT,
+    BackgroundFinetune,
     check_ok,
-    finetune_command,
     read_metrics,
     run_finetune,
     run_module,
@@ -154,10 +153,10 @@ def test_exact_resume_also_on_another_world_size(tmp_path, tiny_assets, data_cac
     assert [c.step for c in list_checkpoints(split / "checkpoints")] == [6, 8]
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once, as a node failure would. (torchrun
-    starts its workers in new sessions, so killing its process group is not enough.)"""
-    tree, frontier = [pid], [pid]
+def _kill_tree(*pids: int) -> None:
+    """SIGKILL processes and all their descendants at once, as a node failure would. (Each
+    rank is in a process group of its own, so killing one group is not enough.)"""
+    tree, frontier = list(pids), list(pids)
     while frontier:
         frontier = [child for parent in frontier for child in worker_pids(parent)]
         tree += frontier
@@ -181,24 +180,21 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(
     checkpoints = out / "checkpoints"
     caught = None
     for _attempt in range(6):
-        proc = subprocess.Popen(
-            finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        # The 2 processes forked (tests/prefork.py), not under torchrun: what is killed is the
+        # ranks, all at once, as when the node dies; torchrun's part in that is nothing.
+        run = BackgroundFinetune(2, args, timeout=300)
         try:
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
+            while time.monotonic() < deadline and run.running():
                 partial = list(checkpoints.glob("step_*.tmp")) if checkpoints.exists() else []
                 if partial and list_checkpoints(checkpoints):
-                    _kill_tree(proc.pid)  # the node dies mid-save
-                    proc.wait()
+                    _kill_tree(*run.ranks())  # the node dies mid-save
+                    run.result()
                     caught = [p for p in partial if p.exists()]
                     break
                 time.sleep(0.002)
         finally:
-            if proc.poll() is None:
-                _kill_tree(proc.pid)
-                proc.wait()
+            run.kill()
         if caught:
             break
     assert caught, "never caught a save in progress"

@@ -9,14 +9,12 @@ the untrained model the same way.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok, read_metrics, run_finetune, tiny_args
+from tests.train_helpers import check_ok, read_metrics, run_finetune, run_script, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +40,11 @@ def trained_run(tiny_assets, tmp_path_factory) -> Path:
         tiny_assets, out / "run", out / "cache",
         max_seq_length=256, total_batch_size=16, batch_size_per_device=4,
         max_training_steps=STEPS, warmup_steps=3, chess_eval_every=EVERY,
-        document_masking=True, log_every=50, **EVAL_OPTIONS,
+        document_masking=True, log_every=EVERY, **EVAL_OPTIONS,
     )  # fmt: skip
     result = run_finetune(2, args, timeout=400)
     check_ok(result)
-    assert "chess eval step 100" in result.stdout and "legal-move rate" in result.stdout
+    assert f"chess eval step {STEPS}" in result.stdout and "legal-move rate" in result.stdout
     return out / "run"
 
 
@@ -96,14 +94,11 @@ def test_same_numbers_on_1_and_2_processes(trained_run, capsys):
 
 def test_the_command_under_torchrun_shards_the_model_and_the_engine_work(trained_run, tmp_path):
     """`torchrun --nproc_per_node 2 -m fsdp_utils.chess_eval final/`, each process with its own
-    engine: the same records as the training run's own evaluation of its last step."""
+    engine: the same records as the training run's own evaluation of its last step. (Its two
+    processes are forked as torchrun's workers, tests/prefork.py: the launcher is not the point.)"""
     out = tmp_path / "two"
-    result = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "fsdp_utils.chess_eval",
-         str(trained_run / "final"), "--output_dir", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    args = ["fsdp_utils.chess_eval", str(trained_run / "final"), "--output_dir", str(out)]
+    result = run_script(2, "-m", args, timeout=300)
     check_ok(result)
     assert "centipawn loss" in result.stdout and "records:" in result.stdout
     during = trained_run / "chess_eval" / f"step_{STEPS:06d}"

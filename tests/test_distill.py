@@ -4,8 +4,8 @@ computation on full logits, in chunks and not, from a cached top K and live; the
 cache stopped half-way, a student that learns the teacher's pattern better than SFT does, and
 the user's mistakes (exit 2, one paragraph).
 
-One torchrun of 2 processes (`runs`, through tests/trainer_runs.py) and one single process
-feed the end-to-end checks.
+One launch of 2 processes (`runs`, through tests/trainer_runs.py) and one single process feed
+the end-to-end checks.
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -264,27 +261,20 @@ def _args(assets: dict[str, Path], out: Path, **overrides: Any) -> list[str]:
 
 
 def _trainer_runs(nproc: int, runs: list[dict[str, Any]], root: Path) -> str:
-    from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok
+    """tests/trainer_runs.py on `nproc` processes forked as torchrun's workers (tests/prefork.py:
+    the launcher is not the point here)."""
+    from tests.train_helpers import check_ok, run_script
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.json").write_text(json.dumps(runs, default=str))
-    script = [str(REPO_ROOT / "tests" / "trainer_runs.py"), str(root / "runs.json")]
-    command = (
-        [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *script]
-        if nproc > 1
-        else [sys.executable, *script]
-    )
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_script(nproc, "tests/trainer_runs.py", [str(root / "runs.json")], timeout=900)
     check_ok(result)
     return result.stdout
 
 
 @pytest.fixture(scope="module")
 def runs(assets) -> dict[str, Any]:
-    """One torchrun of 2 processes: the teacher's own fine-tune (all 200 games, 25 steps); on
+    """One launch of 2 processes: the teacher's own fine-tune (all 200 games, 25 steps); on
     60 of them, a student distilled from it live and one fine-tuned (SFT) the same steps; the
     same distillation from a cache of the teacher's whole distribution (K = vocabulary) in three
     legs (the cache pass stopped after 3 batches, training stopped after 5 steps, then the

@@ -40,6 +40,8 @@ from tests.lm_eval_data import (
     cache_task_data,
     write_task_folders,
 )
+from tests.prefork import launch
+from tests.train_helpers import run_module
 
 # multiple choice (arc_easy; hellaswag, whose answers are whole sentences; an MMLU subject, whose
 # one-letter answers share one forward), rolling (wikitext), generation (gsm8k)
@@ -376,10 +378,9 @@ def test_two_processes_offline_equal_hflm_from_the_download(
 def test_a_task_not_in_the_cache_names_the_download_command(
     eval_model: Path, tmp_path: Path
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_utils.evaluate", "--model", str(eval_model),
-         "--tasks", "arc_easy,boolq", "--cache_dir", str(tmp_path / "empty")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    result = run_module(
+        "fsdp_utils.evaluate", "--model", str(eval_model), "--tasks", "arc_easy,boolq",
+        "--cache_dir", str(tmp_path / "empty"),
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
     assert "python download_models.py --eval_tasks arc_easy,boolq" in result.stderr
@@ -398,11 +399,9 @@ def test_an_unknown_task_is_no_such_task_on_the_compute_node_and_the_login_node(
         ["unshare", "--net", "sh", "-c", "ip link set lo up; exec " + " ".join(evaluate)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    login = subprocess.run(
-        [sys.executable, "download_models.py", "--eval_tasks", "arc_esy,boolq", "--cache-dir",
-         str(tmp_path / "empty")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    # The login node's command, forked from tests/prefork.py's pre-imported server.
+    login_args = ["--eval_tasks", "arc_esy,boolq", "--cache-dir", str(tmp_path / "empty")]
+    login = launch(1, "download_models.py", login_args, timeout=300)
     for result in (compute, login):
         assert result.returncode == 2, result.stdout + result.stderr
         assert "has no task, group or tag named 'arc_esy' (closest: arc_easy" in result.stderr
@@ -713,10 +712,7 @@ def test_check_offline_builds_the_cached_tasks_and_names_missing_task_data(
     ]
     (leaf,) = load_task_records(cache)["gsm8k"]
     shutil.rmtree(cache / "datasets--openai--gsm8k" / "snapshots" / str(leaf.commit))
-    check = subprocess.run(
-        [sys.executable, "download_models.py", "--check-offline", "--cache-dir", str(cache)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    check = launch(1, "download_models.py", ["--check-offline", "--cache-dir", str(cache)])
     assert check.returncode == 1, check.stdout + check.stderr
     assert "OK   lm-eval arc_easy: 1 task(s), 8 documents" in check.stdout
     failed = check.stdout.split("FAIL lm-eval gsm8k: ", 1)[1]

@@ -11,8 +11,6 @@ all-gathers a resharding layer at every token. Greedy decoding equals transforme
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +18,14 @@ import pytest
 import torch
 
 from tests import rollout_probe as probe
-from tests.train_helpers import REPO_ROOT, TORCHRUN, check_ok
+from tests.train_helpers import check_ok, run_script
 
 
 @pytest.fixture(scope="module")
 def sharded(tiny_assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
     out = tmp_path_factory.mktemp("rollout") / "rollout.json"
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2"]
-    command += [str(REPO_ROOT / "tests" / "rollout_probe.py"), str(tiny_assets["model"]), str(out)]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    # 2 processes forked as torchrun's workers (tests/prefork.py): the launcher is not the point.
+    result = run_script(2, "tests/rollout_probe.py", [str(tiny_assets["model"]), str(out)], 300)
     check_ok(result)
     return json.loads(out.read_text())
 
@@ -62,7 +56,7 @@ def _unsharded_rollout(model: Any, tokenizer: Any) -> dict[str, list[int]]:
     return {f"{p}/{g}": rollout.completion_ids[i] for i, (p, g) in enumerate(rows)}
 
 
-@pytest.mark.slow  # the 2-process probe (~30 s)
+@pytest.mark.slow  # the 2-process probe
 def test_two_processes_sample_what_one_unsharded_process_samples(sharded, model_and_tokenizer):
     assert sharded["world_size"] == 2
     alone = _unsharded_rollout(*model_and_tokenizer)
@@ -75,7 +69,7 @@ def test_two_processes_sample_what_one_unsharded_process_samples(sharded, model_
     assert len({tuple(c) for c in alone.values()}) > len(alone) // 2
 
 
-@pytest.mark.slow  # the 2-process probe (~30 s)
+@pytest.mark.slow  # the 2-process probe
 def test_completions_end_at_a_stop_token_or_the_limit(sharded):
     stops, limit = set(sharded["stop_tokens"]), sharded["max_new_tokens"]
     truncated = [row["truncated"] for row in sharded["rows"].values()]
@@ -89,7 +83,7 @@ def test_completions_end_at_a_stop_token_or_the_limit(sharded):
             assert completion[-1] in stops and len(completion) <= limit, key
 
 
-@pytest.mark.slow  # the 2-process probe (~30 s)
+@pytest.mark.slow  # the 2-process probe
 def test_each_tokens_logprob_is_the_training_forwards(sharded):
     for key, row in sharded["rows"].items():
         assert len(row["logprobs"]) == len(row["completion"]) == len(row["forced"]), key
@@ -99,7 +93,7 @@ def test_each_tokens_logprob_is_the_training_forwards(sharded):
         assert all(lp < 0 for lp in row["logprobs"]), key
 
 
-@pytest.mark.slow  # the 2-process probe (~30 s)
+@pytest.mark.slow  # the 2-process probe
 def test_a_rollout_phase_all_gathers_each_shard_group_once(sharded):
     groups = sharded["shard_groups"]  # the root and each of the 2 decoder layers
     assert groups == 3

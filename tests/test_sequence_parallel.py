@@ -12,8 +12,6 @@ tests/sequence_parallel_probe.py, and the comparison here fails for each.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from fsdp_utils.synthetic import (
     tiny_model_config,
 )
 from tests.chat_helpers import write_jsonl
-from tests.train_helpers import REPO_ROOT, read_metrics, run_script, tiny_args
+from tests.train_helpers import read_metrics, run_finetune, run_script, tiny_args
 
 # --- each rank's slice ---------------------------------------------------------------------
 
@@ -126,11 +124,9 @@ def test_every_tested_family_is_on_the_list_of_families_that_split():
 
 def test_preflight_refuses_with_one_paragraph_and_exit_2(tiny_assets, tmp_path):
     base = tiny_args(tiny_assets, tmp_path / "run", tmp_path / "cache")
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "chess_finetune.py"), *base, "--preflight",
-         "--world_size", "4", "--sequence_parallel", "3"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-    )  # fmt: skip
+    result = run_finetune(
+        1, [*base, "--preflight", "--world_size", "4", "--sequence_parallel", "3"]
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "--sequence_parallel 3 does not divide the 4 processes" in result.stderr

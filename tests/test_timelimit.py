@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from fsdp_utils.train.timelimit import (
 )
 from tests.train_helpers import (
     REPO_ROOT,
+    BackgroundFinetune,
     check_ok,
     finetune_command,
     read_metrics,
@@ -196,14 +197,45 @@ def _status(out: Path) -> dict:
     return json.loads((out / "status.json").read_text())
 
 
-def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_step(out: Path, step: int, running: Callable[[], bool], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (out / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(out)):
             return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert running(), "the run ended before it was stopped"
         time.sleep(0.1)
     raise AssertionError(f"step {step} not reached")
+
+
+def _stopped_by_a_signal(args: list[str], out: Path) -> tuple[int, str, str]:
+    """Under the real torchrun, whose workers get the signal (its handling is the point)."""
+    proc = subprocess.Popen(
+        finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        _wait_for_step(out, 2, lambda: proc.poll() is None)
+        # what `#SBATCH --signal=USR1@...` (no B:) delivers to the workers
+        workers = worker_pids(proc.pid)
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, stdout, stderr
+
+
+def _stopped_by_the_stop_file(args: list[str], out: Path) -> tuple[int, str, str]:
+    """The stop file is the run's own business: its 2 processes forked (tests/prefork.py)."""
+    run = BackgroundFinetune(2, args)
+    try:
+        _wait_for_step(out, 2, run.running)
+        (out / "STOP").touch()  # what slurm/finetune.sh does when the batch shell gets the signal
+        result = run.result(timeout=120)
+    finally:
+        run.kill()
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.mark.slow
@@ -215,23 +247,9 @@ def test_signal_or_stop_file_saves_and_exits_cleanly_on_all_ranks(
     args = tiny_args(
         tiny_assets, out, data_cache, max_training_steps=100000, save_every_steps=0, log_every=1
     )
-    proc = subprocess.Popen(
-        finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        _wait_for_step(out, 2, proc)
-        if how == "signal":  # what `#SBATCH --signal=USR1@...` (no B:) delivers to the workers
-            workers = worker_pids(proc.pid)
-            assert len(workers) == 2
-            for pid in workers:
-                os.kill(pid, signal.SIGUSR1)
-        else:  # what slurm/finetune.sh does when the batch shell gets the signal
-            (out / "STOP").touch()
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    stop = _stopped_by_a_signal if how == "signal" else _stopped_by_the_stop_file
+    returncode, stdout, stderr = stop(args, out)
+    assert returncode == 0, stderr[-3000:]
     status = _status(out)
     assert status["status"] == "interrupted" and status["reason"] == how
     saved = read_checkpoint(out / "checkpoints" / f"step_{status['step']:08d}")

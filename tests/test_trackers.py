@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.metrics import plot
 from fsdp_utils.metrics.logger import RunLogger, latest_history, read_metrics
 from fsdp_utils.metrics.trackers import WANDB_INSTALL, TensorBoardSink, check_trackers
-from tests.train_helpers import check_ok, finetune_command, tiny_args
+from tests.prefork import launch
+from tests.train_helpers import check_ok, tiny_args
 
 # --- reading the trackers' own files --------------------------------------------------------
 
@@ -166,16 +166,23 @@ def test_wandb_without_the_package_names_the_install_command(monkeypatch, capsys
 
 # --- slow: a real 2-process run with both trackers, in a network namespace ----------------------
 
-NO_NETWORK_PROBE = (
-    f"{sys.executable} -c 'import socket; socket.create_connection((\"1.1.1.1\", 443), timeout=3)'"
-)
+NO_NETWORK_PROBE = """
+import socket
+try:
+    socket.create_connection(("1.1.1.1", 443), timeout=3)
+    print("NETWORK")
+except OSError:
+    print("NO-NETWORK")
+"""
 
 
 @pytest.fixture(scope="module")
 def offline_run(tiny_assets, tmp_path_factory) -> dict[str, Any]:
     """Leg 1 stops after step 5 (checkpoints at 2, 4, 5); leg 2 resumes from step 4, as a
-    requeued job would after a crash before its last save, and logs 5 and 6 again. Each leg runs
-    in its own network namespace with only loopback (for torchrun's rendezvous)."""
+    requeued job would after a crash before its last save, and logs 5 and 6 again. Each leg's
+    2 processes run in a network namespace with only loopback (for their process group):
+    forked from tests/prefork.py's server started under `unshare --net`, where the probe
+    before each leg finds no network."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root for unshare --net")
     base = tmp_path_factory.mktemp("trackers")
@@ -184,19 +191,18 @@ def offline_run(tiny_assets, tmp_path_factory) -> dict[str, Any]:
         tiny_assets, run, cache, max_training_steps=6, eval_every=3, save_every_steps=2,
         no_final_save=True, tensorboard=True, wandb="fsdp-utils-test",
     )  # fmt: skip
+    probe = base / "probe.py"
+    probe.write_text(NO_NETWORK_PROBE)
     # W&B must stay offline whatever the environment says.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "online"}
     outputs = []
     for extra in (["--stop_after_steps", "5"], ["--resume", str(run / "checkpoints" / "step_00000004")]):  # fmt: skip
-        command = " ".join(f"'{a}'" for a in finetune_command(2, [*args, *extra]))
-        script = (
-            f"ip link set lo up; if {NO_NETWORK_PROBE} 2>/dev/null; then echo NETWORK; "
-            f"else echo NO-NETWORK; fi; exec {command}"
+        network = launch(1, str(probe), [], env=env, timeout=60, network=False)
+        result = launch(
+            2, "chess_finetune.py", [*args, *extra], env=env, timeout=300, network=False
         )
-        result = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True,
-                                text=True, timeout=300, env=env)  # fmt: skip
         check_ok(result)
-        outputs.append(result.stdout)
+        outputs.append(network.stdout + result.stdout)
     return {"run": run, "outputs": outputs}
 
 

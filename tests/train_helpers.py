@@ -4,10 +4,12 @@ as a plain process (1) or under torchrun (>1) where the launcher itself is the p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,51 @@ def run_finetune(
         env=full_env,
         cwd=REPO_ROOT,
     )
+
+
+class BackgroundFinetune:
+    """`run_finetune(nproc, args)` in a thread, for a test that acts on the run while it goes
+    (writes its stop file, kills its processes): forked as run_finetune's are, so the test
+    does not pay a torchrun. `ranks()` are the run's processes (the prefork server's
+    children)."""
+
+    def __init__(self, nproc: int, args: list[str], timeout: float = 300) -> None:
+        self.outcome: subprocess.CompletedProcess[str] | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(nproc, args, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, nproc: int, args: list[str], timeout: float) -> None:
+        try:
+            self.outcome = run_finetune(nproc, args, timeout=timeout)
+        except BaseException as error:  # re-raised by result()
+            self.outcome = error
+
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def ranks(self) -> list[int]:
+        from tests import prefork
+
+        server = prefork._server
+        return [] if server is None or not self.running() else worker_pids(server.proc.pid)
+
+    def result(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise AssertionError(f"the run did not end within {timeout} s")
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None
+        return self.outcome
+
+    def kill(self) -> None:
+        """SIGKILL the run's processes (a test's cleanup), and wait for the launch to return."""
+        import signal
+
+        for pid in self.ranks():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.thread.join(60)
 
 
 def run_script(
