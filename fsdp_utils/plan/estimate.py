@@ -260,40 +260,6 @@ def fake_world(cluster: Cluster) -> Iterator[DistEnv]:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _sharding_propagation_memo() -> Iterator[None]:
-    """Serve DTensor's sharding propagation of an operator already seen in this plan from a memo.
-
-    Under a fake mode DTensor takes every operator for a compiler's trace and propagates its
-    sharding afresh each time (`_are_we_tracing`: its cache is for eager runs), and the
-    optimizer's foreach operators over every parameter shard are slow to propagate: a quarter
-    of a plan's CPU time, each traced step (the warm-up, the tracked one, each shallow copy's)
-    redoing what an earlier one computed. The planner's shapes are static, so an operator's
-    schema (mesh, placements, shapes, the other arguments) is the key that eager DTensor's own
-    cache uses; the memo lives for one plan (one fake process group). What it skips are the
-    propagation's own fake tensors, which the memory tracker leaves out anyway."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator.propagate_op_sharding_non_cached
-    memo: dict[Any, Any] = {}
-
-    def propagate(self: ShardingPropagator, op_schema: Any) -> Any:
-        try:
-            return memo[op_schema]
-        except KeyError:
-            pass
-        except TypeError:  # an argument that cannot be a key: as DTensor would
-            return original(self, op_schema)
-        memo[op_schema] = result = original(self, op_schema)
-        return result
-
-    ShardingPropagator.propagate_op_sharding_non_cached = propagate  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator.propagate_op_sharding_non_cached = original  # type: ignore[method-assign]
-
-
 def model_config_dir(config: TrainConfig) -> Path:
     """The folder with the model's config.json: all the planner reads (`config_folder`)."""
     return config_folder(config.model, config.revision, config.cache_dir)
@@ -351,7 +317,7 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     config, eager = _eager_to_trace(config)
     stand_in += eager
 
-    with fake_world(cluster) as env, _sharding_propagation_memo():
+    with fake_world(cluster) as env:
         # The device meshes are built in here, outside FakeTensorMode, or it fails.
         sp = init_sequence_parallel(env, config.sequence_parallel)
         model, facts = build_parallel_model(hf_config, config, env)
