@@ -494,6 +494,33 @@ class Tee(io.TextIOBase):
         self.file.flush()
 
 
+def run_process(
+    command: list[str],
+    *,
+    env: dict[str, str],
+    timeout: float,
+    log: Path,
+    errors: Path | None = None,
+) -> int:
+    """`command` in its own process group, killed whole at `timeout`: its exit code, 124 for a
+    timeout (as `timeout(1)` says it). Its output goes to `log` as it runs (a command cut off
+    leaves what it printed), its errors to `errors` or there too. Every process the kit starts
+    starts here: the CPU test (tests/test_gpu_check.py) swaps it for its forking launcher."""
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(log.open("w"))
+        err = files.enter_context(errors.open("w")) if errors else subprocess.STDOUT
+        process = subprocess.Popen(
+            command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
+        )
+        try:
+            return process.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return 124
+
+
 class Kit:
     """The rows' commands, run one after another on the GPU(s), the planner beside them."""
 
@@ -543,21 +570,9 @@ class Kit:
         ]  # fmt: skip
 
     def run(self, command: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
-        """A command in its own process group, killed whole at `timeout`; (exit code, output,
-        seconds). Exit code 124 for a timeout, as `timeout(1)` says it."""
+        """A command (`run_process`), its output into `log`; (exit code, output, seconds)."""
         started = time.perf_counter()
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-                start_new_session=True,
-            )  # fmt: skip
-            try:
-                code = process.wait(timeout=max(timeout, 1.0))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                code = 124
+        code = run_process(command, env=self.env, timeout=timeout, log=log)
         return code, log.read_text(errors="replace"), time.perf_counter() - started
 
     def write_weights(
@@ -578,12 +593,10 @@ class Kit:
         command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
         command += ["--gpu_memory", self.args.gpu_memory]
         env = {**self.env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
-        result = subprocess.run(
-            command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600
-        )
-        (self.logs / f"{row.name}.plan.log").write_text(result.stdout + result.stderr)
+        out, err = self.logs / f"{row.name}.plan.json", self.logs / f"{row.name}.plan.log"
+        run_process(command, env=env, timeout=600, log=out, errors=err)
         try:
-            return json.loads(result.stdout)
+            return json.loads(out.read_text())
         except json.JSONDecodeError:
             return None
 
@@ -922,14 +935,15 @@ def install_wheels(args: argparse.Namespace) -> None:
 
 def check_versions(output: Path, env: dict[str, str]) -> tuple[int, str]:
     """The toolkit's own start-up check, as every command runs it; its table into versions.txt."""
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_utils.versions"],
-        capture_output=True, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    text = result.stdout + result.stderr
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
+        log = Path(folder, "versions.log")
+        code = run_process(
+            [sys.executable, "-m", "fsdp_utils.versions"], env=env, timeout=600, log=log
+        )
+        text = log.read_text(errors="replace")
     with (output / "versions.txt").open("a") as file:
-        file.write(f"# python -m fsdp_utils.versions (exit {result.returncode})\n{text}")
-    return result.returncode, text
+        file.write(f"# python -m fsdp_utils.versions (exit {code})\n{text}")
+    return code, text
 
 
 def cuda_devices() -> tuple[int, str, str]:

@@ -10,8 +10,8 @@ import pytest
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import load_model_config
-from fsdp_utils.plan import find_max_batch, main, plan_memory
-from fsdp_utils.plan.estimate import Cluster, estimate
+from fsdp_utils.plan import find_max_batch, main, plan_memory, planner
+from fsdp_utils.plan.estimate import Cluster, Estimate, estimate, model_config_dir
 from fsdp_utils.plan.report import Margin
 from fsdp_utils.synthetic import TINY_ARCHITECTURES, tiny_model_config
 from tests.train_helpers import run_module
@@ -30,6 +30,31 @@ def configs(tmp_path_factory) -> dict[str, Path]:
         assert [p.name for p in folder.iterdir()] == ["config.json"]
         folders[arch] = folder
     return folders
+
+
+_TRACES: dict[tuple[str, str, Cluster, bool], Estimate] = {}
+
+
+def _traced_once(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False) -> Estimate:
+    """The planner's `estimate`, each configuration traced once in this module: a trace on fake
+    tensors has no randomness, so tracing the same configuration of the same config.json again
+    gives the same bytes. The base Llama plan alone was traced by seven tests, and the search
+    for the largest batch and the fixes retraced the batch sizes the test had planned."""
+    try:
+        content = (model_config_dir(config) / "config.json").read_text()
+    except (OSError, ValueError):  # a model it cannot find: its own error, from `estimate`
+        return estimate(config, cluster, full_trace=full_trace)
+    key = (config.to_json(), content, cluster, full_trace)
+    if key not in _TRACES:
+        _TRACES[key] = estimate(config, cluster, full_trace=full_trace)
+    return _TRACES[key]
+
+
+@pytest.fixture(autouse=True)
+def _trace_each_configuration_once(monkeypatch) -> None:
+    """`plan_memory`, `find_max_batch` and the fixes they plan trace through `_traced_once`; the
+    tests that call `estimate` themselves still trace."""
+    monkeypatch.setattr(planner, "estimate", _traced_once)
 
 
 def _config(folder: Path, **overrides) -> TrainConfig:
