@@ -36,10 +36,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) -> None:
     model = save_chat_model(tmp_path / "model", "chatml")
-    data = write_jsonl(tmp_path / "prefs.jsonl", preference_pairs(300))
+    # 64 pairs: 16 to evaluate, 48 to train on, of which the 4 steps of 8 read 32 (no epoch
+    # ends). Legs 2 and 3 end where the test chose (--stop_after_steps, then the last step),
+    # whatever the machine's load: a few steps each show what they show as well as many.
+    data = write_jsonl(tmp_path / "prefs.jsonl", preference_pairs(64))
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
     env = finetune_env(model, data, 8)
-    steps, budget = 24, 12  # legs 2 and 3: 12 steps each
+    steps, budget = 4, 2  # legs 2 and 3: 2 steps each
     job = local_slurm.sbatch(
         "--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=10",
         f"--output={log}", "slurm/finetune.sh",

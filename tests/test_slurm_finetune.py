@@ -2,8 +2,11 @@
 
 The job asks for 2 of the node's emulated GPUs, so the script sees SLURM_GPUS_ON_NODE=2 and
 CUDA_VISIBLE_DEVICES=0,1 exactly as on a GPU node and starts 2 processes, which train on CPU
-with gloo (torch finds no CUDA). tests/fake_bin is first on PATH so the per-node GPU sampler
-has an nvidia-smi to record.
+with gloo (torch finds no CUDA). The completed job of `test_sbatch_finetune_completes` is the
+session's `finetune_job` (tests/slurm_jobs.py), submitted from a newcomer's shell: the replay
+nvidia-smi of slurm/local/bin is on PATH, so the preflight plans and the per-node GPU sampler
+records; tests/test_slurm_gpu_report_local.py reports the same job. Elsewhere tests/fake_bin is
+first on PATH.
 """
 
 from __future__ import annotations
@@ -16,23 +19,17 @@ from pathlib import Path
 import pytest
 
 from tests import local_slurm as slurm_fixture
+from tests import slurm_jobs
 from tests.local_slurm import LocalSlurm
+from tests.slurm_jobs import RESOURCES, TINY_RUN, FinishedJob
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
+finetune_job = slurm_jobs.finetune_job  # the session's completed job, read by two modules
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_BIN = Path(__file__).parent / "fake_bin"
-# Two emulated GPUs, the node's two CPUs, a little memory: the job fits the 2-core test machine.
-RESOURCES = ("--gpus-per-node=2", "--cpus-per-task=2", "--mem=6G", "--time=10")
-TINY_RUN = (
-    "--dataset_include", "",
-    "--max_seq_length", "128",
-    "--eval_examples", "16",
-    "--eval_every", "0",
-    "--precision", "fp32",
-)  # fmt: skip
 
 
 def job_env(**overrides: str) -> dict[str, str]:
@@ -60,26 +57,17 @@ def read_metrics(run_dir: Path) -> list[dict[str, object]]:
 
 
 def test_sbatch_finetune_completes(
-    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], finetune_job: FinishedJob
 ) -> None:
     """Env overrides (model, data, batch, output) and pass-through arguments reach the trainer;
     the log shows the derived accumulation; the run folder holds everything."""
-    run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = job_env(
-        MODEL=str(tiny_assets["model"]),
-        DATASET=str(tiny_assets["data"]),
-        OUTPUT_DIR=str(run_dir),
-        TOTAL_BATCH_SIZE="8",
-        BATCH_SIZE_PER_DEVICE="2",
-        GPU_SAMPLE_INTERVAL="1",
-    )
-    job = submit(local_slurm, log, env, *TINY_RUN, "--max_training_steps", "4")
-    info = local_slurm.wait(job, timeout=240)
+    job, info, log = finetune_job.job, finetune_job.info, finetune_job.log
+    run_dir = finetune_job.run_dir
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
     assert "1 node(s) x 2 process(es) (one per GPU, SLURM_GPUS_ON_NODE=2)" in text
     assert "total batch 8 sequences = 2 per device x 2 devices x 2 accumulation steps" in text
-    # The preflight read the GPUs' memory from (the stand-in) nvidia-smi and planned the run.
+    # The preflight read the GPUs' memory from (the replay of) nvidia-smi and planned the run.
     assert "memory plan: FITS: needs 2.0 of 140.4 GiB" in text
     steps = [m["step"] for m in read_metrics(run_dir) if m.get("kind") == "train"]
     assert steps and max(steps) == 4  # type: ignore[type-var]
@@ -148,43 +136,51 @@ def test_non_dividing_batch_fails_in_preflight(
 def test_run_that_does_not_fit_fails_in_preflight(
     local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
 ) -> None:
-    """CodeLlama-7B (its config.json only) on 2 GPUs of 20 GiB: the preflight's memory plan says
-    it does not fit, before any training process starts."""
+    """The tiny model on 2 GPUs of 1 GiB (it needs 2.0 GiB, the CUDA context's share included):
+    the preflight's memory plan says it does not fit, before any training process starts. (A
+    7B model's plan says the same after a minute of tracing at load; the planner's own tests
+    plan those.)"""
     run_dir, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = job_env(OUTPUT_DIR=str(run_dir), GPU_MEMORY="20GiB", GPU_SAMPLE_INTERVAL="0")
-    model = REPO / "tests" / "fixtures" / "configs" / "codellama-7b"
+    env = job_env(OUTPUT_DIR=str(run_dir), GPU_MEMORY="1GiB", GPU_SAMPLE_INTERVAL="0")
     job = submit(
-        local_slurm, log, env, "--model", str(model), "--dataset", str(tiny_assets["data"]),
-        "--dataset_include", "",
+        local_slurm, log, env, "--model", str(tiny_assets["model"]), "--dataset",
+        str(tiny_assets["data"]), "--dataset_include", "",
     )  # fmt: skip
     info = local_slurm.wait(job, timeout=180)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
     assert "The run does not fit in GPU memory" in text
-    assert "DOES NOT FIT: needs" in text and "the GPU has 20.0 GiB" in text
+    assert "DOES NOT FIT: needs" in text and "the GPU has 1.0 GiB" in text
     assert "python chess_finetune.py --plan --nodes 1 --gpus_per_node 2" in text
     assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
-    local_slurm: LocalSlurm, tiny_assets: dict[str, Path], tmp_path: Path
+    local_slurm: LocalSlurm,
+    tiny_assets: dict[str, Path],
+    finetune_job: FinishedJob,
+    tmp_path: Path,
 ) -> None:
-    """One job, several checks. Leg 1 (3-minute limit): the trainer stops 2.75 min before the
-    end (it reads the end time; USR1 at 40 s before is the second line of defence) with too much
-    left to finish, every rank saves, the script requeues. Leg 2 (the test raises the limit to
-    10 min) resumes its own checkpoint although the command says `--resume never`; then Slurm's
-    signal (sent by the test as `--signal=B:USR1@...` would) arrives with little work left: the
-    run finishes in this leg instead of requeueing one more. Also: `--resume never` set the
-    abandoned run in the folder aside; the stop file and run folder come from a --config file;
-    the GPU sampler, which ends at once without nvidia-smi, is stopped without noise."""
+    """One job, several checks. Leg 1 (3-minute limit, a 3-minute margin): the trainer reads the
+    job's end time and is inside its margin from its start, whatever the machine's load; a run
+    that starts there goes on to its first step and saves it, then stops with too much left to
+    finish (nothing fits before a margin already passed): every rank saves, the script
+    requeues. Leg 2 (the test raises the limit to 10 min) resumes its own checkpoint although
+    the command says `--resume never`; then Slurm's signal (sent by the test as
+    `--signal=B:USR1@...` would) arrives with little work left: the run finishes in this leg
+    instead of requeueing one more. Also: `--resume never` set the abandoned run in the folder
+    aside; the stop file and run folder come from a --config file; the GPU sampler, which ends
+    at once without nvidia-smi, is stopped without noise."""
     run_dir, log, halt = tmp_path / "run", tmp_path / "slurm.out", tmp_path / "HALT"
-    # Leg 1 has 15 s between the job's start and the margin; on a quiet machine the start takes
-    # about 10 s and a step 0.08 s, so 60 steps could end in it and nothing would be requeued.
-    # 150 (~12 s) cannot, and what is left fits easily in leg 2's 10 minutes. On a loaded
-    # machine the trainer starts after the margin, and stops after its first step. Slurm's USR1
-    # comes 2 minutes later: early enough, it would find the trainer not started yet, and the
-    # leg would end before its first step (slurm/finetune.sh; tests/test_preference_slurm.py).
-    steps = 150
+    # Leg 1 trains exactly one step. Its data must be prepared already: inside the margin, the
+    # data preparation would stop too (before the first step). `finetune_job` prepared it (the
+    # same data options; the cache is keyed by them, in the session's HF_HOME). Leg 2 trains
+    # the rest: the test's signal comes after its first step, and the steps left after that
+    # (~0.1 s each on a quiet machine, ~0.5 s at load 10) must outlast the signal's way (the
+    # test's poll, scancel, slurmctld, slurmd, the script's trap: well under a second; the stop
+    # came one step after the signal at load 10), else the run would complete before it.
+    # Slurm's own USR1 comes at 2:20, long after leg 1 ended.
+    steps = 40
     abandoned = run_dir / "checkpoints" / "step_00005000"  # a higher step than this run reaches
     abandoned.mkdir(parents=True)
     (abandoned / "checkpoint.json").write_text(json.dumps({"step": 5000, "files": {}}))
@@ -200,7 +196,7 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     sbatch = (*RESOURCES[:-1], "--time=3", "--signal=B:USR1@40")
     job = submit(
         local_slurm, log, env, *TINY_RUN, "--config", str(config), "--resume", "never",
-        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "2.75",
+        "--max_training_steps", str(steps), "--time_limit_margin_minutes", "3",
         "--save_every_minutes", "0",
         sbatch=sbatch,
     )  # fmt: skip
@@ -210,12 +206,12 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         resumed = [r["step"] for r in records if r.get("kind") == "resumed"]
         trained = [r["step"] for r in records if r.get("kind") == "train"]
-        return bool(resumed) and max(trained) >= resumed[-1] + 2  # type: ignore[operator]
+        return bool(resumed) and max(trained) >= resumed[-1] + 1  # type: ignore[operator]
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # the hold, then leg 2's start (a minute at load 10)
     while not resumed_and_stepping():
         assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+        time.sleep(0.05)
     local_slurm.run("scancel", "--batch", "--signal=USR1", job)
     info = local_slurm.wait(job, timeout=240)
     text = log.read_text()
