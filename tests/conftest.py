@@ -106,8 +106,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # groups tests, but in a hook that comes before this one: without this line every
             # Slurm module was a unit of its own, and two of them ran at once.
             if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid:
-                item._nodeid = f"{item.nodeid}@{unit[id(item)]}"
+                _suffix_nodeid(item, unit[id(item)])
     items.sort(key=lambda item: -known.get(unit[id(item)], DEFAULT_UNIT_S))  # stable
+
+
+def _suffix_nodeid(item: pytest.Item, group: str) -> None:
+    """`nodeid@group`, as xdist writes it for its scheduler. pytest 9.2 derives `nodeid` from
+    a structured `_id` (xdist 3.8 still sets `_nodeid`, which 9.2 no longer reads: its
+    `xdist_group` marker then groups nothing, and two Slurm modules' jobs queued behind each
+    other in CI); older pytest keeps the string in `_nodeid`."""
+    nodeid = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId  # pytest >= 9.2
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
