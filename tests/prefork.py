@@ -276,8 +276,9 @@ class Server:
                 self.proc.kill()
 
 
-_server: Server | None = None
-_offline_server: Server | None = None  # launch(..., network=False)
+# This process's servers, by `network` (False: launch(..., network=False)'s), each started on
+# first use and again if it ended.
+_servers: dict[bool, Server] = {}
 cpu_seconds = 0.0  # the CPU time of every run launched from this process so far
 
 
@@ -297,13 +298,9 @@ def launch(
     process's). `distributed`: the torchrun variables even for one process. `network=False`:
     forked from a server with no network but loopback (`unshare --net`; needs root). The result
     is what `subprocess.run(..., capture_output=True, text=True)` of torchrun would give."""
-    global _server, _offline_server
-    if network and (_server is None or _server.proc.poll() is not None):
-        _server = Server()
-    if not network and (_offline_server is None or _offline_server.proc.poll() is not None):
-        _offline_server = Server(network=False)
-    server = _server if network else _offline_server
-    assert server is not None
+    server = _servers.get(network)
+    if server is None or server.proc.poll() is not None:
+        server = _servers[network] = Server(network=network)
     with tempfile.TemporaryDirectory(prefix="prefork-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         request = {

@@ -74,7 +74,7 @@ class BackgroundFinetune:
     def ranks(self) -> list[int]:
         from tests import prefork
 
-        server = prefork._server
+        server = prefork._servers.get(True)
         return [] if server is None or not self.running() else worker_pids(server.proc.pid)
 
     def result(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
