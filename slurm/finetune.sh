@@ -108,8 +108,23 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 # --- preflight: seconds, before anything expensive ----------------------------------------------
 # Config, batch arithmetic for WORLD_SIZE processes, offline assets, sequence length, and the
 # memory planner's verdict for this node's GPUs (GPU_MEMORY=80GiB to force a size, off to skip).
-if ! "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" --nodes "$NNODES" \
+# Once per job: a requeued leg runs the same command, and when its processes, nodes and GPUs are
+# those an earlier leg's preflight passed with (recorded in RUN_DIR/logs), it is not repeated
+# (the trainer checks the config and data again in every process anyway; the preflight costs
+# every leg a Python process importing torch, and a big model's plan up to a minute).
+gpu_memory=${GPU_MEMORY:-auto}
+if [ "$gpu_memory" = auto ]; then  # this node's GPU sizes (none without nvidia-smi)
+    gpu_sizes=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2>/dev/null | sort -u)
+    [ -z "$gpu_sizes" ] || gpu_memory+=" $(printf '%s' "$gpu_sizes" | paste -sd ' ')"
+fi
+preflight_passed="$RUN_DIR/logs/preflight-$SLURM_JOB_ID.passed"
+preflight_key="$WORLD_SIZE process(es) on $NNODES node(s), GPU memory $gpu_memory"
+if [ -f "$preflight_passed" ] && [ "$(cat "$preflight_passed")" = "$preflight_key" ]; then
+    echo "preflight: passed in an earlier leg of job $SLURM_JOB_ID ($preflight_key): not repeated"
+elif "$PYTHON" "$TRAIN_SCRIPT" --preflight --world_size "$WORLD_SIZE" --nodes "$NNODES" \
     --gpu_memory "${GPU_MEMORY:-auto}" "${train_args[@]}"; then
+    printf '%s\n' "$preflight_key" > "$preflight_passed"
+else
     echo "preflight failed: nothing was started. Fix the error above and resubmit." >&2
     exit 2
 fi

@@ -50,6 +50,8 @@ def test_sbatch_grpo_survives_a_requeue(
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
     assert "requeueing to resume" in text
+    # Leg 2 runs the same command on the same processes: the preflight of leg 1 is not repeated.
+    assert text.count("preflight OK") == 1 and "preflight: passed in an earlier leg" in text
     records = read_metrics(run_dir, None)
     stops = [r for r in records if r.get("kind") == "stopping"]
     assert stops, text  # inside step 1 (its rollout kept), at the margin

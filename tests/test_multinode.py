@@ -256,6 +256,9 @@ def test_time_limit_across_two_nodes_requeues_and_matches_one_process(
     # script made the stop file): both are the time-limit path.
     assert re.search(r"stopping at step 1: (time limit|stop file)", text), text
     assert "requeueing to resume" in text
+    # Leg 2 skips the preflight that leg 1 passed with the same 4 processes on 2 nodes.
+    assert text.count("preflight OK") == 1
+    assert f"preflight: passed in an earlier leg of job {job} (4 process(es) on 2 node(s)" in text
     assert "checkpoint: resumed from step 1 (" in text and "saved on 4 process(es))" in text
     # Every rank of both nodes wrote its shard of the time-limit checkpoint.
     saved = read_checkpoint(run_dir / "checkpoints" / "step_00000001")

@@ -69,6 +69,10 @@ def test_sbatch_dpo_survives_a_requeue(local_slurm: LocalSlurm, tmp_path: Path) 
         or "stopping before the first step: stop file during the start" in leg1
     ), leg1
     assert "requeueing to resume" in leg1 and "dpo: computing" not in leg1
+    # The preflight passed in leg 1; legs 2 and 3 run the same command and skip it.
+    assert "preflight OK" in leg1
+    for leg in (leg2, leg3):
+        assert "preflight OK" not in leg and "preflight: passed in an earlier leg" in leg, leg
     assert "dpo: computing the reference log-probabilities" in leg2
     assert "stop_after_steps" in leg2 and "requeueing to resume" in leg2
     assert "dpo: reference log-probabilities from" in leg3  # leg 3 reuses the whole cache

@@ -222,6 +222,9 @@ def test_time_limit_requeue_resumes_its_own_leg_and_ends_without_a_wasted_leg(
     # Leg 2: its own checkpoint, not `--resume never` again; then the signal, and the end.
     assert f"requeued leg (job {job}, restart 1): resuming this job's newest checkpoint" in text
     assert "not --resume never again" in text
+    # The preflight ran once, in leg 1: leg 2 (the same command, processes and GPUs) skips it.
+    assert text.count("preflight OK") == 1
+    assert f"preflight: passed in an earlier leg of job {job} (2 process(es) on 1 node(s)" in text
     assert "Slurm signalled the coming time limit" in text
     assert "finishing in this job instead of requeueing (stop at step" in text
     assert "stop file): the remaining work" in text and "fits in the" in text
