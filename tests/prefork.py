@@ -62,6 +62,16 @@ PREIMPORTS = (
     "fsdp_utils.run.session",
     "fsdp_utils.trainer.trainer",
     "fsdp_utils.checkpoint.final_model",
+    # ... and what a run imported on first use (sys.modules after a full and a LoRA run, less
+    # the above): 0.3-0.5 s per process. Not pyarrow: importing it starts jemalloc's background
+    # thread, and the server forks only while it has no thread but its own (checked below).
+    "peft",
+    "fsspec",
+    "huggingface_hub.hf_file_system",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.convert_slow_tokenizer",
+    "fsdp_utils.run.host_memory",
 )
 GRACE_S = 30.0  # torchrun's: a SIGTERM'd process has this long before SIGKILL
 
@@ -190,6 +200,20 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     return {"codes": [codes[r] for r in range(nproc)], "timed_out": timed_out, "cpu": cpu}
 
 
+def _warm_up() -> None:
+    """What every run's first use builds, built once here: transformers' checkpoint conversion
+    rules of every architecture (hundreds of regular expressions, built whole on the first
+    lookup; the trainer reads them to map a checkpoint's names). A forked run paid it on each
+    rank: 1.90 -> 1.15 s for a 2-step run at load 4 (a second run in one process: 0.42 s)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("llama")
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:  # another thread may hold a lock the children would inherit locked
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in threads]
+        raise RuntimeError(f"the prefork server has threads before forking: {names}")
+
+
 def serve() -> None:
     """Read one JSON request per line on stdin, answer one JSON line each on stdout."""
     import importlib
@@ -204,6 +228,7 @@ def serve() -> None:
     signal.signal(signal.SIGTERM, _on_term)
     for name in PREIMPORTS:
         importlib.import_module(name)
+    _warm_up()
     # What the imports made stays out of the garbage collector's passes, in the server and in
     # every fork: a pass writes to each object it visits, and each write to a shared page
     # copies it into the child (~400,000 objects).
