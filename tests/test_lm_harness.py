@@ -246,6 +246,10 @@ def test_groups_expand_to_their_tasks_read_from_lm_evals_yamls(task_index: Any) 
     )
     with pytest.raises(ValueError, match="no task, group or tag named 'arc_eazy'"):
         leaf_tasks("arc_eazy", manager)
+    # The download's index: only the folders whose files declare the names, the same leaves.
+    from fsdp_utils.lm_harness.tasks import leaves_of
+
+    assert leaves_of(["mmlu", "arc_easy"]) == ({"mmlu": mmlu, "arc_easy": [arc]}, [])
 
 
 # --- equality with HFLM ---------------------------------------------------------------------
