@@ -5,7 +5,7 @@ per-request log-likelihood within 1e-4 relative, every generated text and every 
 same, for multiple-choice tasks (arc_easy, hellaswag, an MMLU subject), a rolling-loglikelihood
 task (wikitext, windows of 64 tokens so that documents roll) and a generation task (gsm8k), on
 one process (the adapter itself) and on two processes with FSDP2 (`python -m
-fsdp_utils.evaluate` under torchrun, with no network, reading the datasets that
+fsdp_utils.evaluate` as torchrun's workers, with no network, reading the datasets that
 `download_models.py --eval_tasks` cached from the local mirror). Then each form `--model` takes
 (a hub id in the cache, a run folder, a LoRA adapter over its base) against HFLM on the same
 model. The datasets are small copies in their Hub layout (tests/lm_eval_data.py), read by
@@ -246,6 +246,10 @@ def test_groups_expand_to_their_tasks_read_from_lm_evals_yamls(task_index: Any) 
     )
     with pytest.raises(ValueError, match="no task, group or tag named 'arc_eazy'"):
         leaf_tasks("arc_eazy", manager)
+    # The download's index: only the folders whose files declare the names, the same leaves.
+    from fsdp_utils.lm_harness.tasks import leaves_of
+
+    assert leaves_of(["mmlu", "arc_easy"]) == ({"mmlu": mmlu, "arc_easy": [arc]}, [])
 
 
 # --- equality with HFLM ---------------------------------------------------------------------
@@ -318,21 +322,17 @@ def test_two_processes_offline_equal_hflm_from_the_download(
 
     out = tmp_path / "results"
     evaluate = [
-        "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_utils.evaluate",
+        "fsdp_utils.evaluate",
         "--model", str(eval_model), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
         "--max_length", str(MAX_LENGTH), "--gen_kwargs", GEN_KWARGS, "--batch_size", "3",
         "--log_samples", "--output_dir", str(out), "--cache_dir", str(cache),
         "--bootstrap_iters", "0",
     ]  # fmt: skip
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    script = "ip link set lo up; exec " + " ".join([torchrun, *evaluate[1:]])
-    run = subprocess.run(
-        ["unshare", "--net", "sh", "-c", script],
-        env=hub_mirror.env(home),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    # Two processes as torchrun's workers with no network but loopback, as on a compute node:
+    # forked from tests/prefork.py's server started under `unshare --net` (the launcher is not
+    # the point here; torchrun and two new interpreters cost ~20 s of CPU more).
+    run = launch(
+        2, "-m", evaluate, env=hub_mirror.env(home), timeout=400, distributed=True, network=False
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "FSDP2 over 2 process(es)" in run.stdout
@@ -393,12 +393,11 @@ def test_an_unknown_task_is_no_such_task_on_the_compute_node_and_the_login_node(
     """Issue 48: a typo was answered "holds no datasets ... run download_models.py", and only
     that command then said lm-eval has no such task. On a compute node (no network: `unshare
     --net`) and on the login node, the typo is named at once, with lm-eval's closest names."""
-    evaluate = [sys.executable, "-m", "fsdp_utils.evaluate", "--model", str(eval_model),
-                "--tasks", "arc_esy,boolq", "--cache_dir", str(tmp_path / "empty")]  # fmt: skip
-    compute = subprocess.run(  # loopback up: the process group's store listens on it
-        ["unshare", "--net", "sh", "-c", "ip link set lo up; exec " + " ".join(evaluate)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    evaluate = ["fsdp_utils.evaluate", "--model", str(eval_model), "--tasks", "arc_esy,boolq",
+                "--cache_dir", str(tmp_path / "empty")]  # fmt: skip
+    # Forked from tests/prefork.py's server started under `unshare --net` (loopback up: the
+    # process group's store listens on it), as `python -m fsdp_utils.evaluate` on the node.
+    compute = launch(1, "-m", evaluate, timeout=300, network=False)
     # The login node's command, forked from tests/prefork.py's pre-imported server.
     login_args = ["--eval_tasks", "arc_esy,boolq", "--cache-dir", str(tmp_path / "empty")]
     login = launch(1, "download_models.py", login_args, timeout=300)

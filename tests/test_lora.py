@@ -210,26 +210,33 @@ def _token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
 _ASSET_HASHES = """
 import hashlib, sys
 from pathlib import Path
-from unittest import mock
 from fsdp_utils.synthetic import build_demo_assets
 root = Path(sys.argv[1])
-build_demo_assets(root, num_games=400, num_shards=2)
-for path in sorted(p for p in root.rglob("*") if p.is_file()):
+if sys.argv[2:] != ["--built"]:
+    build_demo_assets(root, num_games=400, num_shards=2)
+# What build_demo_assets writes (a session's folder may hold other tests' files beside them).
+written = [p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] in
+           ("data", "model")]
+for path in sorted(written):
     print(path.relative_to(root), hashlib.sha256(path.read_bytes()).hexdigest())
 """
 
 
-def test_the_tiny_assets_are_the_same_in_every_process(tmp_path):
-    """The seeded model, games and tokenizer, byte for byte, from two processes (this one and a
-    new interpreter, each with its own hash seed; a fork would share this one's). The tokenizer
-    was not: tokenizers' BPE trainer numbered the word-final characters in a hash map's order,
-    random per process, so the seeded model learned from another vocabulary's order each time
-    and the held-out gain below varied from run to run (6.2498 against 6.2523 once, on a clean
-    clone); `synthetic.canonical_ids` numbers them from the tokens alone."""
+def test_the_tiny_assets_are_the_same_in_every_process(tiny_assets, tmp_path):
+    """The seeded model, games and tokenizer, byte for byte, from two processes (this one, whose
+    session fixture `tiny_assets` is the same call, and a new interpreter, each with its own
+    hash seed; a fork would share this one's). The tokenizer was not: tokenizers' BPE trainer
+    numbered the word-final characters in a hash map's order, random per process, so the
+    seeded model learned from another vocabulary's order each time and the held-out gain
+    below varied from run to run (6.2498 against 6.2523 once, on a clean clone);
+    `synthetic.canonical_ids` numbers them from the tokens alone. (This process's build is
+    the session's: a second one here cost ~8 s of CPU.)"""
     here = io.StringIO()
+    root = tiny_assets["model"].parent
+    assert tiny_assets["data"].parent == root
     with (
         contextlib.redirect_stdout(here),
-        mock.patch.object(sys, "argv", ["-c", str(tmp_path / "one")]),
+        mock.patch.object(sys, "argv", ["-c", str(root), "--built"]),
     ):
         exec(_ASSET_HASHES, {"__name__": "__main__"})
     command = [sys.executable, "-c", _ASSET_HASHES, str(tmp_path / "two")]
@@ -237,6 +244,7 @@ def test_the_tiny_assets_are_the_same_in_every_process(tmp_path):
     check_ok(result)
     outputs = [here.getvalue(), result.stdout]
     assert "model/tokenizer.json" in outputs[0] and "model/model.safetensors" in outputs[0]
+    assert "data/" in outputs[0]
     assert outputs[0] == outputs[1]
 
 

@@ -1,7 +1,8 @@
 """The login node's half: `download_models.py --eval_tasks arc_easy,mmlu,...`.
 
-For each requested task or group: its leaf tasks from lm-eval's YAMLs (`tasks.leaf_tasks`);
-per dataset repository, the README (its `configs:` say which files each config reads) and then
+For each requested task or group: its leaf tasks from lm-eval's YAMLs (`tasks.leaves_of`: the
+index of the task folders that declare the names, not all ~15,000 files); per dataset
+repository, the README (its `configs:` say which files each config reads) and then
 exactly those files, fetched by the toolkit's downloader (pinned to a commit, checksummed, in
 the manifest); then every leaf task is built from the cache, offline, as the compute node will
 build it, so that a dataset that needs a loading script or anything else from the network is
@@ -28,7 +29,7 @@ from fsdp_utils.hub.specs import AssetSpec
 from fsdp_utils.lm_harness.tasks import (
     LeafTask,
     cached_leaves,
-    leaf_tasks,
+    leaves_of,
     load_task_records,
     quiet_task_logs,
     save_task_records,
@@ -113,18 +114,9 @@ def download_task_data(
 ) -> dict[str, list[LeafTask]]:
     """Cache what `names` read; record them. TaskDataError names the tasks that cannot be
     cached (nothing is recorded for them; the others are)."""
-    from lm_eval.tasks import TaskManager
-
     from fsdp_utils.hub.download import download_assets
 
-    manager = TaskManager()
-    requested: dict[str, list[LeafTask]] = {}
-    problems: list[str] = []
-    for name in names:
-        try:
-            requested[name] = leaf_tasks(name, manager)
-        except ValueError as err:
-            problems.append(f"{name}: {err}")
+    requested, problems = leaves_of(names)
     repos: dict[str, list[LeafTask]] = {}
     for leaves in requested.values():
         for leaf in leaves:

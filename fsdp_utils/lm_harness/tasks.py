@@ -18,7 +18,9 @@ serves).
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -123,12 +125,24 @@ def known_task_names() -> set[str]:
     login node's `download_models.py --eval_tasks` then says from the index itself. Templates
     without a .yaml suffix (`_default_template_yaml`, extensionless includes) count: tags come
     from them."""
-    names: set[str] = set()
+    return set(_declared_names())
+
+
+@functools.cache
+def _declared_names() -> dict[str, frozenset[Path]]:
+    """{name: the task files that declare it}, a file counting as declaring what the files
+    it includes declare (a task file takes its tag from its folder's template)."""
+    own: dict[Path, set[str]] = {}
+    includes: dict[Path, list[Path]] = {}
     for path in lm_eval_tasks_dir().rglob("*"):
         if not (path.name.endswith("yaml") or path.suffix == "") or not path.is_file():
             continue
+        names = own[path] = set()
         lines = path.read_text(errors="replace").splitlines()
         for at, line in enumerate(lines):
+            if line.startswith("include:"):
+                target = line.partition(":")[2].split("#")[0].strip().strip("'\"")
+                includes.setdefault(path, []).append(Path(os.path.normpath(path.parent / target)))
             found = _NAME_KEY.match(line)
             if found is None:
                 continue
@@ -143,8 +157,61 @@ def known_task_names() -> set[str]:
                     if listed is None:
                         break
                     names.add(listed.group(1).strip("'\""))
-    names.discard("")
-    return names
+    declared: dict[str, set[Path]] = {}
+    for path in own:
+        names, todo, seen = set(own[path]), list(includes.get(path, [])), {path}
+        while todo:
+            included = todo.pop()
+            if included in seen or included not in own:
+                continue
+            seen.add(included)
+            names |= own[included]
+            todo += includes.get(included, [])
+        for name in names - {""}:
+            declared.setdefault(name, set()).add(path)
+    return {name: frozenset(paths) for name, paths in declared.items()}
+
+
+def task_index(names: list[str]) -> Any:
+    """lm-eval's TaskManager over the task folders (`tasks/arc`, `tasks/mmlu`, ...) whose files
+    declare `names` (`_declared_names`): what `leaf_tasks` reads, in a second where the whole
+    index takes 15-20 s of CPU. The whole index when a name is declared outside a family's
+    folder; `leaves_of` falls back to it when a group names a member that lies elsewhere."""
+    from lm_eval.tasks import TaskManager
+
+    root = lm_eval_tasks_dir()
+    declared = _declared_names()
+    folders: set[str] = set()
+    for name in names:
+        for path in declared.get(name, ()):
+            parts = path.relative_to(root).parts
+            if len(parts) < 2:
+                return TaskManager()
+            folders.add(str(root / parts[0]))
+    if not folders:
+        return TaskManager()
+    return TaskManager(include_path=sorted(folders), include_defaults=False)
+
+
+def leaves_of(names: list[str]) -> tuple[dict[str, list[LeafTask]], list[str]]:
+    """Each name's leaf tasks, read from `task_index(names)`, or from lm-eval's whole index
+    if a name does not expand there (a group whose member lies in another folder, a name
+    that is no task: the whole index says so, with its closest names). Returns ({name:
+    leaves}, the problems: "name: why")."""
+    from lm_eval.tasks import TaskManager
+
+    for manager in (task_index(names), None):
+        index = TaskManager() if manager is None else manager
+        leaves: dict[str, list[LeafTask]] = {}
+        problems: list[str] = []
+        for name in names:
+            try:
+                leaves[name] = leaf_tasks(name, index)
+            except ValueError as err:
+                problems.append(f"{name}: {err}")
+        if not problems:
+            break
+    return leaves, problems
 
 
 def require_known_tasks(names: list[str]) -> None:
