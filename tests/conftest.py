@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +21,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One compute thread per process, set before torch is imported (it reads this once): `make
-# test` runs two workers on two cores, each starting processes of its own, and torch's default
-# (a thread per core) made every thread of a tiny model's matmul wait for busy cores, spinning.
-# Measured at load 7: four in-process modules took 102 s of CPU and 386 s with the default,
-# 46 s and 135 s with one thread. Processes the tests start inherit it, as torchrun sets it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,11 +74,22 @@ DEFAULT_UNIT_S = 30.0
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collection imported (torch, transformers, the package, the test modules) is never
-    garbage: it leaves the garbage collector's passes. A run in the test's own process ends in
-    `gc.collect()` (fsdp_utils.cli, run_command), which otherwise walked the ~400,000 objects of
-    those imports each time: 1 s per run at load 7. (tests/prefork.py's server does the same
-    before it forks.)"""
+    """In each test process, once collection imported torch and the test modules:
+
+    - one compute thread: `make test` runs two workers on two cores, each starting processes
+      of its own, and torch's default (a thread per core) made each thread of a tiny model's
+      matmul wait for busy cores, spinning. Measured at load 7: four in-process modules took
+      102 s of CPU and 386 s with the default, 46 s and 135 s with one thread. Set here, not
+      as OMP_NUM_THREADS: the processes and Slurm jobs the tests start see the environment a
+      user's would (the job's launch plan derives its threads from its CPUs);
+    - what collection imported is never garbage: it leaves the garbage collector's passes. A
+      run in the test's own process ends in `gc.collect()` (fsdp_utils.cli, run_command),
+      which otherwise walked the ~400,000 objects of those imports each time: 1 s per run at
+      load 7. (tests/prefork.py's server does the same before it forks.)
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
     gc.freeze()
 
 
