@@ -116,11 +116,9 @@ class LocalCluster(_StateFolder):
     partition: str = "local"
     slurmctld_port: int = DEFAULT_SLURMCTLD_PORT
     slurmd_port: int = DEFAULT_SLURMD_PORT
-    # Slurm holds a requeued job for cred_expire + 1 seconds (121 s by default). 5 is the least
-    # Slurm accepts (below it logs "AuthInfo=cred_expire=N invalid" and uses 120): a requeued
-    # leg restarts 6 s later. A credential must reach slurmd within those 5 s of being signed,
-    # which a launch on this machine or its bridge does in milliseconds, under load too.
-    cred_expire_seconds: int = 5
+    # Slurm holds a requeued job for cred_expire + 1 seconds (121 s by default); 10 s keeps
+    # the requeue tests short without racing credential checks on a one-node cluster.
+    cred_expire_seconds: int = 10
 
     @property
     def slurmd_spool(self) -> Path:
@@ -167,9 +165,9 @@ MailProg=/bin/true
 SwitchType=switch/none
 # A node that was down (e.g. after a restart) returns to service by itself.
 ReturnToService=2
-# Short turnarounds for trying things out: schedule every second, SIGKILL 5 s after SIGTERM.
+# Short turnarounds for trying things out: schedule every 2 s, SIGKILL 5 s after SIGTERM.
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=1,bf_interval=1
+SchedulerParameters=sched_interval=2,bf_interval=5
 KillWait=5
 # Refuse at submission a job {what} can never run, instead of leaving it pending forever.
 EnforcePartLimits=ALL
@@ -252,7 +250,7 @@ class MultiNodeCluster(_StateFolder):
     partition: str = "multi"
     slurmctld_port: int = DEFAULT_MULTI_SLURMCTLD_PORT
     slurmd_port: int = DEFAULT_MULTI_SLURMD_PORT
-    cred_expire_seconds: int = 5  # requeued jobs restart after 6 s, as on the one-node cluster
+    cred_expire_seconds: int = 10  # requeued jobs restart after 11 s, as on the one-node cluster
     bridge: str = "fsdpbr0"
 
     def __post_init__(self) -> None:
