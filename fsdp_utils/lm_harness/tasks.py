@@ -172,45 +172,51 @@ def _declared_names() -> dict[str, frozenset[Path]]:
     return {name: frozenset(paths) for name, paths in declared.items()}
 
 
-def task_index(names: list[str]) -> Any:
+def task_index(names: list[str]) -> Any | None:
     """lm-eval's TaskManager over the task folders (`tasks/arc`, `tasks/mmlu`, ...) whose files
     declare `names` (`_declared_names`): what `leaf_tasks` reads, in a second where the whole
-    index takes 15-20 s of CPU. The whole index when a name is declared outside a family's
-    folder; `leaves_of` falls back to it when a group names a member that lies elsewhere."""
+    index takes 15-20 s of CPU. None when only the whole index can answer: a name declared
+    outside a family's folder, or nowhere (a typo: the whole index names the closest)."""
     from lm_eval.tasks import TaskManager
 
     root = lm_eval_tasks_dir()
     declared = _declared_names()
     folders: set[str] = set()
     for name in names:
-        for path in declared.get(name, ()):
+        paths = declared.get(name)
+        if not paths:
+            return None
+        for path in paths:
             parts = path.relative_to(root).parts
             if len(parts) < 2:
-                return TaskManager()
+                return None
             folders.add(str(root / parts[0]))
-    if not folders:
-        return TaskManager()
     return TaskManager(include_path=sorted(folders), include_defaults=False)
 
 
 def leaves_of(names: list[str]) -> tuple[dict[str, list[LeafTask]], list[str]]:
     """Each name's leaf tasks, read from `task_index(names)`, or from lm-eval's whole index
-    if a name does not expand there (a group whose member lies in another folder, a name
-    that is no task: the whole index says so, with its closest names). Returns ({name:
-    leaves}, the problems: "name: why")."""
+    where that one cannot answer or a name does not expand in it (a group whose member lies
+    in another folder, a name that is no task: the whole index says so, with its closest
+    names). Returns ({name: leaves}, the problems: "name: why")."""
     from lm_eval.tasks import TaskManager
 
-    for manager in (task_index(names), None):
-        index = TaskManager() if manager is None else manager
-        leaves: dict[str, list[LeafTask]] = {}
-        problems: list[str] = []
-        for name in names:
-            try:
-                leaves[name] = leaf_tasks(name, index)
-            except ValueError as err:
-                problems.append(f"{name}: {err}")
+    narrow = task_index(names)
+    if narrow is not None:
+        leaves, problems = _expand(names, narrow)
         if not problems:
-            break
+            return leaves, problems
+    return _expand(names, TaskManager())
+
+
+def _expand(names: list[str], index: Any) -> tuple[dict[str, list[LeafTask]], list[str]]:
+    leaves: dict[str, list[LeafTask]] = {}
+    problems: list[str] = []
+    for name in names:
+        try:
+            leaves[name] = leaf_tasks(name, index)
+        except ValueError as err:
+            problems.append(f"{name}: {err}")
     return leaves, problems
 
 
