@@ -6,6 +6,7 @@
 """
 
 from fsdp_utils.hub.offline import enable_offline_mode
+from fsdp_utils.startup import pause_collector
 from fsdp_utils.versions import exit_if_untested
 
 # Compute nodes have no internet: the Hugging Face libraries read these at import time.
@@ -13,6 +14,7 @@ enable_offline_mode()
 
 if __name__ == "__main__":
     exit_if_untested()  # before anything imports torch or transformers
+    pause_collector()  # until the model is built on meta: fsdp_utils/startup.py
     from fsdp_utils.cli import exit_process, main
 
     exit_process(main())

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.error_report import EXIT_USAGE, PEER_EXIT_DELAY_S, report_error
+from fsdp_utils.startup import resume_collector
 
 if TYPE_CHECKING:
     from fsdp_utils.trainer.trainer import Trainer
@@ -192,10 +193,17 @@ def exit_process(code: int) -> NoReturn:
 
 
 def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv, after_setup)
+    finally:  # chess_finetune.py paused it; the Trainer resumes it after the model on meta
+        resume_collector()
+
+
+def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
     if "--plan" in argv:  # the planner's parser has every training flag and its own
         from fsdp_utils.plan import main as plan_main
 
+        resume_collector()  # the trace makes garbage
         return plan_main([a for a in argv if a != "--plan"])
     parser = make_parser()
     try:
@@ -217,6 +225,7 @@ def main(argv: list[str] | None = None, *, after_setup: AfterSetup | None = None
             from fsdp_utils.parallel.distributed import world_size_from_env
             from fsdp_utils.run.preflight import preflight
 
+            resume_collector()  # the memory plan's trace makes garbage
             world_size = args.world_size or world_size_from_env()
             print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
             return 0

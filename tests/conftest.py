@@ -21,6 +21,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Python caches each module's compiled code (__pycache__, as for any user) unless told not to;
+# this project's machines set PYTHONDONTWRITEBYTECODE, and each of the suite's ~150 fresh
+# processes (torchrun's workers, Slurm jobs) then compiled this package again: ~0.3-0.5 s each.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

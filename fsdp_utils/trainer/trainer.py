@@ -57,6 +57,7 @@ from fsdp_utils.parallel.parallelize import (
     autocast_context,
 )
 from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_parallel
+from fsdp_utils.startup import resume_collector
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
 from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep
@@ -169,6 +170,7 @@ class Trainer:
         # the log read it there, and a run that cannot fit on the disk stops before any data work.
         self.models = RunModel(config, env, self.assets, self.layout, self.log.info)
         meta = self.models.meta()
+        resume_collector()  # the start-up ends here: fsdp_utils/startup.py
         self.data = prepare_data(
             config, self.assets, env, self.log.info, stop=self.stop.requested_here
         )
