@@ -27,6 +27,12 @@ from tests.train_helpers import read_metrics, run_finetunes, tiny_args
 pytestmark = pytest.mark.slow
 
 STEPS, LORA_STEPS = 16, 2
+# The tests' total batch of 8 as one micro-batch of 4 per process: the same sequences per step
+# as 2 x 2, with half the forward and backward passes and FSDP2 gathers. Nothing here is about
+# gradient accumulation, which the other tiny runs do (tiny_args: 2 x 2 per step; the two-node
+# tests hold 4-way accumulation to one process's losses). 16 steps of the tiny Llama: 3.5 s of
+# run as 2 x 2 and 2.5 s as 4 x 1, with the same last loss (5.8531).
+BATCH_PER_PROCESS = 4
 # Enough for 16 steps to take every family's tiny random model well below its first losses,
 # Granite's too (its logits are divided by 8: it starts slower).
 LEARNING_RATE = 2e-2
@@ -57,8 +63,9 @@ def family_runs(tiny_assets, tmp_path_factory) -> dict[str, Any]:
             kinds["unchunked"] = {"max_training_steps": STEPS, "loss_chunk_size": 0}
         for name, extra in kinds.items():
             argv = tiny_args(
-                assets, root / arch / name, data_cache, learning_rate=LEARNING_RATE, **extra
-            )
+                assets, root / arch / name, data_cache, learning_rate=LEARNING_RATE,
+                batch_size_per_device=BATCH_PER_PROCESS, **extra,
+            )  # fmt: skip
             runs[f"{arch} {name}"] = argv
     results = run_finetunes(2, runs, root)
     return {"root": root, "models": models, "results": results}

@@ -44,7 +44,7 @@ from fsdp_utils.slurm.local_multinode import (
 )
 from tests import local_slurm as slurm_fixture
 from tests.local_slurm import LocalSlurm
-from tests.train_helpers import finetune_command
+from tests.train_helpers import finetune_command, run_module
 
 multinode_slurm = slurm_fixture.multinode_slurm  # the module fixture, under its own name
 
@@ -197,6 +197,20 @@ def submit(slurm: LocalSlurm, env: dict[str, str], log: Path, *args: str, nodes:
     )  # fmt: skip
 
 
+def prepare_data(shared: Shared) -> None:
+    """`python -m fsdp_utils.data` with the jobs' options, as docs/slurm.md has a user prepare
+    the data before a training job (`slurm/prepare.sh`), into the cache the jobs read
+    (HF_HOME/fsdp_utils/prepared; named, since the forked process keeps the server's HF_HOME).
+    A job whose time limit is seconds away then meets it after its first step however loaded
+    the machine: preparing inside the job, beside two CPU-bound processes, took longer than the
+    3 s the time-limit test leaves, and the trainer rightly stopped during the preparation."""
+    result = run_module(
+        "fsdp_utils.data", "--model", str(shared.model), "--dataset", str(shared.data),
+        "--data_cache_dir", str(shared.hf_home / "fsdp_utils" / "prepared"), *TRAIN,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """The last logged loss of every step (a step repeated after a crash has the same loss)."""
     out = {}
@@ -237,11 +251,13 @@ def test_time_limit_across_two_nodes_requeues_and_matches_one_process(
     multinode_slurm: LocalSlurm, shared: Shared, reference: Reference
 ) -> None:
     """2 nodes x 2 processes, full sharding, a 3-minute job with a margin of all but 3 s of
-    it: the trainer sees the time limit coming after step 1 (Slurm's USR1 comes 2 minutes
-    later, after a start however slow), every rank of both nodes saves, the job requeues and
-    finishes from the checkpoint; the losses are the single process's. Afterwards gpu_report
-    finds both nodes' sampler files. No rendezvous-shutdown warning at the end."""
+    it, the data prepared before the job (`prepare_data`): the trainer sees the time limit
+    coming after step 1 (Slurm's USR1 comes 2 minutes later, after a start however slow),
+    every rank of both nodes saves, the job requeues and finishes from the checkpoint; the
+    losses are the single process's. Afterwards gpu_report finds both nodes' sampler files. No
+    rendezvous-shutdown warning at the end."""
     run_dir, log = shared.root / "timelimit", shared.root / "timelimit.out"
+    prepare_data(shared)
     env = job_env(shared, OUTPUT_DIR=str(run_dir), GPU_SAMPLE_INTERVAL="5")
     job = submit(
         multinode_slurm, env, log, "--time=3", "--signal=B:USR1@20", "--",
@@ -252,6 +268,7 @@ def test_time_limit_across_two_nodes_requeues_and_matches_one_process(
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
     assert "launch: 2 node(s) x 2 process(es)" in text and "world size 4" in text
+    assert "data: using prepared data in" in text and "data: preparing" not in text
     # The trainer saw the end coming (or, on a slow machine, Slurm's USR1 came first and the
     # script made the stop file): both are the time-limit path.
     assert re.search(r"stopping at step 1: (time limit|stop file)", text), text
