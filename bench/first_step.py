@@ -24,16 +24,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
-import json, os, sys, time
+import json, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-layers, implementation, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+layers, implementation = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port: 1 rank
 model = LlamaForCausalLM(LlamaConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
     num_attention_heads=4, num_key_value_heads=2))
@@ -56,17 +55,9 @@ print(json.dumps({"parameters": len(list(model.parameters())), "first_s": second
 """
 
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def measure(layers: int, implementation: str) -> dict[str, float | str]:
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, str(layers), implementation, _free_port()],
+        [sys.executable, "-c", PROBE, str(layers), implementation],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=1800,
     )  # fmt: skip
     if result.returncode != 0:
