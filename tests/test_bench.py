@@ -1,9 +1,11 @@
 """The benchmark's own machinery (bench/throughput.py): a failing run shows why and is rerun
-once. (bench/gpu_check.py's logic is tested in test_gpu_check.py.)"""
+once; bench/suite_profile.py puts each sample of a py-spy profile in its row and column.
+(bench/gpu_check.py's logic is tested in test_gpu_check.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,9 +14,9 @@ import pytest
 from tests.train_helpers import REPO_ROOT
 
 
-def _bench_module():
+def _bench_module(name: str = "throughput"):
     spec = importlib.util.spec_from_file_location(
-        "bench_throughput", REPO_ROOT / "bench" / "throughput.py"
+        f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -74,3 +76,38 @@ def test_rounds_are_interleaved_the_warm_up_dropped_and_the_order_reversed(capsy
     ]
     assert "warm-up round (discarded): a -> b -> c" in capsys.readouterr().out
     assert bench.spread([3.0, 1.0, 2.0], ".1f") == "2.0 (1.0 - 3.0)"
+
+
+def test_suite_profile_classes_each_sample_by_process_and_activity(tmp_path, capsys):
+    profile = _bench_module("suite_profile")
+    importing = "_find_and_load (<frozen importlib._bootstrap>:1176)"
+    raw = tmp_path / "suite.raw"
+    raw.write_text("\n".join([
+        # a run forked by the prefork server, in its backward
+        'process 1:"python tests/prefork.py --serve";_child (tests/prefork.py:124);'
+        "TrainStep.__call__ (fsdp_utils/train/step.py:350);"
+        "_engine_run_backward (torch/autograd/graph.py:979) 40",
+        # an xdist worker, whose command line holds the separator, tracing the planner
+        'process 2:"python -u -c import sys;exec(eval(sys.stdin.readline()))";'
+        "test_plan (tests/test_plan_estimate.py:9);estimate (fsdp_utils/plan/estimate.py:10);"
+        "FakeTensorMode.__torch_dispatch__ (torch/_subclasses/fake_tensor.py:1606) 20",
+        # a fresh process (its arguments name a pytest folder) importing scipy via transformers
+        'process 3:"python chess_finetune.py --model /tmp/pytest-of-root/model";'
+        f"<module> (chess_finetune.py:20);{importing};<module> (transformers/loss/x.py:3);"
+        f"{importing};<module> (scipy/optimize/__init__.py:1) 10",
+        "",
+    ]))  # fmt: skip
+    json_out = tmp_path / "profile.json"
+    assert profile.main([str(raw), "--rate", "10", "--json", str(json_out)]) == 0
+    result = json.loads(json_out.read_text())
+    assert result["training steps"]["forked runs"] == 4.0
+    assert result["planner traces"]["pytest workers"] == 2.0
+    assert result["imports"]["fresh processes"] == 1.0
+    assert sum(sum(result[row].values()) for row in profile.ACTIVITY_ROWS) == 7.0
+    assert result["within those"] == {
+        "backward (autograd engine)": 4.0,
+        "fake-tensor dispatch": 2.0,
+    }
+    assert result["imports by package"] == {"scipy": 1.0}
+    out = capsys.readouterr().out
+    assert "training steps" in out and "57%" in out  # 4 of 7 seconds
