@@ -21,6 +21,7 @@ import argparse
 import json
 import re
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 # First match wins: what a sample was doing, by the frames on its stack.
@@ -103,7 +104,7 @@ def imported_package(code: list[str]) -> str:
     return found
 
 
-def summarise(lines: list[str], rate: float) -> dict[str, dict[str, float]]:
+def summarise(lines: Iterable[str], rate: float) -> dict[str, dict[str, float]]:
     table: Counter[tuple[str, str]] = Counter()
     within: Counter[str] = Counter()
     imports: Counter[str] = Counter()
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.profile.is_file():
         parser.error(f"{args.profile} is not a file: make it with the py-spy command above")
     with args.profile.open(errors="replace") as lines:  # a command line may hold any bytes
-        result = summarise(list(lines), args.rate)
+        result = summarise(lines, args.rate)  # line by line: a run's profile is ~100 MB
     print_tables(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -12,7 +12,7 @@ import pytest
 from tests import local_slurm as slurm_fixture
 from tests.grpo_helpers import write_prompts
 from tests.local_slurm import LocalSlurm, finetune_env
-from tests.train_helpers import read_metrics
+from tests.train_helpers import prepare_in_this_process, read_metrics
 
 local_slurm = slurm_fixture.local_slurm  # the session fixture, under its own name
 
@@ -59,15 +59,3 @@ def test_sbatch_grpo_survives_a_requeue(
     assert max(done) == steps and len(set(done)) == len(done) and done == sorted(done)
     assert "reward" in next(r for r in records if r.get("kind") == "train")
     assert (run_dir / "final" / "config.json").is_file()
-
-
-def prepare_in_this_process(model: Path, dataset: Path, args: tuple[str, ...]) -> None:
-    """The run's data, into the cache its job reads (the session's HF_HOME, keyed by the data
-    options)."""
-    from fsdp_utils.config.parse import parse_config
-    from fsdp_utils.data.prepare import prepare_dataset
-
-    config, _ = parse_config(["--model", str(model), "--dataset", str(dataset), *args])
-    lines: list[str] = []
-    prepare_dataset(config, log=lines.append)
-    assert any(line.startswith("data: prepared in") for line in lines), lines

@@ -44,7 +44,7 @@ from fsdp_utils.slurm.local_multinode import (
 )
 from tests import local_slurm as slurm_fixture
 from tests.local_slurm import LocalSlurm
-from tests.train_helpers import finetune_command, run_module
+from tests.train_helpers import finetune_command, prepare_in_this_process
 
 multinode_slurm = slurm_fixture.multinode_slurm  # the module fixture, under its own name
 
@@ -198,17 +198,13 @@ def submit(slurm: LocalSlurm, env: dict[str, str], log: Path, *args: str, nodes:
 
 
 def prepare_data(shared: Shared) -> None:
-    """`python -m fsdp_utils.data` with the jobs' options, as docs/slurm.md has a user prepare
-    the data before a training job (`slurm/prepare.sh`), into the cache the jobs read
-    (HF_HOME/fsdp_utils/prepared; named, since the forked process keeps the server's HF_HOME).
-    A job whose time limit is seconds away then meets it after its first step however loaded
-    the machine: preparing inside the job, beside two CPU-bound processes, took longer than the
-    3 s the time-limit test leaves, and the trainer rightly stopped during the preparation."""
-    result = run_module(
-        "fsdp_utils.data", "--model", str(shared.model), "--dataset", str(shared.data),
-        "--data_cache_dir", str(shared.hf_home / "fsdp_utils" / "prepared"), *TRAIN,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    """The jobs' data prepared before the job, as docs/slurm.md has a user do
+    (`slurm/prepare.sh`), into the cache the jobs read (their HF_HOME's). A job whose time limit
+    is seconds away then meets it after its first step however loaded the machine: preparing
+    inside the job, beside two CPU-bound processes, took longer than the 3 s the time-limit test
+    leaves, and the trainer rightly stopped during the preparation."""
+    cache = shared.hf_home / "fsdp_utils" / "prepared"
+    prepare_in_this_process(shared.model, shared.data, ("--data_cache_dir", str(cache), *TRAIN))
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

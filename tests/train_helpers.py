@@ -113,6 +113,19 @@ def run_module(
     return launch(1, "-m", [module, *args], env=full_env, timeout=timeout)
 
 
+def prepare_in_this_process(model: Path, dataset: Path, args: tuple[str, ...]) -> None:
+    """The run's data, into the cache its job will read (the session's HF_HOME, or the
+    `--data_cache_dir` in `args`; keyed by the data options), before a Slurm job that must
+    not spend its seconds on it, as slurm/prepare.sh has a user do."""
+    from fsdp_utils.config.parse import parse_config
+    from fsdp_utils.data.prepare import prepare_dataset
+
+    config, _ = parse_config(["--model", str(model), "--dataset", str(dataset), *args])
+    lines: list[str] = []
+    prepare_dataset(config, log=lines.append)
+    assert any(line.startswith("data: prepared in") for line in lines), lines
+
+
 def tiny_args(
     assets: dict[str, Path], output_dir: Path, data_cache: Path, **overrides: Any
 ) -> list[str]:
