@@ -42,9 +42,7 @@ def runs(tiny_assets, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kernels")
     data_cache = root / "data_cache"
     argv = {
-        name: tiny_args(
-            tiny_assets, root / name, data_cache, document_masking=True, **overrides
-        )
+        name: tiny_args(tiny_assets, root / name, data_cache, document_masking=True, **overrides)
         for name, overrides in RUNS.items()
     }
     results = run_finetunes(2, argv, root / "launch")
@@ -129,7 +127,10 @@ def test_op_level_checkpointing_gives_the_same_gradients_bit_for_bit():
 
 
 def test_checkpoint_mode_needs_checkpointing():
-    assert parse_config(["--gradient_checkpointing", "--checkpoint_mode", "op"])[0].checkpoint_mode == "op"
+    assert (
+        parse_config(["--gradient_checkpointing", "--checkpoint_mode", "op"])[0].checkpoint_mode
+        == "op"
+    )
     with pytest.raises(ValueError, match="add --gradient_checkpointing"):
         parse_config(["--checkpoint_mode", "op"])
 
@@ -197,9 +198,7 @@ def test_backends_the_cpu_cannot_run_are_refused():
         check_attn_implementation(llama, TrainConfig(sdpa_backend=backend), device_type="cpu")
     assert "runs eager" in error(sdpa_backend="math", attn_implementation="eager")
     assert "--precision bf16-mixed" in error("cuda", sdpa_backend="flash", precision="fp32")
-    assert "takes no attention mask" in error(
-        "cuda", sdpa_backend="flash", document_masking=True
-    )
+    assert "takes no attention mask" in error("cuda", sdpa_backend="flash", document_masking=True)
 
 
 def test_the_math_backend_runs_the_math_kernel():
@@ -222,7 +221,9 @@ def test_the_log_names_the_kernel_and_math_trains_as_flash_does(runs):
     assert [r["kernels"] for r in records["layer"]] == [{"flash (CPU)": 2 * 2 * 2}]
     assert [r["kernels"] for r in records["math"]] == [{"math": 2 * 2 * 2}]
     output = runs["output"].read_text()
-    assert "attention: SDPA ran flash (CPU) in step 1 (--sdpa_backend auto, torch's choice)" in output
+    assert (
+        "attention: SDPA ran flash (CPU) in step 1 (--sdpa_backend auto, torch's choice)" in output
+    )
     assert "attention: SDPA ran math in step 1 (--sdpa_backend math, the only kernel" in output
     # Another kernel sums in another order: fp32 rounding apart (docs/attention.md's tolerance:
     # losses within 1e-6; weights within 1e-4, AdamW moving each by about lr = 3e-3 a step
@@ -239,7 +240,9 @@ def test_the_log_names_the_kernel_and_math_trains_as_flash_does(runs):
 def test_liger_is_refused_on_the_cpu_and_for_families_it_lacks():
     llama = tiny_model_config("llama", 512)
     config = TrainConfig(liger_kernels=True)
-    with pytest.raises(ValueError, match=r"^--liger_kernels needs a CUDA GPU .* drop --liger_kernels\.$"):
+    with pytest.raises(
+        ValueError, match=r"^--liger_kernels needs a CUDA GPU .* drop --liger_kernels\.$"
+    ):
         liger.check_liger_kernels(llama, config, device_type="cpu")
     liger.check_liger_kernels(llama, TrainConfig(), device_type="cpu")  # off: nothing to check
     with pytest.raises(ValueError, match="liger-kernel has no kernels for gpt2 models"):
