@@ -323,7 +323,7 @@ def breakdown(trace: dict[str, Any], step: int = -1) -> StepBreakdown:
 def describe(result: StepBreakdown, *, bare_tflops: float | None = None) -> str:
     """The breakdown as a Markdown table and a few lines (docs/profiling.md)."""
     busy = sum(result.buckets.values()) or 1.0
-    what = "GPU time" if result.device == "cuda" else "CPU time of the innermost operators"
+    what = "GPU time" if result.device == "cuda" else "CPU time (each operator's own)"
     lines = [f"| bucket | {what}, ms | share |", "| --- | ---: | ---: |"]
     for bucket, micros in sorted(result.buckets.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {bucket} | {micros / 1e3:.2f} | {micros / busy:.1%} |")
