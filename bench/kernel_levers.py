@@ -186,9 +186,8 @@ def main() -> None:
             args.rounds,
         ),
     }
-    for mode, row in zip(
-        (None, "layer", "op"), results["checkpointing (one causal block)"].values()
-    ):
+    checkpointing = results["checkpointing (one causal block)"].values()
+    for mode, row in zip((None, "layer", "op"), checkpointing, strict=True):
         row["saved_mib"] = _planned_activations_mib(mode)
     load = os.getloadavg()
     print(f"CPU seconds per forward+backward, medians of {args.rounds} rounds; load average "
