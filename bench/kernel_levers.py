@@ -57,8 +57,9 @@ def _planned_activations_mib(mode: str | None) -> float:
         config = TrainConfig(
             model=folder, max_seq_length=1024, total_batch_size=2, batch_size_per_device=2,
             precision="fp32", gradient_checkpointing=mode is not None,
-            checkpoint_mode=mode or "layer",
         )  # fmt: skip
+        if mode == "op":
+            config = config.replace(checkpoint_mode="op")
         memory = estimate(config, Cluster(nodes=1, gpus_per_node=1)).memory
     return memory.breakdown().activations / 2**20
 
