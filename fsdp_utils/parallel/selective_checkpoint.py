@@ -14,7 +14,7 @@ rotary embeddings, activations, the elementwise glue. In a Llama layer's forward
 come in the order q, k, v, o, gate, up, down, so the outputs of q, v, gate and down are saved
 (the 1st, 3rd, 5th and 7th) and k, o and up are recomputed: torchtitan saves every second one
 to keep the memory between whole-layer checkpointing's and none. On Llama 3 8B (64 A100s) this
-ran at 58.2% MFU against 56.8% for whole layers (torchtitan's docs/performance.md).
+ran at 58.2% MFU against 56.8% for whole layers (torchtitan's performance notes).
 
 Exact: a saved output is the tensor the forward computed, a recomputed one is computed again by
 the same kernels from the same inputs, so backward sees the values it would see without any
