@@ -287,3 +287,20 @@ def test_liger_reaches_the_model_build_and_the_preflight(tiny_assets, tmp_path, 
     assert main([*args, "--sdpa_backend", "cudnn"]) == 2
     assert "--sdpa_backend cudnn is a CUDA kernel" in capsys.readouterr().err
     assert json.loads(TrainConfig(liger_kernels=True).to_json())["liger_kernels"] is True
+
+
+def test_the_planner_stands_in_for_the_kernels_it_cannot_run():
+    """The CPU planner traces cudnn, flash and efficient as its flash kernel and liger's layers
+    as the eager ones, and says so (math it traces as math: tests/test_attention.py)."""
+    from fsdp_utils.plan.estimate import _kernels_to_trace
+
+    traced, note = _kernels_to_trace(TrainConfig(sdpa_backend="cudnn", liger_kernels=True))
+    assert (traced.sdpa_backend, traced.liger_kernels) == ("auto", False)
+    assert note == (
+        "; --sdpa_backend cudnn traced as the CPU's flash kernel"
+        "; --liger_kernels planned as the eager layers (the safe side)"
+    )
+    assert _kernels_to_trace(TrainConfig(sdpa_backend="math")) == (
+        TrainConfig(sdpa_backend="math"),
+        "",
+    )
