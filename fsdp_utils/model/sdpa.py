@@ -177,10 +177,17 @@ def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device
 # --- grouped-query attention without copies ----------------------------------------------
 
 
-def _transformers_sdpa() -> Any:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+# transformers' own sdpa function, kept by `install` before it registers ours in its place:
+# a module global, so that a compiled layer reads it without an import inside its trace
+_TRANSFORMERS: dict[str, Any] = {}
 
-    return sdpa_attention_forward
+
+def _transformers_sdpa() -> Any:
+    if "sdpa" not in _TRANSFORMERS:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _TRANSFORMERS["sdpa"] = sdpa_attention_forward
+    return _TRANSFORMERS["sdpa"]
 
 
 def gqa_keeps_kernel(
@@ -239,4 +246,5 @@ def install() -> None:
     included."""
     from transformers import AttentionInterface
 
+    _transformers_sdpa()
     AttentionInterface.register("sdpa", sdpa_attention)
