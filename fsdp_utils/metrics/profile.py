@@ -119,7 +119,8 @@ class StepProfiler:
 
 
 def attention_kernels(events: Any) -> dict[str, int]:
-    """{kernel: forward calls} of the SDPA kernels among a profile's events (`KERNEL_OPS`)."""
+    """{kernel: calls} of the SDPA kernels among a profile's events (`KERNEL_OPS`), recomputes
+    included."""
     counts: dict[str, int] = {}
     for event in events:
         kernel = KERNEL_OPS.get(event.name.removeprefix("aten::"))
