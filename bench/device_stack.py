@@ -132,6 +132,12 @@ CARRIED: tuple[Carried, ...] = (
     Carried("defusedxml", "0.7.1", "not on the image: nltk's"),
     Carried("langdetect", "1.0.9", "not on the image: lm-eval[ifeval]'s", sdist=True),
     Carried("immutabledict", "4.3.1", "not on the image: lm-eval[ifeval]'s"),
+    Carried(
+        "liger-kernel",
+        "0.8.5",
+        "not on the image: --liger_kernels' Triton kernels (the kit's liger rows); a "
+        "py3-none-any wheel (0.9 MB) whose torch and triton are the image's",
+    ),
 )
 # Extras of carried packages whose requirements count (pyproject.toml asks for lm-eval[ifeval]).
 CARRIED_EXTRAS = {"lm-eval": ("ifeval",)}

@@ -12,6 +12,18 @@ tensor values (`.item()`, `.tolist()`, `float()`: host-device syncs on a GPU) th
 
 It imports `fsdp_utils` from PYTHONPATH, so the same script profiles another checkout's trainer
 (e.g. the commit before a change) for a before/after comparison.
+
+`--buckets`: where one configuration's step time goes on its device, from the torch profiler
+(`fsdp_utils/metrics/step_profile.py`, docs/profiling.md): `chess_finetune.py` with
+`--profile_steps` on step `--warmup + 1`, then rank 0's trace read back: the device time by
+bucket (matrix products, attention, the compiler's fused kernels, elementwise and reductions,
+optimizer, FSDP copies, collectives, loss, memory copies), the idle time between kernels, host
+syncs, device-to-host copies and host reads, the matrix products' TFLOP/s against a bare matmul
+on the same device, and the Chrome trace's path. Flags after `--` go to chess_finetune.py:
+
+    python bench/profile_step.py --buckets                        # CPU: the benchmark's assets
+    python bench/profile_step.py --buckets --nproc 1 --model M --dataset D -- --precision \
+        bf16-mixed --max_seq_length 2048 --batch_size_per_device 4 --total_batch_size 4
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import time
@@ -162,16 +175,81 @@ def _profile_bare(args: argparse.Namespace) -> dict[str, Any] | None:
     return _summarise(pstats.Stats(profiler), args.steps, cpu["seconds"]) if rank == 0 else None
 
 
+def bare_matmul_tflops(device: str, dtype_name: str, size: int, repeats: int = 10) -> float:
+    """TFLOP/s of `size`^3 products of random matrices on `device` (after one warm-up): what
+    the device's matrix products reach with nothing around them."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.mm(a, b)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e12
+
+
+def _buckets(args: argparse.Namespace, trainer_flags: list[str]) -> None:
+    """Run one configuration with the profiler on one step and print where its time went."""
+    from fsdp_utils.metrics.step_profile import breakdown, describe, read_trace
+
+    assets = RESULTS / "assets"
+    model, dataset = args.model or assets / "model", args.dataset or assets / "data"
+    if not Path(model).is_dir():
+        sys.exit("error: run bench/throughput.py once first (it builds the benchmark's assets)")
+    out = RESULTS / "profile_buckets"
+    shutil.rmtree(out, ignore_errors=True)
+    step = args.warmup + 1
+    defaults = ["--max_seq_length", "1024", "--batch_size_per_device", "2",
+                "--total_batch_size", "8", "--precision", "fp32"]  # fmt: skip
+    flags = ["--model", str(model), "--dataset", str(dataset), "--dataset_include", "",
+             "--data_cache_dir", str(RESULTS / "prepared"), "--output_dir", str(out),
+             "--max_training_steps", str(step + 1), "--eval_every", "0", "--eval_batches", "1",
+             "--save_every_minutes", "0", "--no_final_save", "--resume", "never",
+             "--profile_steps", f"{step}:{step}", *defaults, *trainer_flags]  # fmt: skip
+    command = [TORCHRUN, "--standalone", f"--nproc_per_node={args.nproc}",
+               str(REPO / "chess_finetune.py"), *flags]  # fmt: skip
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    if done.returncode != 0:
+        sys.exit(f"error: {' '.join(command)} exited {done.returncode}")
+    trace_path = next((out / "profile").glob("rank0.*.pt.trace.json"))
+    result = breakdown(read_trace(trace_path))
+    device = result.device
+    dtype = "float32" if device == "cpu" or "fp32" in trainer_flags else "bfloat16"
+    size = 8192 if device == "cuda" else 1024
+    bare = bare_matmul_tflops(device, dtype, size)
+    print(describe(result, bare_tflops=bare))
+    print(f"bare matmul: {size}^3 {dtype} on {device}: {bare:.2f} TFLOP/s")
+    print(f"Chrome trace (ui.perfetto.dev): {trace_path}")
+    record = {**result.to_dict(), "bare_matmul_tflops": bare, "trace": str(trace_path),
+              "command": command}  # fmt: skip
+    (out / "buckets.json").write_text(json.dumps(record, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--buckets", action="store_true", help="one configuration's step by bucket")
+    parser.add_argument("--nproc", type=int, default=2, help="--buckets: processes (GPUs)")
+    parser.add_argument("--model", help="--buckets: the model folder (default: the bench's)")
+    parser.add_argument("--dataset", help="--buckets: the dataset (default: the bench's)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--log_every", type=int, default=1, help="chess_finetune.py's")
     parser.add_argument("--only", choices=["ours", "bare"])
     parser.add_argument("--worker", choices=["ours", "bare"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    trainer_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.buckets:
+        _buckets(args, trainer_flags)
+        return
     if args.worker:
         summary = (_profile_ours if args.worker == "ours" else _profile_bare)(args)
         if summary is not None:

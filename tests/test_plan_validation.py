@@ -43,8 +43,16 @@ def _measure(args: list[str], out: Path) -> StepMemory:
             "gradient_checkpointing": True,
             "defer_grad_sync": True,
         },
+        # op-level selective checkpointing: attention and every second matmul saved
+        {
+            "precision": "bf16-mixed",
+            "total_batch_size": 8,
+            "batch_size_per_device": 2,
+            "gradient_checkpointing": True,
+            "checkpoint_mode": "op",
+        },
     ],
-    ids=["bf16-mixed", "fp32-checkpointing-deferred-sync"],
+    ids=["bf16-mixed", "fp32-checkpointing-deferred-sync", "bf16-mixed-op-checkpointing"],
 )
 def test_plan_matches_the_tracker_on_a_real_two_process_run(
     tiny_assets, data_cache, tmp_path, overrides

@@ -15,6 +15,10 @@ TensorBoard's trace viewer (the torch-tb-profiler plugin) lists as worker `rank<
 `--logdir <run>/profile`. On CUDA the window also records the allocator's history
 (`torch.cuda.memory._record_memory_history`) and dumps `rank<R>.memory_snapshot.pickle`, which
 pytorch.org/memory_viz opens; a CPU run has no allocator history to record.
+
+The job's first step outside such a window is profiled on the CPU side only (no shapes, no
+kernels: a few percent of one step) to name the SDPA kernel that ran (`attention_kernels`):
+torch chooses it per call (`--sdpa_backend`, fsdp_utils/model/sdpa.py), and the log says which.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.metrics.flop_count import FlopCount, describe_step_flops
+from fsdp_utils.model.sdpa import KERNEL_OPS
 
 PROFILE_DIR = "profile"
 MEMORY_HISTORY_ENTRIES = 100_000  # torch's example value: a few steps of a large model
@@ -113,8 +118,29 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def attention_kernels(events: Any) -> dict[str, int]:
+    """{kernel: calls} of the SDPA kernels among a profile's events (`KERNEL_OPS`), recomputes
+    included."""
+    counts: dict[str, int] = {}
+    for event in events:
+        kernel = KERNEL_OPS.get(event.name.removeprefix("aten::"))
+        if kernel is not None:
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
+
+
+def describe_attention_kernels(counts: dict[str, int], step: int, backend: str) -> str:
+    """'attention: SDPA ran flash (CPU) in step 1 (--sdpa_backend auto, torch's choice)'. (The
+    counts of calls are in the record: the profiler counts a call that selective checkpointing
+    answers from what it saved too.)"""
+    how = "torch's choice" if backend == "auto" else "the only kernel allowed"
+    ran = " and ".join(counts)
+    return f"attention: SDPA ran {ran} in step {step} (--sdpa_backend {backend}, {how})"
+
+
 class StepProbes:
-    """The loop's one hook for the profiler and the FLOP counter (either may be off)."""
+    """The loop's one hook for the profiler, the FLOP counter and the attention kernel probe
+    (each may be off)."""
 
     def __init__(
         self,
@@ -123,12 +149,14 @@ class StepProbes:
         *,
         log: Any,
         world_size: int,
+        sdpa_backend: str | None = None,
     ) -> None:
         self.profiler = profiler
         self.flops_estimate = flops_estimate  # None: --flop_counter off, or already counted
         self.log = log
         self.world_size = world_size
         self._reported = False
+        self.sdpa_backend = sdpa_backend  # None: no sdpa attention, or its kernel named
 
     @classmethod
     def from_config(
@@ -155,16 +183,23 @@ class StepProbes:
                 where = "traces and CUDA memory snapshots" if device.type == "cuda" else "traces"
                 log.info(f"profile: steps {first}-{last}, {where} per rank in {folder}")
         estimate = flops_per_rank_step if config.flop_counter else None
-        return cls(profiler, estimate, log=log, world_size=world_size)
+        sdpa = config.sdpa_backend if config.attn_implementation == "sdpa" else None
+        return cls(profiler, estimate, log=log, world_size=world_size, sdpa_backend=sdpa)
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
         """Around optimizer step `step` (counted from 1)."""
         label: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        kernels: torch.profiler.profile | None = None
         if self.profiler is not None:
             self.profiler.before(step)
-            if self.profiler.profiler is not None:  # the trace names the run's step numbers
-                label = torch.profiler.record_function(f"optimizer step {step}")
+        if self.profiler is not None and self.profiler.profiler is not None:
+            # the trace names the run's step numbers
+            label = torch.profiler.record_function(f"optimizer step {step}")
+        elif self.sdpa_backend is not None:  # one profiler at a time: outside the window
+            label = kernels = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]
+            )
         with label:
             if self.flops_estimate is not None:
                 count = FlopCount()
@@ -173,10 +208,20 @@ class StepProbes:
                 self._report_flops(count, step)
             else:
                 yield
+        if kernels is not None:
+            self._report_attention(kernels, step)
         if self.profiler is not None:
             self.profiler.after(step)
             if self.profiler.profiler is None and not self._reported:
                 self._report_profile()
+
+    def _report_attention(self, kernels: torch.profiler.profile, step: int) -> None:
+        assert self.sdpa_backend is not None
+        counts = attention_kernels(kernels.events())
+        if counts:  # none: the model fell back to eager (Gemma 2)
+            line = describe_attention_kernels(counts, step, self.sdpa_backend)
+            self.log.event("attention_kernels", line, step=step, kernels=counts)
+        self.sdpa_backend = None  # once, on this job's first step outside a profile window
 
     def _report_flops(self, count: FlopCount, step: int) -> None:
         assert self.flops_estimate is not None

@@ -15,7 +15,8 @@ fail later or silently do something else:
 - flash_attention_2 computes in fp16/bf16 only (transformers merely warns) and needs CUDA;
 - flex_attention has no backward on CPU (torch 2.13's `_validate_device`);
 - with `--document_masking`, an implementation that would let packed documents see each other
-  (the rule lives in `fsdp_utils.data.document_masking`).
+  (the rule lives in `fsdp_utils.data.document_masking`);
+- a `--sdpa_backend` kernel this device or this attention cannot run (`fsdp_utils.model.sdpa`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, get_args
 
 from fsdp_utils.config.train_config import AttnImplementation, TrainConfig
 from fsdp_utils.data.document_masking import check_isolates_documents
+from fsdp_utils.model.sdpa import check_sdpa_backend
 
 IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 # What the memory planner traces in their place on its fake CPU tensors (flash-attn has no CPU
@@ -43,6 +45,9 @@ def check_attn_implementation(hf_config: Any, config: TrainConfig, *, device_typ
     implementation = config.attn_implementation
     if config.document_masking:
         check_isolates_documents(implementation, batch_size_per_device=config.batch_size_per_device)
+    if config.sdpa_backend != "auto":
+        supports = "sdpa" in supported_implementations(hf_config)
+        check_sdpa_backend(config, device_type=device_type, supports_sdpa=supports)
     if implementation == "sdpa":  # transformers' default: always available (else eager)
         return
     if implementation == "flash_attention_2":

@@ -2,7 +2,8 @@
 
 0. split attention (`--sequence_parallel`: fsdp_utils/parallel/ulysses.py), registered with
    transformers and named in the model's config, so that the layers below call it;
-1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked);
+1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked; whole
+   layers or op-level, `--checkpoint_mode`: fsdp_utils/parallel/selective_checkpoint.py);
 2. `torch.compile` on each decoder layer (`--compile`): identical layers share one compiled
    graph, and FSDP2's hooks stay outside it;
 3. `fully_shard` on each decoder layer: one shard group per layer, so only one layer's full
@@ -22,10 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -46,6 +43,7 @@ from fsdp_utils.model.qlora import (
 )
 from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
+from fsdp_utils.parallel.selective_checkpoint import wrap_layer
 from fsdp_utils.parallel.ulysses import use_split_attention
 
 
@@ -60,13 +58,12 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, layers: list[nn.Module], every_n: int = 1
+    model: nn.Module, layers: list[nn.Module], every_n: int = 1, *, mode: str = "layer"
 ) -> list[nn.Module]:
-    """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place.
+    """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place:
+    whole-layer or op-level (`mode`, `selective_checkpoint.wrap_layer`).
 
     Returns the decoder layers as they now are in the model (wrapped or not), in order.
-    Non-reentrant checkpointing works with keyword arguments (HF layers take many) and with
-    FSDP2's hooks; reentrant does neither well.
     """
     parents: dict[int, tuple[nn.Module, str]] = {}
     for module in model.modules():
@@ -78,7 +75,7 @@ def apply_activation_checkpointing(
             result.append(layer)
             continue
         parent, child_name = parents[id(layer)]
-        wrapped = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        wrapped = wrap_layer(layer, mode)
         parent.register_module(child_name, wrapped)
         result.append(wrapped)
     return result
@@ -109,7 +106,9 @@ def parallelize(
     if config.sequence_parallel > 1:
         use_split_attention(model)
     if config.gradient_checkpointing:
-        layers = apply_activation_checkpointing(model, layers, config.checkpoint_every_n_layers)
+        layers = apply_activation_checkpointing(
+            model, layers, config.checkpoint_every_n_layers, mode=config.checkpoint_mode
+        )
     if config.compile:
         compile_layers(layers)
     if config.no_fsdp:
@@ -189,7 +188,12 @@ def describe_parallelism(config: TrainConfig) -> str:
         extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
     if config.gradient_checkpointing:
         every = config.checkpoint_every_n_layers
-        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+        op = " (op-level: attention and every second matmul saved)"
+        extras.append(
+            "activation checkpointing"
+            + (f" every {every} layers" if every > 1 else "")
+            + (op if config.checkpoint_mode == "op" else "")
+        )
     if config.cpu_offload:
         extras.append("CPU offload")
     sync = "on last micro-batch" if config.defer_grad_sync else "every micro-batch"

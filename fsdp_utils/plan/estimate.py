@@ -47,6 +47,7 @@ from fsdp_utils.methods.registry import build_method, method_class
 from fsdp_utils.model.attention import planned_implementation
 from fsdp_utils.model.build import check_seq_length, materialize
 from fsdp_utils.model.qlora import is_nf4, local_bytes, unsharded_bytes
+from fsdp_utils.model.sdpa import sdpa_backend
 from fsdp_utils.model.transforms import ModelInfo
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import autocast_context, build_parallel_model
@@ -315,9 +316,10 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     )  # fmt: skip
     config, stand_in = _attention_to_trace(config)
     config, eager = _eager_to_trace(config)
-    stand_in += eager
+    config, kernels = _kernels_to_trace(config)
+    stand_in += eager + kernels
 
-    with fake_world(cluster) as env:
+    with fake_world(cluster) as env, sdpa_backend(config.sdpa_backend):
         # The device meshes are built in here, outside FakeTensorMode, or it fails.
         sp = init_sequence_parallel(env, config.sequence_parallel)
         model, facts = build_parallel_model(hf_config, config, env)
@@ -344,6 +346,23 @@ def _eager_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:
         return config, ""
     note = "; --compile traced eager (its fused layers held 0.84x the eager peak on an H100)"
     return config.replace(compile=False), note
+
+
+def _kernels_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:
+    """The config to trace for the run's kernel choices, which the planner's CPU cannot run
+    as the GPU will, and a note. `--sdpa_backend math` is traced as math (it keeps the T x T
+    scores, as on the GPU); cudnn, flash and efficient as the CPU's flash kernel, which saves
+    what they save for backward (output and log-sum-exp, O(T) per head). `--liger_kernels` is
+    planned without them: their fused kernels keep fewer intermediates than the eager layers
+    (liger reports less memory), so the plan is on the safe side."""
+    notes = []
+    if config.sdpa_backend not in ("auto", "math"):
+        notes.append(f"--sdpa_backend {config.sdpa_backend} traced as the CPU's flash kernel")
+        config = config.replace(sdpa_backend="auto")
+    if config.liger_kernels:
+        notes.append("--liger_kernels planned as the eager layers (the safe side)")
+        config = config.replace(liger_kernels=False)
+    return config, "".join(f"; {note}" for note in notes)
 
 
 def _attention_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_utils.data.blocks import IGNORE_INDEX, next_token_labels
+from fsdp_utils.model.liger import FUSED_NLL_ATTRIBUTE
 
 LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -271,7 +272,9 @@ def chunked_target_nll(
         return both[:, 0].contiguous()
     if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
         picked = hidden.flatten(0, 1).index_select(0, targets.rows)
-        return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size)
+        # --liger_kernels: liger's fused linear cross-entropy, the same sum in Triton
+        fused = getattr(head, FUSED_NLL_ATTRIBUTE, None) or _LinearNLLSum.apply
+        return fused(picked, head.weight, targets.tokens, chunk_size)  # type: ignore[no-any-return]
     compute = functools.partial(_chunk_nll, head, transform)
     nll = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
     return nll.sum() if summed else nll

@@ -20,7 +20,7 @@ from fsdp_utils.data.prepare import PreparedData, prepare_dataset, slow_preparat
 from fsdp_utils.data.sequence_slices import describe_padding
 from fsdp_utils.data.workers import PreparationStopped
 from fsdp_utils.hub.resolve import ResolvedAssets
-from fsdp_utils.model import freeze, lora
+from fsdp_utils.model import freeze, liger, lora
 from fsdp_utils.model.build import build_meta_model
 from fsdp_utils.model.transforms import MetaModel, transform_model
 from fsdp_utils.model.weights import WeightSource, checkpoint_key_map
@@ -141,6 +141,7 @@ class RunModel:
             f"{attention_implementation(getattr(model, 'module', model))}"
             + (f"\nlora: {lora.describe(c, model)}" if c.lora else "")
             + (f"\nfreeze: {freeze.describe(c, model)}" if c.freeze_layers else "")
+            + (f"\n{liger.describe(meta.info.model_type)}" if c.liger_kernels else "")
         )
         return model
 

@@ -17,6 +17,10 @@ Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 # transformers' names (`attn_implementation=`); what each can do: fsdp_utils/model/attention.py.
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]
+# What activation checkpointing keeps of a checkpointed layer (fsdp_utils/parallel/selective_checkpoint.py).
+CheckpointMode = Literal["layer", "op"]
+# torch's SDPA kernels (torch.nn.attention.SDPBackend); what runs where: fsdp_utils/model/sdpa.py.
+SdpaBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
 
 
 @dataclass
@@ -44,6 +48,15 @@ class ParallelismOptions:
     gradient_checkpointing: bool = field(
         default=False,
         metadata=_opt("Recompute decoder-layer activations in backward."),
+    )
+    checkpoint_mode: CheckpointMode = field(
+        default="layer",
+        metadata=_opt(
+            "With --gradient_checkpointing: layer keeps only a checkpointed layer's input and "
+            "recomputes all of it in backward; op (torchtitan's selective checkpointing) also "
+            "keeps the attention outputs and every second matrix product, and recomputes the "
+            "cheap ops between them (norms, rotary, activations): less recompute, more memory."
+        ),
     )
     checkpoint_every_n_layers: int = field(
         default=1,
@@ -101,11 +114,27 @@ class ParallelismOptions:
             "(CUDA and the flash-attn package), flex_attention. Checked before the job waits."
         ),
     )
+    sdpa_backend: SdpaBackend = field(
+        default="auto",
+        metadata=_opt(
+            "The kernel under sdpa attention: auto (torch's choice), cudnn, flash, efficient "
+            "or math (torch.nn.attention.sdpa_kernel). The log names the kernel that ran; one "
+            "the device cannot run is refused before the first step (the CPU has math and flash)."
+        ),
+    )
     compile: bool = field(
         default=False,
         metadata=_opt(
             "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
             "as torchtitan does; the first step is slower while it compiles."
+        ),
+    )
+    liger_kernels: bool = field(
+        default=False,
+        metadata=_opt(
+            "liger-kernel's Triton kernels (CUDA only): fused RMSNorm, SwiGLU and rotary in the "
+            "decoder layers and its fused linear cross-entropy for the loss, for the families "
+            "it supports (docs/switches.md). Refused on the CPU."
         ),
     )
 
@@ -125,6 +154,12 @@ def check(options: ParallelismOptions) -> None:
         raise ValueError(
             "--no_fsdp (DDP) cannot be combined with --no_layer_wrap_policy or --cpu_offload, "
             "which are FSDP options."
+        )
+    if options.checkpoint_mode != "layer" and not options.gradient_checkpointing:
+        raise ValueError(
+            f"--checkpoint_mode {options.checkpoint_mode} chooses what activation checkpointing "
+            "keeps, and this run does not checkpoint: add --gradient_checkpointing, or drop "
+            "--checkpoint_mode."
         )
     if options.no_fsdp and options.sharding != "full":
         raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
