@@ -10,14 +10,15 @@ is evaluated on that run's held-out games without any flag.
 One process, or several under torchrun (`torchrun --nproc_per_node N -m fsdp_utils.chess_eval
 MODEL`): the model is sharded with FSDP2 as in training (`fsdp_utils.checkpoint.saved_model`),
 the games are dealt to the processes, and each process runs its own engine on its own share, so
-the engine work is spread over their CPU cores. The engine judge (`--engine auto|on|off`) and
-the ladder's games (`--ladder RUNGS`) are described in docs/chess-eval.md. With `--output_dir`
+the engine work is spread over their CPU cores. The engine judge (`--chess_engine`, short
+`--engine`: auto, on, off or the engine's path) and the ladder's games (`--ladder RUNGS`) are
+described in docs/chess-eval.md. With `--output_dir`
 (default: `<run>/chess_eval/final` for a run's model) rank 0 writes the per-move records
 (moves.jsonl), the games (games.jsonl, games.pgn) and the summary (summary.json).
 
-Exit status: 0; 2 for a user mistake (one paragraph naming the fix; a missing engine with
-`--engine on`); 1 if the engine failed during the evaluation (the referee's figures are still
-printed and written).
+Exit status: 0; 2 for a user mistake (one paragraph naming the fix: a missing engine with
+`--engine on`, an engine path that is not a working UCI engine); 1 if the engine failed during
+the evaluation (the referee's figures are still printed; no records are written).
 """
 
 from __future__ import annotations
@@ -44,14 +45,13 @@ DATA_OPTIONS = (
     "template", "seed", "eval_examples", "max_examples", "max_seq_length",
 )  # fmt: skip
 # Trainer options that decide how the model runs, taken from the run's config like the data's.
-MODEL_OPTIONS = ("attn_implementation", "chess_engine")
+MODEL_OPTIONS = ("attn_implementation", "chess_engine", "chess_eval_engine")
 # Short spellings of the evaluation's own TrainConfig fields.
 EVAL_OPTIONS = {
     "games": "chess_eval_games",
     "plies": "chess_eval_plies",
     "temperature": "chess_eval_temperature",
     "batch_size": "chess_eval_batch_size",
-    "engine": "chess_eval_engine",
     "depth": "chess_eval_depth",
     "nodes": "chess_eval_nodes",
     "judged_plies": "chess_eval_judged_plies",
@@ -93,13 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: <run>/chess_eval/final for a run's model; none otherwise)",
     )
     add_config_arguments(parser, only=DATA_OPTIONS + MODEL_OPTIONS)
+    parser.add_argument(
+        "--engine", dest="chess_engine", metavar="auto|on|off|PATH", default=argparse.SUPPRESS,
+        help="short for --chess_engine",
+    )  # fmt: skip
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     kinds: dict[str, Any] = {"chess_eval_temperature": float, "chess_eval_ladder": str}
     for short, name in EVAL_OPTIONS.items():
         f = fields[name]
         extra: dict[str, Any] = {"type": kinds.get(name, int)}
-        if name == "chess_eval_engine":
-            extra = {"choices": ["auto", "on", "off"]}
         parser.add_argument(
             f"--{short}", f"--{name}", dest=name, default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {f.default})", **extra,
@@ -215,6 +217,7 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     return {
         "model": str(folder), "config_source": source_text, "metrics": metrics,
         "written": written, "engine_note": evaluator.engine_note, "is_main": env.is_main,
+        "records_dir": out,
     }  # fmt: skip
 
 
@@ -268,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         if result["written"]:
             names = ", ".join(p.name for p in result["written"])
             print(f"records: {result['written'][0].parent} ({names})")
+        elif failed and result["records_dir"] is not None:
+            print(
+                f"records: none written (the engine failed); {result['records_dir']} keeps "
+                "what it held"
+            )
     if failed:
         print(f"\nerror: the engine judge failed: {metrics['engine_error']}\n", file=sys.stderr)
     return EXIT_ENGINE_FAILED if failed else 0

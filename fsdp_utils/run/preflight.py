@@ -88,7 +88,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
         check_eval_tasks(config, assets.model_dir)
-    if config.chess_eval_every:  # --chess_eval_engine on without an engine: exit 2, how to install
+    if config.chess_eval_every:  # no engine for --chess_engine on, or a PATH that is none: exit 2
         EngineSettings.from_config(config)
     return plan, assets
 
