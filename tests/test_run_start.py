@@ -115,3 +115,35 @@ def test_resume_never_sets_the_previous_run_aside(tmp_path: Path) -> None:
     layout.metrics.write_text("{}\n")
     set_aside_previous_run(layout, now=0)
     assert len(list(layout.root.glob(f"{SET_ASIDE_PREFIX}*"))) == 2
+
+
+def test_resume_auto_with_nothing_to_resume_starts_over_apart(tmp_path: Path, monkeypatch) -> None:
+    """An earlier run trained here and stopped before its first save (a crash, a second Ctrl-C):
+    `--resume auto` starts at step 0, says so, and sets the earlier records aside instead of
+    appending the new steps to them. A leg that stopped before its first step is continued."""
+    from fsdp_utils.parallel.distributed import DistEnv
+    from fsdp_utils.run.start import start_run
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SUBMITIT_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    layout = RunLayout.of(tmp_path / "run")
+    layout.root.mkdir()
+    config = TrainConfig(output_dir=str(layout.root), cache_dir=str(tmp_path / "hub"),
+                         data_cache_dir=str(tmp_path / "data"))  # fmt: skip
+    earlier = '{"kind": "start", "step": 0}\n{"kind": "train", "step": 1, "loss": 6.2}\n'
+    layout.metrics.write_text('{"kind": "stopping", "step": 0}\n')  # stopped before step 1
+    assert start_run(config, env) == [] and layout.metrics.is_file()
+    layout.metrics.write_text(earlier)
+    layout.status.write_text('{"status": "aborted"}\n')
+    (note,) = start_run(config, env)
+    assert note.startswith("starting over at step 0: no checkpoint in") and "metrics.jsonl" in note
+    aside = next(layout.root.glob(f"{SET_ASIDE_PREFIX}*"))
+    assert (aside / "metrics.jsonl").read_text() == earlier and (aside / "status.json").is_file()
+    assert not layout.metrics.exists() and not layout.status.exists()
+    # A checkpoint to resume, or another --resume, is no start over.
+    layout.metrics.write_text(earlier)
+    _checkpoint(layout.checkpoints, 1)
+    assert start_run(config, env) == []
+    assert start_run(config.replace(resume=str(layout.checkpoints / "step_00000001")), env) == []
+    assert layout.metrics.read_text() == earlier

@@ -392,7 +392,9 @@ def open_engine(path: str, options: dict[str, Any]) -> chess.engine.SimpleEngine
     """Start a UCI engine and configure it; EngineFailed if it will not start within
     START_TIMEOUT_S. (Searches are bounded by `guarded`, not by python-chess's timeout.)"""
     try:
-        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=START_TIMEOUT_S)
+        # A process group of its own: a Ctrl-C at the terminal (SIGINT to the foreground group)
+        # asks the run to stop and save, and must not kill the engine the run still needs.
+        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=START_TIMEOUT_S, setpgrp=True)
     except (OSError, chess.engine.EngineError, TimeoutError) as err:
         raise EngineFailed(f"The chess engine {path} did not start: {err}") from err
     try:
