@@ -35,6 +35,7 @@ from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.prepare import NotChessData
 
 EXIT_USAGE, EXIT_ENGINE_FAILED = 2, 1
 
@@ -134,14 +135,37 @@ def resolve_config(args: argparse.Namespace, model: Path) -> tuple[TrainConfig, 
     if run_values:
         values.update({k: v for k, v in run_values.items() if k in known})
         source = f"the run's {run_file}"
-    if args.config:
-        loaded = load_config_file(args.config)
-        # A run folder's config.json holds the options under "config".
-        values.update(loaded["config"] if isinstance(loaded.get("config"), dict) else loaded)
+    if args.config:  # a config file, or a run folder's config.json (its options)
+        values.update(load_config_file(args.config))
         source = args.config
     values.update({k: v for k, v in vars(args).items() if k in known})
     values.pop("chess_eval_every", None)
     return config_from_dict(values, source="the command line and config file"), source
+
+
+def not_games(err: NotChessData, config: TrainConfig, source: str, model: str) -> ValueError:
+    """A dataset that is not games, said with the fix: a GRPO run trained on chess prompts
+    (fsdp_utils/chess_eval/prompt_set.py), whose games are those of the run it started from."""
+    if "prompt" not in err.columns:
+        return err
+    # The run that wrote `model`, and the run whose final model it started from.
+    started_from = run_config_near(Path(model).expanduser())[0].get("model")
+    games_run = run_config_near(Path(started_from)) if isinstance(started_from, str) else None
+    if games_run is not None and games_run[1] is not None:
+        fix = (
+            f"take them from the run its model came from: python -m fsdp_utils.chess_eval "
+            f"{model} --config {games_run[1]}"
+        )
+    else:
+        fix = (
+            "give the games its model learned from: --config RUN/config.json (that run's "
+            "data and template), or --dataset GAMES with the --template the model learned"
+        )
+    return ValueError(
+        f"The data and template come from {source}, whose dataset {config.dataset} holds "
+        f"prompts (columns {err.columns}: a GRPO run's chess prompts), not games; the chess "
+        f"evaluation plays on from held-out games. To judge this model, {fix}."
+    )
 
 
 def default_output_dir(model: Path) -> Path | None:
@@ -165,7 +189,10 @@ def preflight(args: argparse.Namespace) -> str:
     config, source_text = resolve_config(args, Path(args.model).expanduser())
     settings, note = EngineSettings.from_config(config)
     source = resolve_model_source(args.model, config.cache_dir)
-    games = held_out_games(config, limit=config.chess_eval_games)
+    try:
+        games = held_out_games(config, limit=config.chess_eval_games)
+    except NotChessData as err:
+        raise not_games(err, config, source_text, args.model) from err
     require_games(games)
     if settings is not None:
         note += f" ({settings.check()})"
@@ -198,9 +225,12 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
         source = dataclasses.replace(source, tokenizer_dir=Path(args.tokenizer))
     tokenizer = load_tokenizer(source.tokenizer_dir)
     # The games and the engine before the weights: a dataset that is not chess fails in seconds.
-    evaluator = ChessEvaluator.from_config(
-        config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device
-    )
+    try:
+        evaluator = ChessEvaluator.from_config(
+            config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device
+        )
+    except NotChessData as err:
+        raise not_games(err, config, source_text, args.model) from err
     hf_config = load_model_config(source.weights_dir)
     precision = default_precision(hf_config)
     loaded = eval_config(

@@ -482,6 +482,14 @@ def _training_split(config: TrainConfig, num_rows: int, log: Any) -> dict[str, n
     return splits
 
 
+class NotChessData(ValueError):
+    """The dataset is not games (its `columns` say what it is: GRPO's chess prompts, say)."""
+
+    def __init__(self, columns: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.columns = list(columns)
+
+
 def held_out_games(
     config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
 ) -> list[dict[str, Any]]:
@@ -498,12 +506,13 @@ def held_out_games(
     paths = list(files) if files is not None else dataset_files(config)
     columns = peek_columns(paths)
     if not is_chess_schema(columns):
-        raise ValueError(
+        raise NotChessData(
+            columns,
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "
             f"columns {columns}, not the laion/strategic_game_chess schema (Moves, "
             "Termination, Result). Evaluate on a chess dataset (--dataset "
             "laion/strategic_game_chess, or a folder of parquet files in that schema), or "
-            "leave --chess_eval_every at 0 for text data."
+            "leave --chess_eval_every at 0 for text data.",
         )
     wanted = split_rows(config, count_rows(paths))["eval"]
     if limit is not None:

@@ -98,7 +98,8 @@ class EvaluationOptions:
         metadata=_opt(
             "lm-eval benchmarks to score the final model on at the end of the run, e.g. "
             "arc_easy,hellaswag (their data cached with download_models.py --eval_tasks); "
-            "results in <output_dir>/lm_eval/."
+            "results in <output_dir>/lm_eval/.",
+            joined=True,
         ),
     )
     eval_limit: int | None = field(
@@ -136,7 +137,8 @@ class EvaluationOptions:
         metadata=_opt(
             "With --eval_tasks: lm-eval's --gen_kwargs for every generation task, e.g. "
             "do_sample=True,temperature=0.7,top_p=0.95 (do_sample, temperature, top_p, top_k, "
-            "until, max_gen_toks)."
+            "until, max_gen_toks).",
+            joined=True,
         ),
     )
     eval_seed: int | str | None = field(
@@ -210,6 +212,7 @@ class EvaluationOptions:
             "Opponents the model plays games against, weakest first, comma-separated: random, "
             "depth:N, nodes:N, skill:N, elo:N (e.g. random,depth:1,skill:0,elo:1350).",
             cli={"metavar": "RUNGS"},
+            joined=True,
         ),
     )
     chess_eval_ladder_games: int = field(
