@@ -130,13 +130,15 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
             trainer.write_status("interrupted", f"{INTERRUPT} before the first step")
         raise
     except BaseException as err:
+        user = isinstance(err, ValueError | TrainingDivergedError)
         if trainer is not None:  # tell the sbatch script not to requeue a failing run
-            user = isinstance(err, ValueError | TrainingDivergedError)
             trainer.write_status(
                 "failed",
                 f"{type(err).__name__}: {err}"[:2000],
                 user_error=str(err) if user else None,
             )
+        elif user and env.is_main:  # a mistake found at the start (a teacher refused, ...)
+            _started_and_failed(config, err)
         raise
     finally:
         if trainer is not None:
@@ -147,6 +149,22 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         gc.collect()
         if owns_group:
             dist_utils.destroy(synchronize=clean)
+
+
+def _started_and_failed(config: TrainConfig, err: BaseException) -> None:
+    """status.json of a run that failed on a user mistake before its trainer existed (the
+    checks of every process: the sbatch script, or a script of the user's under torchrun, reads
+    it back: torchrun's own exit code is 1 whatever its workers'). Only into a run folder that
+    exists: a mistake in --output_dir itself, or a first run, makes none."""
+    from fsdp_utils.config.layout import RunLayout
+    from fsdp_utils.metrics.records import write_status
+
+    layout = RunLayout.of(config.output_dir)
+    if layout.root.is_dir():
+        write_status(
+            layout, "failed", f"{type(err).__name__}: {err}"[:2000], step=0,
+            max_training_steps=config.max_training_steps, user_error=str(err),
+        )  # fmt: skip
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

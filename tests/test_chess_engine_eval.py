@@ -310,6 +310,14 @@ def test_the_trainers_preflight_refuses_a_required_engine_that_is_missing(
         assert find_engine() in err  # the engine that is there
     assert finetune_main([*args, "--chess_engine", str(_not_an_engine(tmp_path))]) == 2
     assert "does not run as a UCI engine" in capsys.readouterr().err
+    # The run itself (no --preflight) stops before any work, and status.json says why: what a
+    # script under torchrun (whose own exit code is 1) or the sbatch script reads back.
+    (tmp_path / "run").mkdir()
+    run = [a for a in args if a != "--preflight"]
+    assert finetune_main([*run, "--chess_engine", missing]) == 2
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and missing in status["user_error"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_path, capsys):
