@@ -34,6 +34,7 @@ from typing import Any
 from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
+from fsdp_utils.config.seq_length import fit_seq_length
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import NotChessData
 
@@ -224,6 +225,8 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     if args.tokenizer:
         source = dataclasses.replace(source, tokenizer_dir=Path(args.tokenizer))
     tokenizer = load_tokenizer(source.tokenizer_dir)
+    hf_config = load_model_config(source.weights_dir)
+    config = fit_seq_length(config, hf_config)[0]  # a default length fits the model's context
     # The games and the engine before the weights: a dataset that is not chess fails in seconds.
     try:
         evaluator = ChessEvaluator.from_config(
@@ -231,7 +234,6 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
         )
     except NotChessData as err:
         raise not_games(err, config, source_text, args.model) from err
-    hf_config = load_model_config(source.weights_dir)
     precision = default_precision(hf_config)
     loaded = eval_config(
         source, precision=precision, attn_implementation=config.attn_implementation,

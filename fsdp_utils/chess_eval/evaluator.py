@@ -286,7 +286,7 @@ class ChessEvaluator:
             tokenizer,
             template=config.template,
             plies=config.chess_eval_plies,
-            max_seq_length=config.max_seq_length,
+            max_seq_length=config.seq_length,
             seed=config.seed,
             temperature=config.chess_eval_temperature,
             batch_size=config.chess_eval_batch_size or DEFAULT_BATCH_SIZE,

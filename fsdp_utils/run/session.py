@@ -14,9 +14,9 @@ from fsdp_utils.trainer.trainer import Trainer
 
 def open_trainer(config: TrainConfig, env: DistEnv) -> Trainer:
     """Collective. The run's Trainer, its log open, not yet set up (`Trainer.setup`)."""
-    plan, assets = check_run(config, env.world_size)
+    config, plan, assets, checks = check_run(config, env.world_size)
     notes = start_run(config, env)
     trainer = Trainer(config, env, plan=plan, assets=assets)
-    for note in notes:
+    for note in [*checks, *notes]:
         trainer.log.info(note)
     return trainer
