@@ -147,3 +147,32 @@ def test_resume_auto_with_nothing_to_resume_starts_over_apart(tmp_path: Path, mo
     assert start_run(config, env) == []
     assert start_run(config.replace(resume=str(layout.checkpoints / "step_00000001")), env) == []
     assert layout.metrics.read_text() == earlier
+
+
+def test_a_cpu_run_nothing_configured_computes_with_the_idle_cpus(monkeypatch) -> None:
+    """One process on a busy CPU (no torchrun, no Slurm plan, no OMP_NUM_THREADS): the CPUs
+    that are idle, at least 1, never more than torch chose; said in the log's line."""
+    from fsdp_utils.parallel.distributed import DistEnv
+    from fsdp_utils.run import host_threads
+
+    cpu = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(host_threads, "usable_cpus", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (2.6, 2.0, 1.0))
+        line = host_threads.choose_cpu_threads(cpu)
+        assert torch.get_num_threads() == 1 and line is not None
+        assert "1 compute thread(s) instead of torch's 4" in line and "load average of 2.6" in line
+        torch.set_num_threads(4)
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+        assert host_threads.choose_cpu_threads(cpu) is None and torch.get_num_threads() == 4
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice
+        assert host_threads.choose_cpu_threads(cpu) is None and torch.get_num_threads() == 4
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        gpu = DistEnv(0, 0, 1, 1, torch.device("cuda"), "nccl")
+        assert host_threads.choose_cpu_threads(gpu) is None and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
