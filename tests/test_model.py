@@ -187,5 +187,5 @@ def test_tiny_models_take_transformers_names_for_their_sizes():
     )  # fmt: skip
     assert named.to_dict() == short.to_dict() and named.num_hidden_layers == 3
     assert tiny_model_config("gpt2", vocab_size=100, n_layer=3, n_embd=32).n_embd == 32
-    with pytest.raises(TypeError, match="the sizes it takes: .*num_hidden_layers"):
+    with pytest.raises(TypeError, match=r"the sizes it takes: .*num_hidden_layers"):
         tiny_model_config("llama", vocab_size=100, num_layer=3)
