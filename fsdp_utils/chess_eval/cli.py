@@ -12,9 +12,9 @@ MODEL`): the model is sharded with FSDP2 as in training (`fsdp_utils.checkpoint.
 the games are dealt to the processes, and each process runs its own engine on its own share, so
 the engine work is spread over their CPU cores. The engine judge (`--chess_engine`, short
 `--engine`: auto, on, off or the engine's path) and the ladder's games (`--ladder RUNGS`) are
-described in docs/chess-eval.md. With `--output_dir`
-(default: `<run>/chess_eval/final` for a run's model) rank 0 writes the per-move records
-(moves.jsonl), the games (games.jsonl, games.pgn) and the summary (summary.json).
+described in docs/chess-eval.md. With `--output_dir` (default: `<run>/chess_eval/final` for a
+run's model) rank 0 writes the per-move records (moves.jsonl), the games (games.jsonl,
+games.pgn) and the summary (summary.json), all four or none.
 
 Exit status: 0; 2 for a user mistake (one paragraph naming the fix: a missing engine with
 `--engine on`, an engine path that is not a working UCI engine); 1 if the engine failed during

@@ -384,16 +384,14 @@ def plot_runs(
             fields, labels, DPO_STYLES, EVAL_MARKERS, strict=False
         ):
             train, held_out = name in shown, f"eval_{name}" in shown
-            if len(fields) == 1:
-                label = ""
+            alone = len(fields) == 1  # the panel's title names it: train and eval say enough
             if train:
-                handles.append(Line2D([], [], color="0.3", ls=ls,
-                                      label=f"{label} (train)".strip() if held_out else label
-                                      or "train"))  # fmt: skip
+                text = "train" if alone else f"{label} (train)" if held_out else label
+                handles.append(Line2D([], [], color="0.3", ls=ls, label=text))
             if held_out:
                 handles.append(Line2D([], [], color="0.3", lw=1.0, ls=ls, marker=marker, ms=5,
                                       mfc="0.3" if filled else "white",
-                                      label=f"{label} (eval)".strip() if label else "eval"))  # fmt: skip
+                                      label="eval" if alone else f"{label} (eval)"))  # fmt: skip
         # An accuracy rises to 1 at the right: its legend below, where it hides no point.
         axes[title_].legend(
             handles=handles,
