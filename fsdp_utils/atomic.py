@@ -16,15 +16,25 @@ from typing import Any
 @contextlib.contextmanager
 def folder_written_atomically(destination: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `destination` to write into; when the block completes it
-    replaces `destination`, so a crash (or the time limit) never leaves a half model."""
+    replaces `destination`, so a crash (or the time limit) never leaves a half model. The old
+    folder is renamed aside before the new one takes its name and removed after: at every
+    moment one whole folder exists (under its name, or `<name>.old` for the instant between
+    the two renames). A block that raises leaves `destination` as it was."""
     destination = Path(destination)
     tmp = destination.with_name(destination.name + ".tmp")
+    old = destination.with_name(destination.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     if destination.exists():
-        shutil.rmtree(destination)
+        destination.rename(old)
     tmp.rename(destination)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

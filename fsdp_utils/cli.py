@@ -88,6 +88,7 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.run.session import open_trainer
     from fsdp_utils.train.step import TrainingDivergedError
+    from fsdp_utils.train.timelimit import INTERRUPT
 
     # Tearing a group down and setting one up again in the same torchrun workers can deadlock
     # (a fast rank meets the previous group's keys in the store): only the owner tears down.
@@ -124,14 +125,20 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
             _print_summary(summary)
         clean = True
         return summary
+    except KeyboardInterrupt:  # Ctrl-C before the run's stop controller took it over
+        if trainer is not None:
+            trainer.write_status("interrupted", f"{INTERRUPT} before the first step")
+        raise
     except BaseException as err:
+        user = isinstance(err, ValueError | TrainingDivergedError)
         if trainer is not None:  # tell the sbatch script not to requeue a failing run
-            user = isinstance(err, ValueError | TrainingDivergedError)
             trainer.write_status(
                 "failed",
                 f"{type(err).__name__}: {err}"[:2000],
                 user_error=str(err) if user else None,
             )
+        elif user and env.is_main:  # a mistake found at the start (a teacher refused, ...)
+            _started_and_failed(config, err)
         raise
     finally:
         if trainer is not None:
@@ -142,6 +149,22 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         gc.collect()
         if owns_group:
             dist_utils.destroy(synchronize=clean)
+
+
+def _started_and_failed(config: TrainConfig, err: BaseException) -> None:
+    """status.json of a run that failed on a user mistake before its trainer existed (the
+    checks of every process: the sbatch script, or a script of the user's under torchrun, reads
+    it back: torchrun's own exit code is 1 whatever its workers'). Only into a run folder that
+    exists: a mistake in --output_dir itself, or a first run, makes none."""
+    from fsdp_utils.config.layout import RunLayout
+    from fsdp_utils.metrics.records import write_status
+
+    layout = RunLayout.of(config.output_dir)
+    if layout.root.is_dir():
+        write_status(
+            layout, "failed", f"{type(err).__name__}: {err}"[:2000], step=0,
+            max_training_steps=config.max_training_steps, user_error=str(err),
+        )  # fmt: skip
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -218,6 +241,7 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
     from fsdp_utils.parallel.distributed import PeerFailure, ReportedError
     from fsdp_utils.run.host_memory import fix_mmap_threshold
     from fsdp_utils.train.step import TrainingDivergedError
+    from fsdp_utils.train.timelimit import EXIT_INTERRUPTED, INTERRUPT
 
     fix_mmap_threshold()  # freed activations go back to the system (run/host_memory.py)
     try:
@@ -229,7 +253,15 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
             world_size = args.world_size or world_size_from_env()
             print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
             return 0
-        run(config, after_setup=after_setup)
+        summary = run(config, after_setup=after_setup)
+    except KeyboardInterrupt:  # before the run could save anything: nothing is lost either
+        print(
+            f"\n{INTERRUPT}: stopped before the first step, nothing to save (rerun the same "
+            "command to start)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     except ReportedError:  # rank 0 found a mistake in work the others waited for: said
         return EXIT_USAGE
     except PeerFailure as err:  # ... and this rank is one of the others: end quietly, after
@@ -238,4 +270,5 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
         return EXIT_USAGE if err.user_error else 1
     except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError
         return _fail(str(err))
-    return 0
+    # Ctrl-C's stop saved the run: 130 tells a script it was interrupted (no requeue under Slurm)
+    return EXIT_INTERRUPTED if summary["reason"] == INTERRUPT else 0

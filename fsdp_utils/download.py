@@ -42,6 +42,7 @@ examples:
       --dataset laion/strategic_game_chess --dataset-include 'chess_game_000[1-2].parquet'
   python download_models.py --config assets.yaml --cache-dir /projects/me/hf-cache/hub
   python download_models.py --eval_tasks arc_easy,gsm8k,mmlu   # lm-eval benchmarks' data
+  python download_models.py --model meta-llama/Llama-3.2-1B --config_only   # enough to --plan
   python download_models.py --verify             # offline: re-hash the cache
   python download_models.py --check-offline      # offline: load everything, no network
 
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers", type=int, default=8, help="Parallel file downloads (8).")
     where.add_argument(
         "--dry-run", action="store_true", help="Show files and sizes, check disk, fetch nothing."
+    )
+    where.add_argument(
+        "--config_only",
+        action="store_true",
+        help="Fetch each model's config.json only (seconds): enough for the memory plan "
+        "(chess_finetune.py --plan, python -m fsdp_utils.plan) before downloading the weights; "
+        "not enough to train.",
     )
     modes = parser.add_argument_group("offline modes (no download)")
     modes.add_argument(
@@ -210,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
         return _offline_modes(args, request.specs, cache_dir)
 
     specs = request.specs if request.specs is not None else default_specs()
+    if args.config_only:
+        return _config_only(args, specs, cache_dir)
     if not specs and not request.eval_tasks and not (args.prepare and request.train_config):
         raise ValueError(f"{args.config} names no hub assets (only local paths): nothing to do.")
     # Checked before downloading, so that a bad --prepare does not cost a download first.
@@ -253,6 +263,32 @@ def _download(args: argparse.Namespace, specs: list[AssetSpec], cache_dir: Path)
         f"cached {len(entries)} asset(s), {format_bytes(total)}, in "
         f"{time.monotonic() - started:.1f} s; manifest: {manifest_path(cache_dir)}"
     )
+
+
+def _config_only(args: argparse.Namespace, specs: list[AssetSpec], cache_dir: Path) -> int:
+    from huggingface_hub import constants
+
+    from fsdp_utils.hub.download import download_model_configs
+
+    if args.prepare or args.dry_run:
+        raise ValueError("--config_only fetches one file per model: drop --prepare/--dry-run.")
+    models = [spec for spec in specs if spec.repo_type == "model"]
+    if not models:
+        raise ValueError("--config_only fetches models' config.json: give --model ID.")
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(
+            "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set in this shell, so nothing can be "
+            "downloaded. On the login node run:\n  "
+            f"HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 {args.command_line}"
+        )
+    download_model_configs(models, cache_dir, log=print)
+    plan = " ".join(f"--model {spec.repo_id}" for spec in models[:1])
+    print(
+        f"next: python -m fsdp_utils.plan {plan} --gpus_per_node 4 --gpu_memory 80GiB (the "
+        "plan reads config.json only); to train, download the whole model: python "
+        f"download_models.py {plan}"
+    )
+    return 0
 
 
 def _download_eval_tasks(args: argparse.Namespace, names: list[str], cache_dir: Path) -> None:

@@ -228,6 +228,18 @@ _DECODERS: dict[str, tuple[str, Callable[[int, int], dict[str, Any]]]] = {
 TIED_FAMILIES = frozenset({"qwen2", "gemma", "gpt2", "qwen3", "gemma2", "gemma3", "granite"})
 
 
+# transformers' names of the sizes (Llama's, GPT-2's), taken as well as the short ones.
+TRANSFORMERS_NAMES = {
+    "num_hidden_layers": "num_layers",
+    "n_layer": "num_layers",
+    "num_attention_heads": "num_heads",
+    "n_head": "num_heads",
+    "max_position_embeddings": "max_positions",
+    "n_positions": "max_positions",
+    "n_embd": "hidden_size",
+}
+
+
 def tiny_model_config(
     arch: str,
     vocab_size: int,
@@ -238,12 +250,31 @@ def tiny_model_config(
     max_positions: int = 1024,
     special_ids: dict[str, int] | None = None,
     tie_word_embeddings: bool | None = None,
+    **transformers_names: int,
 ) -> Any:
     """A small transformers config of the given architecture family, built with transformers'
     own config class, that keeps what sets the family apart in training (`_DECODERS` and the
-    functions it names). `tie_word_embeddings` None: the family's released models' choice."""
+    functions it names). `tie_word_embeddings` None: the family's released models' choice.
+
+    The sizes: `hidden_size`, `num_layers`, `num_heads` (key/value heads: half of them),
+    `max_positions` (the context length); transformers' names for them work too
+    (`num_hidden_layers`, `num_attention_heads`, `max_position_embeddings`, GPT-2's `n_layer`,
+    `n_head`, `n_positions`, `n_embd`). The same keywords pass through `save_tiny_model`,
+    `save_chat_model` and `build_demo_assets`."""
     import transformers
 
+    sizes = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+             "max_positions": max_positions}  # fmt: skip
+    for name, value in transformers_names.items():
+        if name not in TRANSFORMERS_NAMES:
+            known = sorted([*sizes, "special_ids", "tie_word_embeddings", *TRANSFORMERS_NAMES])
+            raise TypeError(
+                f"tiny_model_config() got an unexpected keyword argument {name!r}; the sizes "
+                f"it takes: {', '.join(known)}"
+            )
+        sizes[TRANSFORMERS_NAMES[name]] = value
+    hidden_size, num_layers = sizes["hidden_size"], sizes["num_layers"]
+    num_heads, max_positions = sizes["num_heads"], sizes["max_positions"]
     ids = special_ids or {}
     head_dim = hidden_size // num_heads
     common: dict[str, Any] = {
@@ -353,7 +384,9 @@ def _tiny_moe_config(
 def save_tiny_model(
     folder: str | Path, tokenizer: Any, arch: str = "llama", seed: int = 0, **config_kwargs: Any
 ) -> Path:
-    """Initialise a tiny model for `tokenizer` and save it (safetensors) with the tokenizer."""
+    """Initialise a tiny model for `tokenizer` and save it (safetensors) with the tokenizer.
+    `config_kwargs`: the sizes `tiny_model_config` takes (`num_layers=4` or
+    `num_hidden_layers=4`, `hidden_size`, `num_heads`, `max_positions`, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -214,4 +214,8 @@ if [ "$decision" = requeue ]; then
     # this job's own newest checkpoint (SLURM_RESTART_COUNT > 0), whatever --resume said.
     scontrol requeue "$SLURM_JOB_ID"
 fi
+# A user mistake the training processes found (status.json's user_error; after-run has just
+# printed its paragraph last): they exit 2, torchrun 1 whatever its workers' code; the job
+# ends with 2, as when the preflight finds one, so that sacct tells it from a crash.
+[ "$decision" != user-error ] || exit_code=2
 exit "$exit_code"

@@ -17,7 +17,7 @@ def test_accumulation_is_derived(total, per_device, world, accum):
     plan = plan_batch(config, world)
     assert plan.gradient_accumulation_steps == accum
     assert plan.batch_size_per_device * plan.world_size * accum == total
-    assert plan.tokens_per_step == total * config.max_seq_length
+    assert plan.tokens_per_step == total * config.seq_length
 
 
 def test_seed_style_accumulation_gives_the_total():

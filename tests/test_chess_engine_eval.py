@@ -222,30 +222,74 @@ def test_ladder_games_alternate_colours_and_an_illegal_move_loses(games, tokeniz
 
 
 def test_missing_engine_auto_skips_on_refuses(config, tmp_path, monkeypatch, capsys):
-    missing = str(tmp_path / "no-stockfish")
-    settings, note = EngineSettings.from_config(
-        config.replace(chess_engine=None, chess_eval_engine="off")
-    )
+    from fsdp_utils.chess_eval import judge
+
+    settings, note = EngineSettings.from_config(config.replace(chess_engine="off"))
     assert settings is None and "off" in note
-    monkeypatch.setenv("FSDP_UTILS_STOCKFISH", missing)
-    with pytest.raises(EngineNotFound, match="conda-forge"):
-        EngineSettings.from_config(config.replace(chess_eval_engine="on"))
+    old = EngineSettings.from_config(config.replace(chess_eval_engine="off"))  # the old spelling
+    assert old[0] is None
+    # No engine anywhere: auto shows legality only, on refuses with how to install one.
+    monkeypatch.delenv("FSDP_UTILS_STOCKFISH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(judge, "DEBIAN_ENGINE", str(tmp_path / "games" / "stockfish"))
     settings, note = EngineSettings.from_config(config)
     assert settings is None and "legality only" in note
+    for on in ({"chess_engine": "on"}, {"chess_eval_engine": "on"}):
+        with pytest.raises(EngineNotFound, match="conda-forge"):
+            EngineSettings.from_config(config.replace(**on))
+    monkeypatch.undo()
 
     args = [str(config.model), "--dataset", config.dataset, "--dataset_include", "",
             "--data_cache_dir", str(config.data_cache_dir), "--eval_examples", "20", "--games",
             "2", "--engine", "on", "--preflight"]  # fmt: skip
-    assert chess_eval_main(args) == 2
-    err = capsys.readouterr().err
-    assert "FSDP_UTILS_STOCKFISH" in err and "apt-get install stockfish" in err
-    assert "Traceback" not in err
-    monkeypatch.delenv("FSDP_UTILS_STOCKFISH")
     assert chess_eval_main(args) == 0
     assert "preflight OK" in (out := capsys.readouterr().out) and "Stockfish" in out
     # A rung the engine refuses fails in the preflight, not after the games began.
     assert chess_eval_main([*args, "--ladder", "random,elo:100"]) == 2
     assert "'elo:100' cannot be played" in capsys.readouterr().err
+
+
+def _not_an_engine(folder: Path) -> Path:
+    """An executable that exits at once, as /bin/ls would, instead of speaking UCI."""
+    script = folder / "not-stockfish"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    return script
+
+
+def test_an_engine_path_given_is_required_to_work(config, tmp_path, monkeypatch, capsys):
+    """auto may fall back to legality only; a path the user gave (--chess_engine, or
+    $FSDP_UTILS_STOCKFISH) may not: one paragraph naming it and the engines found, exit 2,
+    before any work, and the previous records are left as they were."""
+    installed = find_engine()
+    broken = {"missing": str(tmp_path / "usr" / "bin" / "stockfish"),
+              "not UCI": str(_not_an_engine(tmp_path))}  # fmt: skip
+    for why, path in broken.items():
+        for choice in ({"chess_engine": path}, {"chess_engine": path, "chess_eval_engine": "auto"}):
+            with pytest.raises(EngineNotFound) as err:
+                EngineSettings.from_config(config.replace(**choice))
+            text = str(err.value)
+            assert path in text and installed in text, text
+            assert (
+                "does not exist" if why == "missing" else "does not run as a UCI engine"
+            ) in text
+    monkeypatch.setenv("FSDP_UTILS_STOCKFISH", broken["missing"])  # a path given, by the variable
+    with pytest.raises(EngineNotFound, match="FSDP_UTILS_STOCKFISH"):
+        EngineSettings.from_config(config)
+    monkeypatch.delenv("FSDP_UTILS_STOCKFISH")
+    assert EngineSettings.from_config(config.replace(chess_engine=installed))[0] is not None
+
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "moves.jsonl").write_text("earlier\n")
+    args = [str(config.model), "--dataset", config.dataset, "--dataset_include", "",
+            "--data_cache_dir", str(config.data_cache_dir), "--eval_examples", "20",
+            "--games", "2", "--output_dir", str(records)]  # fmt: skip
+    for flag in ("--chess_engine", "--engine"):
+        assert chess_eval_main([*args, flag, broken["not UCI"]]) == 2
+        err = capsys.readouterr().err
+        assert broken["not UCI"] in err and installed in err and "Traceback" not in err
+    assert (records / "moves.jsonl").read_text() == "earlier\n"
 
 
 def test_the_trainers_preflight_refuses_a_required_engine_that_is_missing(
@@ -255,11 +299,25 @@ def test_the_trainers_preflight_refuses_a_required_engine_that_is_missing(
 
     args = ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
             "--dataset_include", "", "--output_dir", str(tmp_path / "run"), "--preflight",
-            "--chess_eval_every", "5", "--chess_eval_engine", "on",
-            "--chess_engine", str(tmp_path / "nowhere" / "stockfish")]  # fmt: skip
-    assert finetune_main(args) == 2
-    err = capsys.readouterr().err
-    assert "is not an executable file" in err and "conda install -c conda-forge stockfish" in err
+            "--chess_eval_every", "5"]  # fmt: skip
+    # The old spelling of a required engine at a path, and the new one (auto, the default).
+    missing = str(tmp_path / "nowhere" / "stockfish")
+    for engine in (["--chess_eval_engine", "on", "--chess_engine", missing],
+                   ["--chess_engine", missing]):  # fmt: skip
+        assert finetune_main([*args, *engine]) == 2
+        err = capsys.readouterr().err
+        assert f"{missing} given by --chess_engine does not exist" in err, err
+        assert find_engine() in err  # the engine that is there
+    assert finetune_main([*args, "--chess_engine", str(_not_an_engine(tmp_path))]) == 2
+    assert "does not run as a UCI engine" in capsys.readouterr().err
+    # The run itself (no --preflight) stops before any work, and status.json says why: what a
+    # script under torchrun (whose own exit code is 1) or the sbatch script reads back.
+    (tmp_path / "run").mkdir()
+    run = [a for a in args if a != "--preflight"]
+    assert finetune_main([*run, "--chess_engine", missing]) == 2
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and missing in status["user_error"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_path, capsys):

@@ -271,3 +271,31 @@ def test_bad_input_is_one_paragraph_and_exit_2(tiny_assets, config, tmp_path, ca
     # The trainer checks K before anything starts.
     assert finetune_main(["--chess_eval_plies", "-1", "--model", str(tiny_assets["model"])]) == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_grpo_runs_model_is_judged_on_the_games_of_the_run_it_came_from(
+    tiny_assets, config, tmp_path, capsys
+):
+    """A GRPO chess run trained on prompts: evaluating it says where its games are (the run its
+    model came from, as --config), and that run's own config.json is taken as --config."""
+    from tests.grpo_helpers import write_prompts
+
+    def run_folder(name: str, options: dict) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "final").symlink_to(tiny_assets["model"], target_is_directory=True)
+        record = {"config": options, "resolved": {"world_size": 2}, "versions": {"torch": "x"}}
+        (folder / "config.json").write_text(json.dumps(record))
+        return folder
+
+    same = {"dataset_include": "", "data_cache_dir": config.data_cache_dir, "eval_examples": 20,
+            "max_seq_length": 512, "num_epochs": 1}  # fmt: skip
+    sft = run_folder("sft", {"model": str(tiny_assets["model"]), "dataset": config.dataset, **same})
+    prompts = write_prompts(tiny_assets["data"], tmp_path / "prompts.jsonl")
+    grpo = run_folder("grpo", {"model": str(sft / "final"), "dataset": str(prompts), **same})
+    assert chess_eval_main([str(grpo), "--preflight"]) == 2
+    err = capsys.readouterr().err
+    assert "holds prompts" in err and "Traceback" not in err
+    assert f"python -m fsdp_utils.chess_eval {grpo} --config {sft / 'config.json'}" in err
+    assert chess_eval_main([str(grpo), "--config", str(sft / "config.json"), "--preflight"]) == 0
+    assert "preflight OK" in capsys.readouterr().out

@@ -131,3 +131,44 @@ def test_help_shows_its_sections_in_order_with_each_flag_in_its_own():
     assert checks <= flags[CHECKS_SECTION]
     for field in dataclasses.fields(TrainConfig):
         assert f"--{field.name}" in flags[SECTIONS[field.metadata["section"]]], field.name
+
+
+def test_a_runs_own_config_json_is_a_config_file(tmp_path):
+    """What the toolkit writes, it reads: config.json's options (under "config"), its resolved
+    values and versions beside them; an epoch run's resolved step count is not an option."""
+    config = TrainConfig(num_epochs=2, learning_rate=1e-4, reward_weights=None)
+    record = {"config": config.replace(max_training_steps=123).to_dict(),
+              "resolved": {"world_size": 4, "tokens_per_step": 4096},
+              "versions": {"torch": "2.13.0"}}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(record))
+    parsed, _ = parse_config(["--config", str(path), "--seed", "7"])
+    assert parsed.learning_rate == 1e-4 and parsed.num_epochs == 2 and parsed.seed == 7
+    # Any other file with a "config" key is options as before (and refused as unknown).
+    path.write_text(json.dumps({"config": {"seed": 1}, "learning_rate": 1e-4}))
+    with pytest.raises(ValueError, match="'config'"):
+        parse_config(["--config", str(path)])
+
+
+def test_list_options_take_lists_in_config_files(tmp_path):
+    """What people write in YAML: a list for an option the command line takes comma-separated;
+    config.json then holds the one string the command line would have given."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "method: grpo\nreward_funcs: [chess_legal, my_rewards.py:score]\n"
+        "reward_weights: [1, 0.5]\ndataset_include:\n  - 'chess_game_0001.parquet'\n"
+        "  - 'chess_game_0002.parquet'\nchess_eval_ladder: [random, 'depth:1']\n"
+        "eval_tasks: [arc_easy, mmlu]\nlora_target_modules: [q_proj, v_proj]\n"
+    )
+    config, _ = parse_config(["--config", str(path)])
+    assert config.reward_funcs == "chess_legal,my_rewards.py:score"
+    assert config.reward_weights == "1,0.5"
+    assert config.dataset_include == "chess_game_0001.parquet,chess_game_0002.parquet"
+    assert config.chess_eval_ladder == "random,depth:1" and config.eval_tasks == "arc_easy,mmlu"
+    assert config.lora_target_modules == "q_proj,v_proj"
+    joined = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("joined")}
+    assert "reward_funcs" in joined and "learning_rate" not in joined
+    with pytest.raises(ValueError, match="its item 'a,b' is not one"):
+        config_from_dict({"reward_funcs": ["a,b", "c"]})
+    with pytest.raises(ValueError, match="learning_rate must be float"):  # not a list option
+        config_from_dict({"learning_rate": [1e-4]})

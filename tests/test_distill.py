@@ -336,6 +336,20 @@ def test_a_cache_of_the_whole_vocabulary_stopped_and_resumed_trains_as_the_live_
     assert "blocks kept, " in out and "distill: teacher cache complete in" in out
     meta = json.loads((runs["cached"].parent / "teacher_cache" / "meta.json").read_text())
     assert meta["complete"] and meta["top_k"] == 512
+    # A cached teacher's KL is over its top K and the rest: a lower bound, said where printed.
+    assert all(r["distill/teacher_top_k"] == 512 for r in cached)
+    assert not any("distill/teacher_top_k" in r for r in live)
+    assert " (top-512 lower bound) ce " in out
+
+
+def test_a_cached_teachers_kl_is_printed_as_its_top_k_bound():
+    from fsdp_utils.metrics.logger import format_eval
+
+    record = {"eval_loss": 2.5, "eval_distill/teacher_kl": 0.0053, "eval_distill/ce": 2.9,
+              "eval_distill/top1_agreement": 0.5, "eval_tokens": 1000}  # fmt: skip
+    assert "kl 0.0053 ce 2.9000" in format_eval(record)  # live: the whole vocabulary's
+    bounded = format_eval({**record, "eval_distill/teacher_top_k": 32})
+    assert "kl 0.0053 (top-32 lower bound) ce 2.9000" in bounded
 
 
 @pytest.mark.slow

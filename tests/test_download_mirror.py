@@ -181,6 +181,28 @@ def test_missing_shards_name_the_command_that_fetches_them(
     }
 
 
+def test_a_plan_before_downloading_needs_only_the_config(
+    hub_mirror: HubMirror, tmp_path: Path
+) -> None:
+    """The planner's message for a model not cached names `--config_only`; that command fetches
+    config.json alone (no manifest entry: not enough to train), and the planner finds it."""
+    from fsdp_utils.hub.resolve import config_folder
+
+    home = tmp_path / "hf_home"
+    with pytest.raises(MissingAssetError) as error:
+        config_folder(MODEL_ID, cache_dir=str(home / "hub"))
+    command = str(error.value).splitlines()[-1].strip()
+    assert command.endswith("--config_only") and "not in the offline cache" in str(error.value)
+    result = ok(run_printed_command(hub_mirror, home, command))
+    assert "config.json only" in result.stdout and "python -m fsdp_utils.plan" in result.stdout
+    folder = config_folder(MODEL_ID, cache_dir=str(home / "hub"))
+    config = hub_mirror.repos[MODEL_ID].files["config.json"]
+    assert (folder / "config.json").read_bytes() == config
+    assert [p.name for p in folder.iterdir()] == ["config.json"]  # nothing else fetched
+    with pytest.raises(MissingAssetError, match=r"python download_models\.py --model"):
+        resolve_model_dir(MODEL_ID, cache_dir=str(home / "hub"))  # training needs the model
+
+
 def test_verify_reports_corruption_and_its_repair_commands_fix_it(
     downloaded: Downloaded, hub_mirror: HubMirror, tmp_path: Path
 ) -> None:

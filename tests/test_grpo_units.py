@@ -127,13 +127,23 @@ def test_chess_rewards_judge_the_first_move_in_the_rows_position():
         builtin_rewards.chess_legal([" e2e4"])
 
 
-def test_the_engine_reward_is_the_judges_accuracy_and_nothing_for_an_illegal_move():
+def test_the_engine_reward_is_the_judges_accuracy_and_nothing_for_an_illegal_move(tmp_path):
     from fsdp_utils.chess_eval.rewards import EngineReward
 
     # After 1. e4 e5 2. Qh5 Nc6 3. Bc4 Nf6??: Qxf7 is mate, a3 lets it go.
     moves = [["e2e4", "e7e5", "d1h5", "b8c6", "f1c4", "g8f6"]] * 3
-    with contextlib_closing(EngineReward(depth=6)) as engine:
-        rewards = engine([" h5f7", " a2a3", " h5h9"], moves=moves)
+    from fsdp_utils.chess_eval.judge import find_engine
+    from fsdp_utils.chess_eval.rewards import use_engine_path
+
+    given = tmp_path / "my-stockfish"  # --chess_engine's, for an EngineReward without its own
+    given.symlink_to(find_engine())
+    use_engine_path(str(given))
+    try:
+        with contextlib_closing(EngineReward(depth=6)) as engine:
+            rewards = engine([" h5f7", " a2a3", " h5h9"], moves=moves)
+            assert engine.judge.path == str(given)
+    finally:
+        use_engine_path(None)
     assert rewards[0] == 1.0  # the best move loses nothing
     assert 0.0 <= rewards[1] < 0.5  # throws the win away
     assert rewards[2] == 0.0  # not a move
@@ -283,3 +293,8 @@ def test_bad_input_ends_in_one_paragraph(setup, capsys, tmp_path):
            "The reward function nan_reward returned nan")  # fmt: skip
     _fails(capsys, [*args(), "--method", "sft", "--dataset", str(setup["games"]),
                     "--num_generations", "4"], "option(s) of --method grpo")  # fmt: skip
+    # The engine's reward takes --chess_engine's engine: off, or a path that is not one, stops.
+    _fails(capsys, args(reward_funcs="chess_engine", chess_engine="off"),
+           "--chess_engine off turns it off")  # fmt: skip
+    _fails(capsys, args(reward_funcs="chess_engine", chess_engine=str(tmp_path / "sf")),
+           f"{tmp_path / 'sf'} given by --chess_engine does not exist")  # fmt: skip

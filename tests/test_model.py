@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fsdp_utils.config.seq_length import check_seq_length
 from fsdp_utils.hub.resolve import load_model_config
 from fsdp_utils.model.build import (
     build_meta_model,
-    check_seq_length,
     find_decoder_layers,
     materialize,
     tied_parameter_names,
@@ -124,6 +124,46 @@ def test_sequence_length_above_the_model_limit():
         check_seq_length(config, 129)
 
 
+def test_a_default_sequence_length_fits_the_models_context():
+    """Not given, --max_seq_length is 1024 or the model's context where shorter (with the log's
+    line); given, it is checked; what depends on it is checked again."""
+    from fsdp_utils.config.seq_length import fit_seq_length
+    from fsdp_utils.config.train_config import TrainConfig
+
+    short = tiny_model_config("llama", vocab_size=100, max_positions=256)
+    fitted, note = fit_seq_length(TrainConfig(), short)
+    assert fitted.max_seq_length == fitted.seq_length == 256
+    assert note is not None and "the model's context length (--max_seq_length not given" in note
+    assert fit_seq_length(fitted, short) == (fitted, None)  # fitted once, the same again
+    assert fit_seq_length(TrainConfig(max_seq_length=128), short)[0].max_seq_length == 128
+    with pytest.raises(ValueError, match="--max_seq_length 512 is above the model's context"):
+        fit_seq_length(TrainConfig(max_seq_length=512), short)
+    long = tiny_model_config("llama", vocab_size=100, max_positions=4096)
+    assert fit_seq_length(TrainConfig(), long) == (TrainConfig(max_seq_length=1024), None)
+    grpo = TrainConfig(method="grpo", reward_funcs="length", max_completion_length=300)
+    with pytest.raises(ValueError, match="leaves no room for the prompt in --max_seq_length 256"):
+        fit_seq_length(grpo, short)
+
+
+def test_the_trainer_takes_the_models_context_as_its_default(tiny_assets, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from fsdp_utils.cli import main
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
+    short = save_tiny_model(tmp_path / "short", tokenizer, max_position_embeddings=256)
+    args = ["--model", str(short), "--dataset", str(tiny_assets["data"]), "--dataset_include", "",
+            "--output_dir", str(tmp_path / "run"), "--preflight", "--gpu_memory", "off"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "256 tokens per sequence" in out
+    assert "sequence length: 256 tokens, the model's context length" in out
+    assert main([*args, "--max_seq_length", "1024"]) == 2  # given: the user's, checked
+    assert "--max_seq_length 1024 is above the model's context length of 256" in (
+        capsys.readouterr().err
+    )
+
+
 def test_missing_weights_are_named(tmp_path, saved_models):
     folder = saved_models["llama"]
     model = build_meta_model(load_model_config(folder), "fp32")
@@ -136,3 +176,16 @@ def test_missing_weights_are_named(tmp_path, saved_models):
     empty.mkdir()
     with pytest.raises(ValueError, match="No safetensors weights"):
         checkpoint_key_map(model, empty)
+
+
+def test_tiny_models_take_transformers_names_for_their_sizes():
+    """The docs' short names and transformers' own (as a user writes them from a config.json)."""
+    short = tiny_model_config("llama", vocab_size=100, num_layers=3, num_heads=2, max_positions=96)
+    named = tiny_model_config(
+        "llama", vocab_size=100, num_hidden_layers=3, num_attention_heads=2,
+        max_position_embeddings=96,
+    )  # fmt: skip
+    assert named.to_dict() == short.to_dict() and named.num_hidden_layers == 3
+    assert tiny_model_config("gpt2", vocab_size=100, n_layer=3, n_embd=32).n_embd == 32
+    with pytest.raises(TypeError, match=r"the sizes it takes: .*num_hidden_layers"):
+        tiny_model_config("llama", vocab_size=100, num_layer=3)

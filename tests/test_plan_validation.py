@@ -65,7 +65,7 @@ def test_plan_matches_the_tracker_on_a_real_two_process_run(
     # The planner traces at most 3 micro-batches (the others repeat them) and so leaves out the
     # token ids of the rest: 16 bytes per token, the only difference expected.
     untraced = real.micro_batches - planned.micro_batches
-    token_ids = untraced * 16 * config.batch_size_per_device * config.max_seq_length
+    token_ids = untraced * 16 * config.batch_size_per_device * config.seq_length
     # Parameters, gradients and optimizer state before the update: byte for byte.
     assert planned.state_bytes == real.state_bytes
     # Totals: the same up to the untraced token ids, and up to a few scalars that the real

@@ -240,6 +240,43 @@ def test_a_dpo_run_gets_panels_of_its_rewards_accuracy_and_log_probabilities(
     assert loss_label(fig) == "cross-entropy (nats/token)"  # not only DPO losses there
 
 
+def test_every_legend_tells_its_series_apart(tmp_path: Path) -> None:
+    """A GRPO run with the chess evaluation's engine judge: the best-move and blunder rates are
+    named as such, and the held-out prompts' sampled and greedy rewards are drawn with their
+    own markers and named in the legend, apart from the train reward."""
+    run = tmp_path / "grpo"
+    records: list[dict[str, Any]] = [{"kind": "start", "step": 0}]
+    for step in range(1, 5):
+        records.append(_train(step, 1) | {"reward": 0.1 * step})
+        if step % 2 == 0:
+            records.append({"kind": "eval", "step": step, "eval_reward": 0.2 * step,
+                            "eval_greedy_reward": 0.25 * step, "eval_prompts": 16})  # fmt: skip
+            records.append({"kind": "chess_eval", "step": step, "legal_move_rate": 0.5,
+                            "engine_best_move_rate": 0.1 * step, "engine_blunder_rate": 0.05,
+                            "engine_accuracy": 70.0, "engine_accuracy_balanced": 60.0})  # fmt: skip
+    _write(run, records)
+    fig, drawn = plot.plot_runs([plot.RunCurves.load(run, "grpo")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+
+    def legend(title: str) -> list[str]:
+        return [t.get_text() for t in axes[title].get_legend().get_texts()]
+
+    assert legend("chess eval: best move, blunders (engine)") == ["best move", "blunders"]
+    assert legend("chess eval: accuracy (engine, Lichess)") == [
+        "judged moves", "balanced positions"]  # fmt: skip
+    assert legend("GRPO reward") == ["sampled (train)", "sampled (eval)", "greedy (eval)"]
+    lines = {d.series: d.line for d in drawn if d.panel == "GRPO reward"}
+    sampled, greedy = lines["eval_reward"], lines["eval_greedy_reward"]
+    assert (sampled.get_marker(), greedy.get_marker()) == ("o", "s")
+    assert greedy.get_markerfacecolor() == "white" != sampled.get_markerfacecolor()
+    assert lines["reward"].get_marker() in ("None", "", None)  # the train line has none
+    assert _drawn(drawn, "grpo", "eval_greedy_reward") == [(2, 0.5), (4, 1.0)]
+    for title, ax in axes.items():
+        if ax.get_legend() is not None:
+            texts = [t.get_text() for t in ax.get_legend().get_texts()]
+            assert len(set(texts)) == len(texts), (title, texts)
+
+
 def test_sweep_overlays_runs_in_value_order(tmp_path: Path, capsys) -> None:
     sweep = tmp_path / "sweep"
     for value in ("10", "2", "1"):

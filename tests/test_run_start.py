@@ -115,3 +115,64 @@ def test_resume_never_sets_the_previous_run_aside(tmp_path: Path) -> None:
     layout.metrics.write_text("{}\n")
     set_aside_previous_run(layout, now=0)
     assert len(list(layout.root.glob(f"{SET_ASIDE_PREFIX}*"))) == 2
+
+
+def test_resume_auto_with_nothing_to_resume_starts_over_apart(tmp_path: Path, monkeypatch) -> None:
+    """An earlier run trained here and stopped before its first save (a crash, a second Ctrl-C):
+    `--resume auto` starts at step 0, says so, and sets the earlier records aside instead of
+    appending the new steps to them. A leg that stopped before its first step is continued."""
+    from fsdp_utils.parallel.distributed import DistEnv
+    from fsdp_utils.run.start import start_run
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SUBMITIT_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    layout = RunLayout.of(tmp_path / "run")
+    layout.root.mkdir()
+    config = TrainConfig(output_dir=str(layout.root), cache_dir=str(tmp_path / "hub"),
+                         data_cache_dir=str(tmp_path / "data"))  # fmt: skip
+    earlier = '{"kind": "start", "step": 0}\n{"kind": "train", "step": 1, "loss": 6.2}\n'
+    layout.metrics.write_text('{"kind": "stopping", "step": 0}\n')  # stopped before step 1
+    assert start_run(config, env) == [] and layout.metrics.is_file()
+    layout.metrics.write_text(earlier)
+    layout.status.write_text('{"status": "aborted"}\n')
+    (note,) = start_run(config, env)
+    assert note.startswith("starting over at step 0: no checkpoint in") and "metrics.jsonl" in note
+    aside = next(layout.root.glob(f"{SET_ASIDE_PREFIX}*"))
+    assert (aside / "metrics.jsonl").read_text() == earlier and (aside / "status.json").is_file()
+    assert not layout.metrics.exists() and not layout.status.exists()
+    # A checkpoint to resume, or another --resume, is no start over.
+    layout.metrics.write_text(earlier)
+    _checkpoint(layout.checkpoints, 1)
+    assert start_run(config, env) == []
+    assert start_run(config.replace(resume=str(layout.checkpoints / "step_00000001")), env) == []
+    assert layout.metrics.read_text() == earlier
+
+
+def test_a_cpu_run_nothing_configured_computes_with_the_idle_cpus(monkeypatch) -> None:
+    """One process on a busy CPU (no torchrun, no Slurm plan, no OMP_NUM_THREADS): the CPUs
+    that are idle, at least 1, never more than torch chose; said in the log's line."""
+    from fsdp_utils.parallel.distributed import DistEnv
+    from fsdp_utils.run import host_threads
+
+    cpu = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(host_threads, "usable_cpus", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (2.6, 2.0, 1.0))
+        line = host_threads.choose_cpu_threads(cpu)
+        assert torch.get_num_threads() == 1 and line is not None
+        assert "1 compute thread(s) instead of torch's 4" in line and "load average of 2.6" in line
+        torch.set_num_threads(4)
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+        assert host_threads.choose_cpu_threads(cpu) is None and torch.get_num_threads() == 4
+        monkeypatch.setattr(host_threads.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice
+        assert host_threads.choose_cpu_threads(cpu) is None and torch.get_num_threads() == 4
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        gpu = DistEnv(0, 0, 1, 1, torch.device("cuda"), "nccl")
+        assert host_threads.choose_cpu_threads(gpu) is None and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -211,10 +211,13 @@ def test_a_user_mistake_is_the_last_thing_after_run_prints(tmp_path: Path) -> No
     status = {"status": "failed", "step": 0, "reason": f"ValueError: {message}"}
     (tmp_path / "status.json").write_text(json.dumps({**status, "user_error": message}))
     after = run_launch("after-run", str(tmp_path), "1", env={})
-    assert after.stdout == "done\n"
+    assert after.stdout == "user-error\n"  # finetune.sh then ends the job with exit code 2
     assert after.stderr.strip().splitlines()[-1] == f"error: {message}"
     (tmp_path / "status.json").write_text(json.dumps(status))  # a crash: no user_error
-    assert "error:" not in run_launch("after-run", str(tmp_path), "1", env={}).stderr
+    crash = run_launch("after-run", str(tmp_path), "1", env={})
+    assert "error:" not in crash.stderr and crash.stdout == "done\n"
+    text = FINETUNE_SH.read_text()  # the script's end: the decision's exit code
+    assert '[ "$decision" != user-error ] || exit_code=2\nexit "$exit_code"' in text
 
 
 JOB_ENV = REPO / "slurm" / "job_env.sh"

@@ -1,7 +1,8 @@
 """Knowing when to stop (`fsdp_utils.train.timelimit`): the job's end time as Slurm reports it,
-the margin, the step budget, the choice between finishing in this job and requeueing, and real
-runs stopped by the time limit, a signal or the stop file on all ranks together. (The stop
-vote's precedence and its shared all-reduce are in test_step.py.)"""
+the margin, the step budget, the choice between finishing in this job and requeueing, Ctrl-C
+(once: the stop file's stop; twice: the end, at once), and real runs stopped by the time limit,
+a signal, the stop file or Ctrl-C under torchrun on all ranks together. (The stop vote's
+precedence and its shared all-reduce are in test_step.py.)"""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from fsdp_utils.checkpoint.sharded import read_checkpoint
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.train.timelimit import (
     END_TIME_ENV,
+    FIRST_INTERRUPT,
+    INTERRUPT,
     MIN_MARGIN_SECONDS,
+    SECOND_INTERRUPT,
     RemainingWork,
     StopController,
+    _SignalFlag,
     choose_leg_end,
     job_end_time,
     parse_slurm_time,
@@ -36,7 +41,6 @@ from tests.train_helpers import (
     read_metrics,
     run_finetune,
     tiny_args,
-    worker_pids,
 )
 
 # --- the job's end time ------------------------------------------------------------------------
@@ -144,6 +148,53 @@ def test_finishing_in_this_job_ignores_further_stop_requests(tmp_path, monkeypat
     assert controller.poll(11, 0.1).stop is None
 
 
+def test_ctrl_c_stops_as_the_stop_file_does_and_is_never_deferred(tmp_path, monkeypatch):
+    monkeypatch.delenv(END_TIME_ENV, raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    before = signal.getsignal(signal.SIGINT)
+    controller = _controller(tmp_path)
+    try:
+        controller.deferred = True  # finishing in this job: the stop file and SIGUSR1 wait
+        controller.flag.received = signal.SIGUSR1
+        assert controller.poll(1, 0.1).stop is None
+        controller.flag.interrupts = 1  # what the SIGINT handler counts
+        assert controller.poll(2, 0.1).stop == INTERRUPT
+    finally:
+        controller.close()
+    assert signal.getsignal(signal.SIGINT) == before  # the handler from before the run, again
+    # A stop by Ctrl-C before the last step ends the run here whatever time is left.
+    assert not choose_leg_end(INTERRUPT, _work(5, 0.01), 1e6, 120.0).finish
+    assert choose_leg_end(INTERRUPT, _work(0), None, 120.0).finish  # the last step: finish
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_ctrl_c_ends_the_process_at_once_and_says_why(tmp_path, second):
+    """In a forked process (the abort ends it): the first Ctrl-C only records and says one
+    line; a second, or torchrun's SIGTERM after it (its answer to a second Ctrl-C), records
+    the abort and ends the process by that signal, at once."""
+    record, first = tmp_path / "aborted", tmp_path / "first"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(write, 2)
+            flag = _SignalFlag(announce=True)
+            flag.on_abort = lambda: record.write_text("aborted")
+            flag.install()
+            os.kill(os.getpid(), signal.SIGINT)
+            first.write_text(f"{flag.interrupts} {record.exists()}")
+            os.kill(os.getpid(), second)
+        finally:
+            os._exit(3)  # only if the second signal did not end it
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    said = os.read(read, 65536).decode()
+    os.close(read)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == second, status
+    assert first.read_text() == "1 False" and record.read_text() == "aborted"
+    assert said == FIRST_INTERRUPT + SECOND_INTERRUPT
+
+
 def _work(steps: int, seconds_per_step: float = 1.0) -> RemainingWork:
     return RemainingWork(steps, seconds_per_step, 1, 5.0, 1 if steps else 0, 10.0, True, 20.0)
 
@@ -208,22 +259,19 @@ def _wait_for_step(out: Path, step: int, running: Callable[[], bool], timeout: f
 
 
 def _stopped_by_a_signal(args: list[str], out: Path) -> tuple[int, str, str]:
-    """Under the real torchrun, whose workers get the signal (its handling is the point)."""
-    proc = subprocess.Popen(
-        finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    """SIGUSR1 to each rank, as `#SBATCH --signal=USR1@...` (no B:) delivers it to torchrun's
+    workers (torchrun itself passes none on): its 2 processes forked (tests/prefork.py)."""
+    run = BackgroundFinetune(2, args)
     try:
-        _wait_for_step(out, 2, lambda: proc.poll() is None)
-        # what `#SBATCH --signal=USR1@...` (no B:) delivers to the workers
-        workers = worker_pids(proc.pid)
-        assert len(workers) == 2
-        for pid in workers:
+        _wait_for_step(out, 2, run.running)
+        ranks = run.ranks()
+        assert len(ranks) == 2
+        for pid in ranks:
             os.kill(pid, signal.SIGUSR1)
-        stdout, stderr = proc.communicate(timeout=120)
+        result = run.result(timeout=120)
     finally:
-        proc.kill()
-    return proc.returncode, stdout, stderr
+        run.kill()
+    return result.returncode, result.stdout, result.stderr
 
 
 def _stopped_by_the_stop_file(args: list[str], out: Path) -> tuple[int, str, str]:
@@ -268,3 +316,35 @@ def test_time_limit_stops_with_a_margin(tmp_path, tiny_assets, data_cache):
     check_ok(result)
     assert _status(out)["reason"] == "time limit" and _status(out)["step"] == 1
     assert "time limit: the job ends at" in result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_saves_and_says_one_line_without_tracebacks(
+    tmp_path, tiny_assets, data_cache
+):
+    """Ctrl-C at a terminal: SIGINT to the foreground process group, which under torchrun is
+    torchrun's alone (its workers have sessions of their own); torchrun passes it on to each
+    worker. Every rank stops as the stop file would have them, saves, exits; torchrun ends
+    with its own report of the signal (exit 1: docs/training.md)."""
+    out = tmp_path / "run"
+    args = tiny_args(
+        tiny_assets, out, data_cache, max_training_steps=100000, save_every_steps=0, log_every=1
+    )
+    proc = subprocess.Popen(
+        finetune_command(2, args), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_step(out, 2, lambda: proc.poll() is None)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    status = _status(out)
+    assert status["status"] == "interrupted" and status["reason"] == INTERRUPT, stderr[-3000:]
+    saved = read_checkpoint(out / "checkpoints" / f"step_{status['step']:08d}")
+    assert saved.meta["world_size"] == 2 and len(list(saved.path.glob("*.distcp"))) == 2
+    assert stderr.count(FIRST_INTERRUPT.strip()) == 1  # rank 0's line, once
+    assert f"stopping at step {status['step']}: Ctrl-C; the checkpoint is saved" in stdout
+    assert "KeyboardInterrupt" not in stderr and "[rank" not in stderr, stderr[-3000:]
+    assert proc.returncode == 1  # torchrun's SignalException

@@ -31,7 +31,7 @@ Parsing rules (`referee.judge`):
   50-move rule), which the end of the text then claims.
 - Unparseable, illegal, after the end, no move: each is one illegal move.
 
-With Stockfish (`judge.py`; `--chess_eval_engine auto|on|off`) the model's moves are also
+With Stockfish (`judge.py`; `--chess_engine auto|on|off|PATH`) the model's moves are also
 judged for quality: centipawn loss, Lichess's win% and accuracy, best-move rate and lila's
 inaccuracy/mistake/blunder rates (`figures.py`), with balanced positions beside the three
 phases, and the model plays games against a ladder of opponents (`ladder.py`). Engine

@@ -10,14 +10,15 @@ is evaluated on that run's held-out games without any flag.
 One process, or several under torchrun (`torchrun --nproc_per_node N -m fsdp_utils.chess_eval
 MODEL`): the model is sharded with FSDP2 as in training (`fsdp_utils.checkpoint.saved_model`),
 the games are dealt to the processes, and each process runs its own engine on its own share, so
-the engine work is spread over their CPU cores. The engine judge (`--engine auto|on|off`) and
-the ladder's games (`--ladder RUNGS`) are described in docs/chess-eval.md. With `--output_dir`
-(default: `<run>/chess_eval/final` for a run's model) rank 0 writes the per-move records
-(moves.jsonl), the games (games.jsonl, games.pgn) and the summary (summary.json).
+the engine work is spread over their CPU cores. The engine judge (`--chess_engine`, short
+`--engine`: auto, on, off or the engine's path) and the ladder's games (`--ladder RUNGS`) are
+described in docs/chess-eval.md. With `--output_dir` (default: `<run>/chess_eval/final` for a
+run's model) rank 0 writes the per-move records (moves.jsonl), the games (games.jsonl,
+games.pgn) and the summary (summary.json), all four or none.
 
-Exit status: 0; 2 for a user mistake (one paragraph naming the fix; a missing engine with
-`--engine on`); 1 if the engine failed during the evaluation (the referee's figures are still
-printed and written).
+Exit status: 0; 2 for a user mistake (one paragraph naming the fix: a missing engine with
+`--engine on`, an engine path that is not a working UCI engine); 1 if the engine failed during
+the evaluation (the referee's figures are still printed; no records are written).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from typing import Any
 from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.parse import add_config_arguments, config_from_dict, load_config_file
+from fsdp_utils.config.seq_length import fit_seq_length
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.data.prepare import NotChessData
 
 EXIT_USAGE, EXIT_ENGINE_FAILED = 2, 1
 
@@ -44,14 +47,13 @@ DATA_OPTIONS = (
     "template", "seed", "eval_examples", "max_examples", "max_seq_length",
 )  # fmt: skip
 # Trainer options that decide how the model runs, taken from the run's config like the data's.
-MODEL_OPTIONS = ("attn_implementation", "chess_engine")
+MODEL_OPTIONS = ("attn_implementation", "chess_engine", "chess_eval_engine")
 # Short spellings of the evaluation's own TrainConfig fields.
 EVAL_OPTIONS = {
     "games": "chess_eval_games",
     "plies": "chess_eval_plies",
     "temperature": "chess_eval_temperature",
     "batch_size": "chess_eval_batch_size",
-    "engine": "chess_eval_engine",
     "depth": "chess_eval_depth",
     "nodes": "chess_eval_nodes",
     "judged_plies": "chess_eval_judged_plies",
@@ -93,13 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: <run>/chess_eval/final for a run's model; none otherwise)",
     )
     add_config_arguments(parser, only=DATA_OPTIONS + MODEL_OPTIONS)
+    parser.add_argument(
+        "--engine", dest="chess_engine", metavar="auto|on|off|PATH", default=argparse.SUPPRESS,
+        help="short for --chess_engine",
+    )  # fmt: skip
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     kinds: dict[str, Any] = {"chess_eval_temperature": float, "chess_eval_ladder": str}
     for short, name in EVAL_OPTIONS.items():
         f = fields[name]
         extra: dict[str, Any] = {"type": kinds.get(name, int)}
-        if name == "chess_eval_engine":
-            extra = {"choices": ["auto", "on", "off"]}
         parser.add_argument(
             f"--{short}", f"--{name}", dest=name, default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {f.default})", **extra,
@@ -132,14 +136,37 @@ def resolve_config(args: argparse.Namespace, model: Path) -> tuple[TrainConfig, 
     if run_values:
         values.update({k: v for k, v in run_values.items() if k in known})
         source = f"the run's {run_file}"
-    if args.config:
-        loaded = load_config_file(args.config)
-        # A run folder's config.json holds the options under "config".
-        values.update(loaded["config"] if isinstance(loaded.get("config"), dict) else loaded)
+    if args.config:  # a config file, or a run folder's config.json (its options)
+        values.update(load_config_file(args.config))
         source = args.config
     values.update({k: v for k, v in vars(args).items() if k in known})
     values.pop("chess_eval_every", None)
     return config_from_dict(values, source="the command line and config file"), source
+
+
+def not_games(err: NotChessData, config: TrainConfig, source: str, model: str) -> ValueError:
+    """A dataset that is not games, said with the fix: a GRPO run trained on chess prompts
+    (fsdp_utils/chess_eval/prompt_set.py), whose games are those of the run it started from."""
+    if "prompt" not in err.columns:
+        return err
+    # The run that wrote `model`, and the run whose final model it started from.
+    started_from = run_config_near(Path(model).expanduser())[0].get("model")
+    games_run = run_config_near(Path(started_from)) if isinstance(started_from, str) else None
+    if games_run is not None and games_run[1] is not None:
+        fix = (
+            f"take them from the run its model came from: python -m fsdp_utils.chess_eval "
+            f"{model} --config {games_run[1]}"
+        )
+    else:
+        fix = (
+            "give the games its model learned from: --config RUN/config.json (that run's "
+            "data and template), or --dataset GAMES with the --template the model learned"
+        )
+    return ValueError(
+        f"The data and template come from {source}, whose dataset {config.dataset} holds "
+        f"prompts (columns {err.columns}: a GRPO run's chess prompts), not games; the chess "
+        f"evaluation plays on from held-out games. To judge this model, {fix}."
+    )
 
 
 def default_output_dir(model: Path) -> Path | None:
@@ -163,7 +190,10 @@ def preflight(args: argparse.Namespace) -> str:
     config, source_text = resolve_config(args, Path(args.model).expanduser())
     settings, note = EngineSettings.from_config(config)
     source = resolve_model_source(args.model, config.cache_dir)
-    games = held_out_games(config, limit=config.chess_eval_games)
+    try:
+        games = held_out_games(config, limit=config.chess_eval_games)
+    except NotChessData as err:
+        raise not_games(err, config, source_text, args.model) from err
     require_games(games)
     if settings is not None:
         note += f" ({settings.check()})"
@@ -195,11 +225,15 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     if args.tokenizer:
         source = dataclasses.replace(source, tokenizer_dir=Path(args.tokenizer))
     tokenizer = load_tokenizer(source.tokenizer_dir)
-    # The games and the engine before the weights: a dataset that is not chess fails in seconds.
-    evaluator = ChessEvaluator.from_config(
-        config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device
-    )
     hf_config = load_model_config(source.weights_dir)
+    config = fit_seq_length(config, hf_config)[0]  # a default length fits the model's context
+    # The games and the engine before the weights: a dataset that is not chess fails in seconds.
+    try:
+        evaluator = ChessEvaluator.from_config(
+            config, tokenizer, rank=env.rank, world_size=env.world_size, device=env.device
+        )
+    except NotChessData as err:
+        raise not_games(err, config, source_text, args.model) from err
     precision = default_precision(hf_config)
     loaded = eval_config(
         source, precision=precision, attn_implementation=config.attn_implementation,
@@ -215,6 +249,7 @@ def evaluate_saved_model(argv: list[str] | None = None) -> dict[str, Any]:
     return {
         "model": str(folder), "config_source": source_text, "metrics": metrics,
         "written": written, "engine_note": evaluator.engine_note, "is_main": env.is_main,
+        "records_dir": out,
     }  # fmt: skip
 
 
@@ -268,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         if result["written"]:
             names = ", ".join(p.name for p in result["written"])
             print(f"records: {result['written'][0].parent} ({names})")
+        elif failed and result["records_dir"] is not None:
+            print(
+                f"records: none written (the engine failed); {result['records_dir']} keeps "
+                "what it held"
+            )
     if failed:
         print(f"\nerror: the engine judge failed: {metrics['engine_error']}\n", file=sys.stderr)
     return EXIT_ENGINE_FAILED if failed else 0

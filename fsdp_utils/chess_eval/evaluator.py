@@ -33,7 +33,7 @@ import chess
 import torch
 from torch import nn
 
-from fsdp_utils.atomic import write_text_atomic
+from fsdp_utils.atomic import folder_written_atomically, write_text_atomic
 from fsdp_utils.chess_eval.figures import (
     FIGURE_PHASES,
     Played,
@@ -54,9 +54,8 @@ from fsdp_utils.chess_eval.games import (
 from fsdp_utils.chess_eval.judge import (
     EngineFailed,
     EngineJudge,
-    EngineNotFound,
-    engine_version,
-    find_engine,
+    choose_engine,
+    uci_engine_name,
 )
 from fsdp_utils.chess_eval.ladder import (
     MAX_PLIES,
@@ -67,7 +66,7 @@ from fsdp_utils.chess_eval.ladder import (
     score_rungs,
 )
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
-from fsdp_utils.config.options.evaluation import ladder_rungs
+from fsdp_utils.config.options.evaluation import engine_choice, ladder_rungs
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
@@ -142,15 +141,14 @@ class EngineSettings:
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> tuple[EngineSettings | None, str]:
-        """(settings, one line for the log). None when --chess_eval_engine is off, or auto and
-        no engine is found; EngineNotFound (a ValueError: exit 2) when it is on."""
-        if config.chess_eval_engine == "off":
-            return None, "engine judge off (--chess_eval_engine off)"
-        try:
-            path = find_engine(config.chess_engine)
-        except EngineNotFound:
-            if config.chess_eval_engine == "on":
-                raise
+        """(settings, one line for the log). None when --chess_engine is off, or auto and no
+        engine is found; EngineNotFound (a ValueError: exit 2) when it is on and none is
+        found, or a path that is not a working UCI engine (`judge.choose_engine`)."""
+        choice = engine_choice(config)
+        if choice == "off":
+            return None, "engine judge off (--chess_engine off)"
+        path = choose_engine(choice)
+        if path is None:
             return None, (
                 "engine judge skipped: no Stockfish found, legality only "
                 "(conda install -c conda-forge stockfish, or apt-get install stockfish)"
@@ -171,12 +169,12 @@ class EngineSettings:
         and each rung's opponent; a ValueError naming the fix when the binary does not run as
         a UCI engine or refuses a rung's level."""
         try:
-            version = engine_version(self.path)
+            version = uci_engine_name(self.path)
         except EngineFailed as err:
             raise ValueError(
                 f"The chess engine {self.path} does not run as a UCI engine ({err}). Point "
                 "--chess_engine at a Stockfish binary, or turn the engine judge off "
-                "(--chess_eval_engine off)."
+                "(--chess_engine off)."
             ) from err
         check_opponents(self.ladder, self.path)
         return version
@@ -288,7 +286,7 @@ class ChessEvaluator:
             tokenizer,
             template=config.template,
             plies=config.chess_eval_plies,
-            max_seq_length=config.max_seq_length,
+            max_seq_length=config.seq_length,
             seed=config.seed,
             temperature=config.chess_eval_temperature,
             batch_size=config.chess_eval_batch_size or DEFAULT_BATCH_SIZE,
@@ -788,8 +786,11 @@ def engine_lines(m: dict[str, Any]) -> list[str]:
 def write_records(folder: Path, metrics: dict[str, Any], *, step: int | None) -> list[Path]:
     """The records beside the summary, for anyone to audit: `moves.jsonl` (one judged move a
     line), `games.jsonl` and `games.pgn` (the ladder's games), `summary.json` (the figures).
-    Nothing without the engine part. Returns the files written."""
-    if "move_records" not in metrics:
+    Written whole or not at all: nothing without the engine part or when the engine failed
+    (the records of an earlier evaluation in `folder` stay as they were), and the four files
+    replace the folder's together (`folder_written_atomically`), so a reader never finds one
+    evaluation's moves beside another's games. Returns the files written."""
+    if "move_records" not in metrics or metrics.get("engine_error"):
         return []
     summary = log_record(metrics, step=step if step is not None else 0)
     if step is None:
@@ -800,11 +801,10 @@ def write_records(folder: Path, metrics: dict[str, Any], *, step: int | None) ->
         "games.pgn": "\n\n".join(metrics["pgns"]) + ("\n" if metrics["pgns"] else ""),
         "summary.json": json.dumps(summary, indent=2) + "\n",
     }
-    written = []
-    for name, text in files.items():
-        write_text_atomic(folder / name, text)
-        written.append(folder / name)
-    return written
+    with folder_written_atomically(folder) as tmp:
+        for name, text in files.items():
+            write_text_atomic(tmp / name, text)
+    return [folder / name for name in files]
 
 
 def log_record(metrics: dict[str, Any], *, step: int) -> dict[str, Any]:

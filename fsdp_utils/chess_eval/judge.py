@@ -31,7 +31,8 @@ A move is judged from its position's side to move (the mover):
   else (or if the mate turns into being mated) a blunder.
 
 The engine is found by `find_engine` (a path given > $FSDP_UTILS_STOCKFISH > `stockfish` on
-PATH > Debian's /usr/games/stockfish). An engine that dies or hangs raises `EngineFailed`;
+PATH > Debian's /usr/games/stockfish); `choose_engine` reads `--chess_engine auto|on|off|PATH`
+(a path given must be a working UCI engine). An engine that dies or hangs raises `EngineFailed`;
 every exit path ends the process (`close()`, the context manager, and a finalizer at exit;
 an engine whose parent was killed sees its stdin close and exits by itself).
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -115,6 +117,76 @@ def find_engine(path: str | None = None) -> str:
         "No chess engine found: the engine judge needs Stockfish (looked at "
         f"{ENGINE_FLAG}, ${ENGINE_ENV}, `stockfish` on PATH and {DEBIAN_ENGINE}). " + install_hint()
     )
+
+
+def engines_on_this_machine() -> list[str]:
+    """The executables `auto` would look at without a path given: `stockfish` on PATH and
+    /usr/games/stockfish (each once)."""
+    found = [shutil.which(candidate) for candidate in ("stockfish", DEBIAN_ENGINE)]
+    return list(dict.fromkeys(os.path.realpath(f) for f in found if f is not None))
+
+
+def choose_engine(choice: str) -> str | None:
+    """The engine `--chess_engine auto|on|off|PATH` asks for: its path, or None for no engine.
+
+    auto and on look where `find_engine` does; none found is None for auto and EngineNotFound
+    for on. A path the user gave (PATH, or $FSDP_UTILS_STOCKFISH) is required: one that is
+    not there, not executable or not a UCI engine raises EngineNotFound (a ValueError: exit
+    2) naming it and the engines that are on this machine; it is started once to know."""
+    if choice == "off":
+        return None
+    given = None if choice in ("auto", "on") else choice
+    where = ENGINE_FLAG
+    if given is None and os.environ.get(ENGINE_ENV):
+        given, where = os.environ[ENGINE_ENV], f"${ENGINE_ENV}"
+    if given is None:
+        try:
+            return find_engine()
+        except EngineNotFound:
+            if choice == "on":
+                raise
+            return None
+    found = shutil.which(os.path.expanduser(given))
+    if found is None:
+        exists = os.path.exists(os.path.expanduser(given))
+        problem = "is not executable" if exists else "does not exist"
+        raise EngineNotFound(_given_engine_fails(given, where, problem))
+    try:
+        uci_engine_name(found)
+    except EngineFailed as err:
+        raise EngineNotFound(
+            _given_engine_fails(given, where, f"does not run as a UCI engine ({err})")
+        ) from err
+    return found
+
+
+def _given_engine_fails(given: str, where: str, problem: str) -> str:
+    others = [p for p in engines_on_this_machine() if p != os.path.realpath(given)]
+    if others:
+        found = (
+            f"Found on this machine: {', '.join(others)}: give it ({ENGINE_FLAG} {others[0]}), "
+            f"or {ENGINE_FLAG} auto to take the first found, or off for no engine judge."
+        )
+    else:
+        found = (
+            f"No other engine is on this machine ({ENGINE_FLAG} off: no engine judge). "
+            + install_hint()
+        )
+    return (
+        f"The chess engine {given} given by {where} {problem}: an engine given must be a "
+        f"working UCI engine (Stockfish). {found}"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def uci_engine_name(path: str) -> str:
+    """The engine's `id name` (e.g. "Stockfish 15.1"), starting it once per process: a path
+    every rank checks costs one start each. EngineFailed when it does not speak UCI."""
+    engine = open_engine(path, {})
+    try:
+        return str(engine.id.get("name", "unknown engine"))
+    finally:
+        close_engine(engine)
 
 
 # --- Lichess's formulas ------------------------------------------------------------------
@@ -320,7 +392,9 @@ def open_engine(path: str, options: dict[str, Any]) -> chess.engine.SimpleEngine
     """Start a UCI engine and configure it; EngineFailed if it will not start within
     START_TIMEOUT_S. (Searches are bounded by `guarded`, not by python-chess's timeout.)"""
     try:
-        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=START_TIMEOUT_S)
+        # A process group of its own: a Ctrl-C at the terminal (SIGINT to the foreground group)
+        # asks the run to stop and save, and must not kill the engine the run still needs.
+        engine = chess.engine.SimpleEngine.popen_uci(path, timeout=START_TIMEOUT_S, setpgrp=True)
     except (OSError, chess.engine.EngineError, TimeoutError) as err:
         raise EngineFailed(f"The chess engine {path} did not start: {err}") from err
     try:
@@ -374,8 +448,4 @@ def close_engine(engine: chess.engine.SimpleEngine, *, polite: bool = True) -> N
 
 def engine_version(path: str | None = None) -> str:
     """The engine's `id name` (e.g. "Stockfish 15.1"), starting it once."""
-    engine = open_engine(find_engine(path), {})
-    try:
-        return str(engine.id.get("name", "unknown engine"))
-    finally:
-        close_engine(engine)
+    return uci_engine_name(find_engine(path))

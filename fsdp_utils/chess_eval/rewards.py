@@ -74,7 +74,7 @@ class EngineReward:
     @property
     def judge(self) -> EngineJudge:
         if self._judge is None:  # started at the first call, in the process that calls
-            self._judge = EngineJudge(path=self.path, depth=self.depth)
+            self._judge = EngineJudge(path=self.path or _ENGINE_PATH, depth=self.depth)
         return self._judge
 
     def reward(self, board: chess.Board, text: str) -> float:
@@ -96,6 +96,14 @@ class EngineReward:
 
 
 _SHARED: EngineReward | None = None
+# The run's engine (--chess_engine, chosen and checked by the GRPO method), for every
+# EngineReward without a path of its own; None: `find_engine`'s search.
+_ENGINE_PATH: str | None = None
+
+
+def use_engine_path(path: str | None) -> None:
+    global _ENGINE_PATH
+    _ENGINE_PATH = path
 
 
 def shared_judge() -> EngineReward:

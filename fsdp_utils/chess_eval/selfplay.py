@@ -33,6 +33,7 @@ import chess.engine
 from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.chess_eval.judge import (
     EngineFailed,
+    choose_engine,
     close_engine,
     engine_version,
     find_engine,
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     depth = None if args.nodes else (args.depth or 1)
     try:
-        path = find_engine(args.chess_engine)
+        path = choose_engine(args.chess_engine or "on")  # a path given must be a UCI engine
+        assert path is not None
         version = engine_version(path)
         started = time.perf_counter()
         games = self_play(

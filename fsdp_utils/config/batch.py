@@ -155,7 +155,7 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
         batch_size_per_device=per_device,
         world_size=world_size,
         gradient_accumulation_steps=derived,
-        seq_length=config.max_seq_length,
+        seq_length=config.seq_length,
         sequences_per_example=config.sequences_per_example,
         prompts=config.trains_on_prompts,
         sequence_parallel=config.sequence_parallel,

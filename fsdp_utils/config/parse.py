@@ -60,6 +60,8 @@ def add_config_arguments(
             continue
         tp, optional = _unwrap_optional(hints[f.name])
         help_text = f.metadata.get("help", "").replace("%", "%%")
+        if f.metadata.get("joined"):
+            help_text += " (In a config file, a list too.)"
         default_note = f" (default: {f.default!r})" if f.default is not dataclasses.MISSING else ""
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text + default_note}
         if "cli" in f.metadata:  # a flag of its own shape (an optional value, as lm-eval's)
@@ -114,7 +116,24 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"Config file {path} must hold a mapping of option: value.")
-    return data
+    return run_options(data)
+
+
+# A run folder's config.json (fsdp_utils/metrics/records.py): the options under "config", what
+# they resolved to on that world and the library versions beside them.
+RUN_RECORD_KEYS = frozenset({"config", "resolved", "versions"})
+
+
+def run_options(data: dict[str, Any]) -> dict[str, Any]:
+    """The options of a config file; of a run's own config.json, those under "config" (what
+    the toolkit writes, it reads: the resolved values and versions are the run's record, not
+    options)."""
+    if not (isinstance(data.get("config"), dict) and set(data) <= RUN_RECORD_KEYS):
+        return data
+    options = dict(data["config"])
+    if options.get("num_epochs") is not None:  # the steps it resolved to follow from the epochs
+        options.pop("max_training_steps", None)
+    return options
 
 
 def config_from_dict(values: dict[str, Any], *, source: str = "config") -> TrainConfig:
@@ -125,8 +144,11 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
         hints = [f"{key!r}{did_you_mean(key, known)}" for key in unknown]
         raise ValueError(f"Unknown option(s) in {source}: {', '.join(hints)}.")
     hints_by_name = _field_types()
+    joined = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("joined")}
     checked: dict[str, Any] = {}
     for name, value in values.items():
+        if name in joined and isinstance(value, list | tuple):
+            value = _joined(name, value, source)
         tp, optional = _unwrap_optional(hints_by_name[name])
         if value is None and optional:
             checked[name] = None
@@ -152,6 +174,19 @@ def config_from_dict(values: dict[str, Any], *, source: str = "config") -> Train
     config = TrainConfig(**checked)
     validate_config(config)
     return config
+
+
+def _joined(name: str, items: list[Any] | tuple[Any, ...], source: str) -> str:
+    """A list in a config file (`reward_funcs: [a, b]`) for an option the command line takes
+    comma-separated: the same string, so that config.json and every reader see one form."""
+    for item in items:
+        scalar = isinstance(item, str | int | float) and not isinstance(item, bool)
+        if not scalar or "," in str(item):
+            raise ValueError(
+                f"{source}: {name} is a list of names or numbers (or one comma-separated "
+                f"string); its item {item!r} is not one."
+            )
+    return ",".join(str(item).strip() for item in items)
 
 
 def parse_config(

@@ -144,10 +144,10 @@ def validate_config(config: TrainConfig) -> None:
 
 def _check_grpo(config: TrainConfig) -> None:
     """GRPO's options against the other stages'."""
-    if config.max_completion_length >= config.max_seq_length:
+    if config.max_completion_length >= config.seq_length:
         raise ValueError(
             f"--max_completion_length {config.max_completion_length} leaves no room for the "
-            f"prompt in --max_seq_length {config.max_seq_length} (a prompt and its completion "
+            f"prompt in --max_seq_length {config.seq_length} (a prompt and its completion "
             "share it): raise --max_seq_length, e.g. to "
             f"{config.max_completion_length + 256}, or lower --max_completion_length."
         )

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_utils.config.options.evaluation import DEFAULT_EVAL_EXAMPLES
+from fsdp_utils.config.seq_length import fit_seq_length
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import TokenBlocks
 from fsdp_utils.data.chat import ChatEncoder, ChatTemplate, chat_template, check_end_of_turn
@@ -126,7 +127,7 @@ def preparation_spec(
         "tokenizer": _tokenizer_fingerprint(model_dir),
         "template": config.template,
         "text_field": config.text_field,
-        "max_seq_length": config.max_seq_length,
+        "max_seq_length": config.seq_length,
         "packing": not config.no_packing,
         "eval_examples": config.eval_examples,
         "max_examples": config.max_examples,
@@ -149,7 +150,7 @@ def source_spec(
         extra["prompts"] = {
             "version": PROMPTS_VERSION,
             "chat_template": template.text if template else None,
-            "max_prompt_length": config.max_seq_length - config.max_completion_length,
+            "max_prompt_length": config.seq_length - config.max_completion_length,
         }
     elif choice.masked:
         extra["masked"] = {
@@ -261,6 +262,8 @@ def prepare_dataset(
     `download_models.py --prepare`). `stop`: asked between batches of rows, the reason to stop
     or None (a training job's time limit): PreparationStopped, with nothing kept."""
     assets = assets or resolve_assets(config)
+    # The trainer's own length (a run's config is fitted already): the cache key holds it.
+    config = fit_seq_length(config, assets.model_config)[0]
     model_dir = assets.model_dir
     source = open_source(config, assets, log)
     choice = choose_format(source.columns, config)
@@ -482,6 +485,14 @@ def _training_split(config: TrainConfig, num_rows: int, log: Any) -> dict[str, n
     return splits
 
 
+class NotChessData(ValueError):
+    """The dataset is not games (its `columns` say what it is: GRPO's chess prompts, say)."""
+
+    def __init__(self, columns: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.columns = list(columns)
+
+
 def held_out_games(
     config: TrainConfig, limit: int | None = None, *, files: Sequence[Path] | None = None
 ) -> list[dict[str, Any]]:
@@ -498,12 +509,13 @@ def held_out_games(
     paths = list(files) if files is not None else dataset_files(config)
     columns = peek_columns(paths)
     if not is_chess_schema(columns):
-        raise ValueError(
+        raise NotChessData(
+            columns,
             f"The chess evaluation needs chess games, but the dataset {config.dataset} has "
             f"columns {columns}, not the laion/strategic_game_chess schema (Moves, "
             "Termination, Result). Evaluate on a chess dataset (--dataset "
             "laion/strategic_game_chess, or a folder of parquet files in that schema), or "
-            "leave --chess_eval_every at 0 for text data."
+            "leave --chess_eval_every at 0 for text data.",
         )
     wanted = split_rows(config, count_rows(paths))["eval"]
     if limit is not None:
@@ -592,7 +604,7 @@ def _build(
         for name, order in splits.items():
             if len(order) == 0:
                 continue
-            block = config.max_seq_length
+            block = config.seq_length
             write = write_padded if config.no_packing else write_stream
             written = write(rows, order, block, pad, out / name)
             stats[name] = {
@@ -673,7 +685,7 @@ def _build_rows(
     rows_encoder = RowEncoder(
         "prompt_completion" if pairs else choice.name,
         tokenizer,
-        config.max_seq_length,
+        config.seq_length,
         config.long_examples,
         train_on_prompt=config.train_on_prompt,
         template=template,
@@ -754,12 +766,12 @@ def _build_rows(
             if pairs:  # padded, chosen and rejected side by side; each pair's row for the cache
                 np.save(out / f"{name}_{PAIR_ROWS}.npy", kept.astype(np.int64))
                 written = write_packed(
-                    rows, pair_sequences(kept), config.max_seq_length, pad, out / name,
+                    rows, pair_sequences(kept), config.seq_length, pad, out / name,
                     packing=False,
                 )  # fmt: skip
             else:
                 written = write_packed(
-                    rows, kept, config.max_seq_length, pad, out / name,
+                    rows, kept, config.seq_length, pad, out / name,
                     packing=not config.no_packing,
                 )  # fmt: skip
             del kept
@@ -804,10 +816,10 @@ def _build_prompts(
             row = {name: jsonable(batch[name][j]) for name in names}
             encoded.append(encoder(row[PROMPT_COLUMN], len(columns)))
             columns.append(row)
-    limit = config.max_seq_length - config.max_completion_length
+    limit = config.seq_length - config.max_completion_length
     check_prompt_lengths(
         [len(ids) for ids in encoded], range(len(encoded)), limit=limit,
-        max_seq_length=config.max_seq_length,
+        max_seq_length=config.seq_length,
     )  # fmt: skip
     chat = any(is_messages(row[PROMPT_COLUMN]) for row in columns)
     eos = int(tokenizer.eos_token_id)

@@ -5,6 +5,7 @@ with progress in the log and a stop check after every batch (`tokenised`). The p
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -39,6 +40,10 @@ def available_cpus() -> int:
 # The work of the pool's processes, set before they are forked (they inherit it: the tokenizer
 # and the chat encoder are not pickled for every batch).
 _WORK: Callable[[Batch], Any] | None = None
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _do_work(batch: Batch) -> Any:
@@ -94,7 +99,9 @@ def tokenised(
     _WORK = work
     pending: deque[tuple[int, Any]] = deque()
     try:
-        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+        # Ctrl-C reaches the workers too (the terminal's process group): the parent's stop
+        # check handles it, the workers ignore it rather than each print a traceback.
+        with multiprocessing.get_context("fork").Pool(num_proc, _ignore_interrupts) as pool:
             for batch in batches:
                 pending.append(
                     (len(next(iter(batch.values()))), pool.apply_async(_do_work, (batch,)))

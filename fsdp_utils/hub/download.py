@@ -117,6 +117,37 @@ def download_assets(
     return [_download_plan(api, plan, cache_dir, workers, log) for plan in plans]
 
 
+def download_model_configs(
+    specs: Sequence[AssetSpec], cache_dir: Path, *, log: Log = print
+) -> list[Path]:
+    """Each model's config.json alone (`download_models.py --config_only`): all the memory
+    planner reads, in seconds, before deciding to download the weights. Into the hub cache as
+    huggingface_hub caches a file (the planner finds it there, `resolve.config_folder`), not
+    into the manifest: the model is not in the offline cache for training until it is
+    downloaded whole."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi()
+    paths = []
+    for spec in specs:
+        if spec.repo_type != "model":
+            continue
+        try:
+            path = Path(
+                hf_hub_download(
+                    spec.repo_id, "config.json", revision=spec.revision, cache_dir=cache_dir
+                )
+            )
+        except Exception as error:
+            explained = explain_hub_error(error, spec, api)
+            if explained is None:
+                raise
+            raise explained from error
+        log(f"{spec}: config.json only -> {path}")
+        paths.append(path)
+    return paths
+
+
 def _command_for(specs: Sequence[AssetSpec], cache_dir: str) -> str:
     """One command for all the specs, when the command line can express them."""
     models = [s for s in specs if s.repo_type == "model"]

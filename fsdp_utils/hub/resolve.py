@@ -92,21 +92,29 @@ def resolve_model_dir(
 
 def config_folder(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """The folder with a model's config.json, which is all the memory planner reads: the
-    offline cache normally holds the whole model (download_models.py); failing that, a
-    config.json that huggingface_hub cached on its own is enough to plan before downloading."""
+    offline cache normally holds the whole model (download_models.py); failing that, the
+    config.json of a model recorded with files missing, or one that huggingface_hub cached on
+    its own (`download_models.py --config_only`), is enough to plan before downloading."""
     try:
         return resolve_model_dir(model, revision, cache_dir)
-    except MissingAssetError:
+    except MissingAssetError as err:
         from huggingface_hub import try_to_load_from_cache
 
         if looks_local(model):
             raise
-        cached = try_to_load_from_cache(
-            model, "config.json", cache_dir=hub_cache_dir(cache_dir), revision=revision
-        )
+        cache = hub_cache_dir(cache_dir)
+        entry = find_entry(load_manifest(cache), "model", model, revision)
+        if entry is not None and (entry.snapshot(cache) / "config.json").is_file():
+            return entry.snapshot(cache)
+        cached = try_to_load_from_cache(model, "config.json", cache_dir=cache, revision=revision)
         if isinstance(cached, str):
             return Path(cached).parent
-        raise
+        spec = AssetSpec(model, "model", revision)
+        raise MissingAssetError(
+            f"{err}\nThe memory plan reads only the model's config.json: to plan before "
+            f"downloading the weights, fetch just that on the login node (seconds):\n  "
+            f"{spec.command(cache_dir)} --config_only"
+        ) from None
 
 
 def resolve_adapter_dir(adapter: str, cache_dir: str | None = None) -> Path:

@@ -65,13 +65,16 @@ def _preference(m: dict[str, Any], prefix: str = "") -> str:
 
 def _distillation(m: dict[str, Any], prefix: str = "") -> str:
     """Distillation's terms (--method distill), beside the loss: KL(teacher || student), the
-    labels' cross-entropy and how often the two models' most likely tokens agree."""
+    labels' cross-entropy and how often the two models' most likely tokens agree. From a
+    cached teacher's top K the KL is a lower bound of the whole vocabulary's, and says so."""
     kl = m.get(f"{prefix}distill/teacher_kl")
     if kl is None:
         return ""
     sampled = " (student's samples)" if m.get(f"{prefix}distill/on_policy") else ""
+    top_k = m.get(f"{prefix}distill/teacher_top_k")
+    bound = f" (top-{top_k} lower bound)" if top_k else ""
     return (
-        f" | kl {kl:.4f} ce {m[f'{prefix}distill/ce']:.4f} "
+        f" | kl {kl:.4f}{bound} ce {m[f'{prefix}distill/ce']:.4f} "
         f"top-1 agree {100 * m[f'{prefix}distill/top1_agreement']:.1f}%{sampled}"
     )
 

@@ -162,6 +162,21 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("engine_best_move_rate", "engine_blunder_rate")),
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
+# What each line of a panel with several is, in its legend (a field's last word would call the
+# best-move and the blunder rates both "rate").
+SERIES_LABELS = {
+    "legal_move_rate": "all", "legal_move_rate_opening": "opening",
+    "legal_move_rate_middlegame": "middlegame", "legal_move_rate_ending": "ending",
+    "engine_centipawn_loss": "judged moves", "engine_centipawn_loss_balanced": "balanced positions",
+    "engine_accuracy": "judged moves", "engine_accuracy_balanced": "balanced positions",
+    "engine_best_move_rate": "best move", "engine_blunder_rate": "blunders",
+    # GRPO: the train reward is the mean of the sampled completions'; its evaluation samples
+    # the held-out prompts (eval_reward) and decodes them greedily (eval_greedy_reward).
+    "reward": "sampled", "greedy_reward": "greedy",
+}  # fmt: skip
+# The evaluation points of a method's panel, one marker per series (filled, then hollow), so
+# that two series of the same panel (GRPO's sampled and greedy rewards) never look alike.
+EVAL_MARKERS = (("o", True), ("s", False), ("^", True))
 
 # DPO's metrics, TRL's names (fsdp_utils.methods.dpo.step): three panels when a run logged them,
 # the train split's as lines and the eval split's (`eval_` prefix) as the same line style with
@@ -189,6 +204,11 @@ GRPO_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("GRPO rollout and update", "seconds per step", ("rollout/seconds", "update/seconds")),
     ("GRPO entropy and KL", "nats per token", ("entropy", "kl")),
 )  # fmt: skip
+
+
+def series_label(name: str) -> str:
+    """A series' name in a panel's legend: SERIES_LABELS', else its field's last part."""
+    return SERIES_LABELS.get(name, name.split("/")[-1])
 
 
 def _logged_panels(
@@ -313,11 +333,12 @@ def plot_runs(
         draw("gradient norm", run.name, "grad norm", *_series(run.train, "grad_norm"),
              color=color, lw=1.2)  # fmt: skip
         for title_, _, fields in method_panels:
-            for name, ls in zip(fields, DPO_STYLES, strict=False):
+            for name, ls, (marker, filled) in zip(fields, DPO_STYLES, EVAL_MARKERS, strict=False):
                 draw(title_, run.name, name, *_series(run.train, name), color=color, lw=1.5,
                      ls=ls)  # fmt: skip
                 draw(title_, run.name, f"eval_{name}", *_series(run.evals, f"eval_{name}"),
-                     color=color, lw=1.0, ls=ls, marker="o", ms=4)  # fmt: skip
+                     color=color, lw=1.0, ls=ls, marker=marker, ms=5,
+                     mfc=color if filled else "white")  # fmt: skip
         for title_, _, fields in chess_panels:
             for name, ls in zip(fields, CHESS_STYLES, strict=False):
                 draw(title_, run.name, name, *_series(run.chess, name), color=color,
@@ -347,19 +368,30 @@ def plot_runs(
         axes[title_].set_ylim(bottom=0)
         if len(fields) > 1:  # which line style is which game phase
             axes[title_].legend(
-                handles=[Line2D([], [], color="0.3", ls=ls,
-                                                label="all" if name == "legal_move_rate" else name.rsplit("_", 1)[1])
+                handles=[Line2D([], [], color="0.3", ls=ls, label=series_label(name))
                          for name, ls in zip(fields, CHESS_STYLES, strict=False)],
                 fontsize="small",
             )  # fmt: skip
     for title_, _, fields in method_panels:
-        # Line styles say which series, dots the eval split's; colours say which run.
-        labels = [name.split("/")[-1] for name in fields] if len(fields) > 1 else ["train"]
+        # Line styles say which series, markers the eval split's; colours say which run. Only
+        # what the panel draws is in its legend.
+        shown = {d.series for d in drawn if d.panel == title_}
+        labels = [series_label(name) for name in fields]
         if len(set(labels)) < len(labels):  # rollout/seconds, update/seconds: say which
             labels = [name.split("/")[0] for name in fields]
-        handles = [Line2D([], [], color="0.3", ls=ls, label=label)
-                   for label, ls in zip(labels, DPO_STYLES, strict=False)]  # fmt: skip
-        handles.append(Line2D([], [], color="0.3", lw=1.0, marker="o", ms=4, label="eval"))
+        handles = []
+        for name, label, ls, (marker, filled) in zip(
+            fields, labels, DPO_STYLES, EVAL_MARKERS, strict=False
+        ):
+            train, held_out = name in shown, f"eval_{name}" in shown
+            alone = len(fields) == 1  # the panel's title names it: train and eval say enough
+            if train:
+                text = "train" if alone else f"{label} (train)" if held_out else label
+                handles.append(Line2D([], [], color="0.3", ls=ls, label=text))
+            if held_out:
+                handles.append(Line2D([], [], color="0.3", lw=1.0, ls=ls, marker=marker, ms=5,
+                                      mfc="0.3" if filled else "white",
+                                      label="eval" if alone else f"{label} (eval)"))  # fmt: skip
         # An accuracy rises to 1 at the right: its legend below, where it hides no point.
         axes[title_].legend(
             handles=handles,

@@ -114,7 +114,7 @@ def training_flops_per_token(
 ) -> float:
     """The FLOPs per token MFU counts for this run: full fine-tuning's, or a LoRA or
     --freeze_layers run's (from the built model's frozen and trainable parameters)."""
-    full = flops_per_token(hf_config, non_embedding_params, config.max_seq_length)
+    full = flops_per_token(hf_config, non_embedding_params, config.seq_length)
     params = list(model.parameters())
     if config.lora:
         trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -126,7 +126,7 @@ def training_flops_per_token(
         return frozen_layers_flops_per_token(
             full,
             hf_config,
-            config.max_seq_length,
+            config.seq_length,
             frozen_layers=config.freeze_layers,
             frozen_layer_params=frozen,
             tied_output_frozen=tied_output_frozen(model),

@@ -17,31 +17,6 @@ from torch import nn
 
 from fsdp_utils.config.train_config import Precision
 
-# Attribute names under which transformers configs store the context length.
-_CONTEXT_LENGTH_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_sequence_length",
-    "seq_length",
-)
-
-
-def context_length(hf_config: Any) -> int | None:
-    for key in _CONTEXT_LENGTH_KEYS:
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_seq_length(hf_config: Any, max_seq_length: int) -> None:
-    limit = context_length(hf_config)
-    if limit is not None and max_seq_length > limit:
-        raise ValueError(
-            f"--max_seq_length {max_seq_length} is above the model's context length of {limit} "
-            f"tokens ({hf_config.model_type}). Use --max_seq_length {limit} or less."
-        )
-
 
 def param_dtype_for(precision: Precision) -> torch.dtype:
     """dtype in which parameters (and so optimizer state) are stored."""

@@ -29,8 +29,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_utils.config.batch import data_parallel_size, divisors
+from fsdp_utils.config.seq_length import context_length
 from fsdp_utils.data.sequence_slices import padded_length
-from fsdp_utils.model.build import context_length
 from fsdp_utils.parallel.distributed import DistEnv
 
 # The keyword under which a forward receives its SequenceParallel (`forward_kwargs`): transformers

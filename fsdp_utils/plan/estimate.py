@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from fsdp_utils.config.batch import BatchPlan, plan_batch
+from fsdp_utils.config.seq_length import fit_seq_length
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import StepSampler, TokenBlocks
 from fsdp_utils.data.preference import PreferencePairs
@@ -45,7 +46,7 @@ from fsdp_utils.hub.resolve import config_folder, load_model_config
 from fsdp_utils.methods.base import Method, MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method, method_class
 from fsdp_utils.model.attention import planned_implementation
-from fsdp_utils.model.build import check_seq_length, materialize
+from fsdp_utils.model.build import materialize
 from fsdp_utils.model.qlora import is_nf4, local_bytes, unsharded_bytes
 from fsdp_utils.model.sdpa import sdpa_backend
 from fsdp_utils.model.transforms import ModelInfo
@@ -307,12 +308,13 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     started = time.perf_counter()
     check_plannable(config)
     method_class(config.method)  # clear errors before any model work
-    batch = plan_batch(config, cluster.world_size)
+    plan_batch(config, cluster.world_size)  # the arithmetic's mistakes before the model's
     hf_config = load_model_config(model_config_dir(config))
-    check_seq_length(hf_config, config.max_seq_length)
+    config = fit_seq_length(config, hf_config)[0]  # a default length fits the model's context
+    batch = plan_batch(config, cluster.world_size)
     check_splittable(
         hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
-        max_seq_length=config.max_seq_length, world_size=cluster.world_size,
+        max_seq_length=config.seq_length, world_size=cluster.world_size,
     )  # fmt: skip
     config, stand_in = _attention_to_trace(config)
     config, eager = _eager_to_trace(config)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.config.batch import plan_batch
+    from fsdp_utils.config.seq_length import fit_seq_length
     from fsdp_utils.hub.resolve import resolve_assets
     from fsdp_utils.parallel import distributed as dist_utils
     from fsdp_utils.trainer.trainer import Trainer
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dist_utils.init_distributed(config.device)
     clean, trainer = False, None
     try:
+        assets = resolve_assets(config)
+        config = fit_seq_length(config, assets.model_config)[0]
         plan = plan_batch(config, env.world_size)
-        trainer = Trainer(config, env, plan=plan, assets=resolve_assets(config))
+        trainer = Trainer(config, env, plan=plan, assets=assets)
         trainer.setup()
         memory = _measure(trainer)
         clean = True

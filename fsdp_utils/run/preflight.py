@@ -17,16 +17,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from fsdp_utils.chess_eval.evaluator import EngineSettings
 from fsdp_utils.config.batch import BatchPlan, plan_batch
+from fsdp_utils.config.seq_length import fit_seq_length
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.hub.resolve import ResolvedAssets, describe_dataset_files, resolve_assets
 from fsdp_utils.lm_harness.training import check_eval_tasks
 from fsdp_utils.methods.registry import method_class
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.attention import check_attn_implementation
-from fsdp_utils.model.build import check_seq_length
 from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.liger import check_liger_kernels
 from fsdp_utils.model.lora import check_target_modules
@@ -59,25 +60,36 @@ def detect_gpu_memory() -> str | None:
     return f"{min(sizes)}MiB" if result.returncode == 0 and sizes else None
 
 
-def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
+class CheckedRun(NamedTuple):
+    """What `check_run` found: the config as the run uses it (the model's context decides a
+    default --max_seq_length), its batch plan, its assets, and lines for the log."""
+
+    config: TrainConfig
+    plan: BatchPlan
+    assets: ResolvedAssets
+    notes: list[str]
+
+
+def check_run(config: TrainConfig, world_size: int) -> CheckedRun:
     """Trackers, the training method, batch arithmetic, the model and data in the offline
-    cache, the sequence length against the model's context, the attention implementation, what
-    sequence parallelism splits, LoRA's targets and adapter, the frozen layers: (batch plan,
-    resolved assets). The trainer's process calls it once and
-    passes both down; `--preflight` runs the same checks."""
+    cache, the sequence length against the model's context (a default one fitted to it), the
+    attention implementation, what sequence parallelism splits, LoRA's targets and adapter,
+    the frozen layers. The trainer's process calls it once and passes what it found down;
+    `--preflight` runs the same checks."""
     check_trackers(config)
     # registered in this process (fsdp_utils.methods.registry), and its own needs met
     method_class(config.method).preflight(config)
-    plan = plan_batch(config, world_size)
+    plan_batch(config, world_size)  # the arithmetic's mistakes first, as before the model's
     assets = resolve_assets(config)
     hf_config = assets.model_config
-    check_seq_length(hf_config, config.max_seq_length)
+    config, note = fit_seq_length(config, hf_config)
+    plan = plan_batch(config, world_size)
     check_not_quantized(hf_config, assets.model_dir)
     check_attn_implementation(hf_config, config, device_type=device_type(config.device))
     check_liger_kernels(hf_config, config, device_type=device_type(config.device))
     check_splittable(
         hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
-        max_seq_length=config.max_seq_length, world_size=world_size,
+        max_seq_length=config.seq_length, world_size=world_size,
     )  # fmt: skip
     resolve_coefficient(config, hf_config)  # --router_aux_loss_coef on a model with routers
     if config.lora:  # a wrong target or adapter (or a 4-bit base FSDP2 cannot split) fails
@@ -90,9 +102,9 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
         read_sample_prompts(config.sample_prompts)
     if config.eval_tasks:  # the benchmarks' data, before hours of training
         check_eval_tasks(config, assets.model_dir)
-    if config.chess_eval_every:  # --chess_eval_engine on without an engine: exit 2, how to install
+    if config.chess_eval_every:  # no engine for --chess_engine on, or a PATH that is none: exit 2
         EngineSettings.from_config(config)
-    return plan, assets
+    return CheckedRun(config, plan, assets, [note] if note else [])
 
 
 def check_chess_engine(config: TrainConfig) -> str | None:
@@ -110,17 +122,19 @@ def check_chess_engine(config: TrainConfig) -> str | None:
 
 def check_basics(config: TrainConfig, world_size: int) -> str:
     """Batch arithmetic, offline assets, sequence length: no weights, no process group."""
-    return _basics_line(config, *check_run(config, world_size))
+    return _basics_line(check_run(config, world_size))
 
 
-def _basics_line(config: TrainConfig, plan: BatchPlan, assets: ResolvedAssets) -> str:
+def _basics_line(checked: CheckedRun) -> str:
+    config, plan, assets = checked.config, checked.plan, checked.assets
     if config.dataset_module is not None:  # its rows come when the data is prepared
         data = f"rows from --dataset_module {config.dataset_module}"
     else:
         data = describe_dataset_files(
             list(assets.dataset_files), config.dataset_include, config.dataset
         )
-    return f"preflight OK: {plan.describe()}; model {assets.model_dir}; data {data}"
+    line = f"preflight OK: {plan.describe()}; model {assets.model_dir}; data {data}"
+    return "\n".join([line, *checked.notes])
 
 
 def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: str) -> str:
@@ -215,8 +229,9 @@ def preflight(
 ) -> str:
     """All checks; returns what was checked, raises ValueError with the fix otherwise. The
     storage check comes last: a run that does not fit in memory fails first."""
-    plan, assets = check_run(config, world_size)
-    lines = [_basics_line(config, plan, assets)]
+    checked = check_run(config, world_size)
+    config, assets = checked.config, checked.assets
+    lines = [_basics_line(checked)]
     engine = check_chess_engine(config)
     if engine:
         lines.append(engine)

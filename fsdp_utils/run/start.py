@@ -10,6 +10,10 @@
   to start over, a refusal would cost another wait in the queue, and a rename within the folder
   is instant and deletes nothing. A requeued leg of the same job is not a new start: it resumes
   its own checkpoint (`fsdp_utils.checkpoint.sharded.requeued_leg_checkpoint`).
+- `--resume auto` (the default) with no checkpoint to resume, in a folder where an earlier run
+  trained (its metrics.jsonl has steps: a run stopped before its first save, by a crash or a
+  second Ctrl-C), starts over at step 0: its files are set aside the same way and the log says
+  so, so that metrics.jsonl never holds the abandoned steps mixed with the new ones.
 - The storage check (`fsdp_utils.checkpoint.storage`): fail if not even one checkpoint fits on the
   run folder's file system, warn if `--keep_last` + 1 of them do not. The Trainer runs it on the
   meta model it builds anyway; `--preflight` here (`storage_preflight`).
@@ -44,6 +48,25 @@ def starts_fresh(config: TrainConfig, layout: RunLayout, job: JobLeg) -> bool:
     return requeued_leg_checkpoint(layout.checkpoints, job, warn=lambda _: None) is None
 
 
+def starts_over(config: TrainConfig, layout: RunLayout, job: JobLeg) -> bool:
+    """`--resume auto` that finds no checkpoint, where an earlier run logged training steps."""
+    if config.resume != "auto" or list_checkpoints(layout.checkpoints):
+        return False
+    if requeued_leg_checkpoint(layout.checkpoints, job, warn=lambda _: None) is not None:
+        return False
+    return logged_steps(layout.metrics)
+
+
+def logged_steps(metrics: Path) -> bool:
+    """Whether metrics.jsonl holds a training step (a leg that stopped before its first step
+    logged only events: the next leg goes on from there, nothing to set aside)."""
+    try:
+        with metrics.open() as lines:
+            return any('"kind": "train"' in line for line in lines)
+    except OSError:
+        return False
+
+
 def previous_run_files(layout: RunLayout) -> list[Path]:
     """What a previous run left that a new one could be confused with (the job's own
     gpu_samples/ and logs/ stay)."""
@@ -58,9 +81,11 @@ def previous_run_files(layout: RunLayout) -> list[Path]:
     return found
 
 
-def set_aside_previous_run(layout: RunLayout, now: float | None = None) -> str | None:
-    """Move the previous run's files to `previous-<date-time>/`; the log line, or None if the
-    folder held no previous run."""
+def set_aside_previous_run(
+    layout: RunLayout, now: float | None = None, *, why: str = "fresh start (--resume never)"
+) -> str | None:
+    """Move the previous run's files to `previous-<date-time>/`; the log line (which starts
+    with `why`), or None if the folder held no previous run."""
     files = previous_run_files(layout)
     if not files:
         return None
@@ -87,8 +112,8 @@ def set_aside_previous_run(layout: RunLayout, now: float | None = None) -> str |
     what = ", ".join(p.name for p in files)
     newest = f" (newest {steps[-1]})" if steps else ""
     return (
-        f"fresh start (--resume never): moved the previous run's {what}{newest} to {target}, "
-        f"so that nothing resumes it; delete that folder to free {format_bytes(size)}"
+        f"{why}: moved the previous run's {what}{newest} to {target}, so that nothing resumes "
+        f"it or mixes with this run; delete that folder to free {format_bytes(size)}"
     )
 
 
@@ -115,8 +140,16 @@ def start_run(config: TrainConfig, env: DistEnv) -> list[str]:
 
     def prepare_folder() -> list[str]:
         check_output_dir(layout.root)
-        if starts_fresh(config, layout, JobLeg.from_env()):
+        job = JobLeg.from_env()
+        if starts_fresh(config, layout, job):
             moved = set_aside_previous_run(layout)
+            return [moved] if moved else []
+        if starts_over(config, layout, job):
+            why = (
+                f"starting over at step 0: no checkpoint in {layout.checkpoints} to resume, and "
+                "an earlier run's metrics.jsonl has training steps"
+            )
+            moved = set_aside_previous_run(layout, why=why)
             return [moved] if moved else []
         return []
 

@@ -8,7 +8,9 @@
         WORLD_SIZE, RDZV_ENDPOINT, RDZV_ID and OMP_NUM_THREADS.
     python -m fsdp_utils.slurm.launch after-run <run_dir> <exit code> [--not-started]
         prints `requeue` if the trainer stopped early to save (status.json "interrupted") and the
-        job may be requeued, else `done`; the reason goes to stderr. --not-started: Slurm's
+        job may be requeued, `user-error` if it failed on a user mistake (status.json's
+        `user_error`: its paragraph goes last to stderr, and the script ends the job with exit
+        code 2, where torchrun's own is 1), else `done`; the reason goes to stderr. --not-started: Slurm's
         signal came before the script started the trainer, which it then never started (the
         leg is one that stopped before its first step, at the step status.json last gave).
 
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd = sub.add_parser("plan", help="print shell exports for slurm/finetune.sh")
     plan_cmd.add_argument("train_args", nargs=argparse.REMAINDER)
     sub.add_parser("nodes", help="print shell exports for slurm/evaluate.sh (no run folder)")
-    after = sub.add_parser("after-run", help="print `requeue` or `done`")
+    after = sub.add_parser("after-run", help="print `requeue`, `user-error` or `done`")
     after.add_argument("run_dir", type=Path)
     after.add_argument("exit_code", type=int)
     after.add_argument("--not-started", action="store_true")
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     mistake = user_error(status)
     if mistake:  # the trainer's one paragraph, again, as the last thing in the job's log
         print(f"\nerror: {mistake}\n", file=sys.stderr)
-    print("requeue" if decision.requeue else "done")
+    print("requeue" if decision.requeue else "user-error" if mistake else "done")
     return 0
 
 

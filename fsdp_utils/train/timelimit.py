@@ -1,4 +1,4 @@
-"""Knowing when to stop: the Slurm time limit, a signal, a stop file, or a step budget.
+"""Knowing when to stop: the Slurm time limit, a signal, Ctrl-C, a stop file, or a step budget.
 
 Every rank calls `StopController.poll()` at each optimizer-step boundary; one all-reduce makes
 them agree, so all ranks save together and exit cleanly. The trainer sends the next step's target
@@ -8,6 +8,10 @@ counts with it, so a step costs one scalar all-reduce in all, on host tensors. S
   `#SBATCH --signal=B:USR1@...` to the batch shell, because torchrun does not forward
   SIGUSR1/SIGUSR2 to its workers (pytorch #154849);
 - SIGUSR1/SIGUSR2 delivered to a worker directly (`--signal` without `B:`, or `kill`);
+- Ctrl-C (SIGINT: a terminal sends it to its foreground process group; torchrun, whose workers
+  are in sessions of their own, passes it on to each): the same stop as the stop file's, never
+  deferred, one line when it comes; a second Ctrl-C ends the process at once, without saving
+  (`_SignalFlag`);
 - the job's end time (`squeue -o %e`, or `FSDP_UTILS_JOB_END_TIME` in epoch seconds) minus a
   margin estimated from the measured save and step times;
 - `--stop_after_steps` (a fixed budget of steps for this run).
@@ -21,16 +25,18 @@ deferred; the job's end time still stops the run at the margin if the estimate w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
@@ -77,21 +83,72 @@ def job_end_time(environ: dict[str, str] | None = None) -> float | None:
     return parse_slurm_time(result.stdout) if result.returncode == 0 else None
 
 
-class _SignalFlag:
-    """Set by SIGUSR1/SIGUSR2; the handler only records, the loop acts at a step boundary."""
+INTERRUPT = "Ctrl-C"  # the reason of a stop asked by SIGINT
+EXIT_INTERRUPTED = 130  # a process stopped by Ctrl-C: 128 + SIGINT, as shells report it
+FIRST_INTERRUPT = (
+    "\nCtrl-C: stopping as the stop file does (the checkpoint is saved at the next step "
+    "boundary, then the run ends); Ctrl-C again ends it at once, without saving.\n"
+)
+SECOND_INTERRUPT = (
+    "\nCtrl-C again: ending at once, without saving (the newest checkpoint in the run folder "
+    "is what the same command resumes).\n"
+)
 
-    def __init__(self) -> None:
+
+class _SignalFlag:
+    """Set by SIGUSR1/SIGUSR2 and by SIGINT (Ctrl-C); the handler only records (and says one
+    line, on rank 0: `announce`), the loop acts at a step boundary or between the pieces of a
+    long step. The second SIGINT (or, after a first, torchrun's SIGTERM) ends the process at
+    once, by that signal itself (what a shell expects of a program it interrupted), after
+    `on_abort` (the run's status)."""
+
+    def __init__(self, *, announce: bool = False) -> None:
         self.received: int | None = None
+        self.interrupts = 0
+        self.announce = announce
+        self.on_abort: Callable[[], None] | None = None
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+
+    def uninstall(self) -> None:
+        """The handlers from before (a process that goes on after the run: a test, a tool)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self.interrupts += 1
+        if self.interrupts > 1:
+            self._abort(signum, frame)
+            return
+        self._say(FIRST_INTERRUPT)
+        # torchrun answers a second Ctrl-C (its workers are in sessions of their own: only it
+        # gets it) with SIGTERM to them: the same abort, recorded, rather than a silent death.
+        self._previous.setdefault(signal.SIGTERM, signal.signal(signal.SIGTERM, self._abort))
 
-REASONS = {1: "stop_after_steps", 2: "stop file", 3: "signal", 4: "time limit"}
+    def _abort(self, signum: int, frame: FrameType | None) -> None:
+        if self.on_abort is not None:
+            with contextlib.suppress(Exception):  # ending now matters more than the record
+                self.on_abort()
+        self._say(SECOND_INTERRUPT)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _say(self, text: str) -> None:
+        # os.write, not print: the handler may run in the middle of a print of the main thread
+        if self.announce:
+            with contextlib.suppress(OSError):
+                os.write(2, text.encode())
+
+
+REASONS = {1: "stop_after_steps", 2: "stop file", 3: "signal", 4: "time limit", 5: INTERRUPT}
 
 
 class StoppedBeforeFirstStep(Exception):
@@ -192,6 +249,11 @@ class LegEnd:
 
     def event(self, step: int, reason: str) -> tuple[str, str]:
         """(kind, message) of the log event that announces it."""
+        if reason == INTERRUPT and not self.finish:
+            return "stopping", (
+                f"stopping at step {step}: {reason}; the checkpoint is saved (rerun the same "
+                "command to resume)"
+            )
         if self.finish:
             return "finishing", (
                 f"finishing in this job instead of requeueing (stop at step {step}: {reason}): "
@@ -212,6 +274,8 @@ def choose_leg_end(
     evaluation and export must end before the job does."""
     if reason == "stop_after_steps" and work.steps:
         return LegEnd(False, "this run's --stop_after_steps budget is used up")
+    if reason == INTERRUPT and work.steps:
+        return LegEnd(False, "Ctrl-C asks to stop now")
     if time_left is None:
         if not work.steps:
             why = (
@@ -252,7 +316,7 @@ class StopController:
         self.stop_after_steps = stop_after_steps
         self.fixed_margin = margin_minutes * 60 if margin_minutes is not None else None
         self.is_main = is_main
-        self.flag = _SignalFlag()
+        self.flag = _SignalFlag(announce=is_main)
         self.flag.install()
         self.started = time.monotonic()
         self.last_save = time.monotonic()
@@ -329,6 +393,8 @@ class StopController:
         return LegEnd(finish, decision.why)
 
     def _local_stop_code(self, *, end_time: bool = True) -> int:
+        if self.flag.interrupts:  # never deferred: the user asked to stop
+            return 5
         if self.flag.received is not None and not self.deferred:
             return 3
         if not self.is_main:
@@ -393,6 +459,10 @@ class StopController:
         if code:
             votes[code - 1] = 1.0
         return votes
+
+    def close(self) -> None:
+        """The run is over: signals go back to the handlers they had before it."""
+        self.flag.uninstall()
 
     def consume_stop_file(self) -> None:
         """A stop request handled: the next run (the requeued leg) must not stop at once."""

@@ -37,7 +37,7 @@ def describe_run(config: TrainConfig, plan: BatchPlan, env: DistEnv, root: Path)
     """The log's first lines: what trains on what, where, with which batch and settings."""
     c = config
     warmup = "warmup: see epochs" if c.num_epochs else f"{c.resolved_warmup_steps} warmup steps"
-    padding = describe_padding(c.max_seq_length, c.sequence_parallel)
+    padding = describe_padding(c.seq_length, c.sequence_parallel)
     return (
         f"run: {c.model} on {c.dataset} -> {root}\n"
         f"world: {env.world_size} process(es) on {env.num_nodes} node(s), "

@@ -152,6 +152,9 @@ class Trainer:
         self.log.info(describe_run(config, self.plan, env, self.layout.root))
         # First: the work before the first step asks it, and its signal handlers are in place.
         self.stop = StopController.for_run(config, self.layout, is_main=env.is_main)
+        self.stop.flag.on_abort = lambda: self.write_status(
+            "aborted", "Ctrl-C twice: ended at once, without saving"
+        )
         if (limit := self.stop.describe_time_limit()) is not None:
             self.log.info(limit)
         # A request that came before this process started (Slurm's signal while the job was
@@ -540,6 +543,9 @@ class Trainer:
         method = getattr(self, "method", None)
         if method is not None:
             method.close()
+        stop = getattr(self, "stop", None)
+        if stop is not None:  # Ctrl-C is the caller's again
+            stop.close()
         self.log.close()
 
 

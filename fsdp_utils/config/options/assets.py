@@ -31,7 +31,8 @@ class AssetOptions:
         metadata=_opt(
             "Hub dataset id (from the offline cache), a local folder, or files (.parquet, .json, "
             ".jsonl, .csv, .arrow). The format follows from the columns (--data_format). "
-            "Comma-separate several files."
+            "Comma-separate several files.",
+            joined=True,
         ),
     )
     dataset_include: str | None = field(
@@ -40,7 +41,8 @@ class AssetOptions:
             "Glob(s) of dataset files to use, comma-separated, e.g. "
             "'chess_game_000[1-2].parquet'. Default: the files download_models.py fetched for "
             "a hub dataset (every shard it recorded), all files of a local folder; an empty "
-            "string: all data files."
+            "string: all data files.",
+            joined=True,
         ),
     )
     revision: str | None = field(

@@ -11,6 +11,7 @@ SECTION = Section("batch", "batch (the total batch is held fixed; accumulation i
 _opt = SECTION.option
 
 DEFAULT_TOTAL_BATCH_SIZE = 32
+DEFAULT_MAX_SEQ_LENGTH = 1024  # or the model's context where shorter: config/seq_length.py
 
 
 @dataclass
@@ -33,7 +34,20 @@ class BatchOptions:
             "if both are given they must agree."
         ),
     )
-    max_seq_length: int = field(default=1024, metadata=_opt("Tokens per sequence (block)."))
+    max_seq_length: int | None = field(
+        default=None,
+        metadata=_opt(
+            f"Tokens per sequence (block). Default: {DEFAULT_MAX_SEQ_LENGTH}, or the model's "
+            "context length where that is shorter (the log says so); a value above the "
+            "context is an error."
+        ),
+    )
+
+    @property
+    def seq_length(self) -> int:
+        """`--max_seq_length` as the run uses it: the model fits a default one first
+        (`fsdp_utils.config.seq_length.fit_seq_length`); unfitted, the default."""
+        return DEFAULT_MAX_SEQ_LENGTH if self.max_seq_length is None else self.max_seq_length
 
 
 def check(options: BatchOptions) -> None:

@@ -22,6 +22,18 @@ EVAL_SCORING_FIELDS = (
 
 
 EngineUse = Literal["auto", "on", "off"]
+
+
+def engine_choice(options: EvaluationOptions) -> str:
+    """What `--chess_engine` asks for, with its old spelling folded in: "auto", "on", "off" or
+    a path (a run's config.json from before has `chess_engine: null`, which is auto)."""
+    given = options.chess_engine if options.chess_engine not in (None, "") else "auto"
+    old = options.chess_eval_engine
+    if old == "off" or (old is not None and given == "auto"):
+        return old  # off wins over a path, as it did; on or auto where the new flag is auto
+    return given
+
+
 # A rung of the ladder of opponents (fsdp_utils/chess_eval/ladder.py): a random mover, or
 # Stockfish at a depth, a node limit, a Skill Level (0-20) or a UCI_Elo (1350-2850 in 15.1).
 LADDER_RUNG = re.compile(r"random|(depth|nodes|skill|elo):(\d+)")
@@ -86,7 +98,8 @@ class EvaluationOptions:
         metadata=_opt(
             "lm-eval benchmarks to score the final model on at the end of the run, e.g. "
             "arc_easy,hellaswag (their data cached with download_models.py --eval_tasks); "
-            "results in <output_dir>/lm_eval/."
+            "results in <output_dir>/lm_eval/.",
+            joined=True,
         ),
     )
     eval_limit: int | None = field(
@@ -124,7 +137,8 @@ class EvaluationOptions:
         metadata=_opt(
             "With --eval_tasks: lm-eval's --gen_kwargs for every generation task, e.g. "
             "do_sample=True,temperature=0.7,top_p=0.95 (do_sample, temperature, top_p, top_k, "
-            "until, max_gen_toks)."
+            "until, max_gen_toks).",
+            joined=True,
         ),
     )
     eval_seed: int | str | None = field(
@@ -158,20 +172,23 @@ class EvaluationOptions:
         default=None,
         metadata=_opt("Sequences per forward pass in the chess evaluation (default: 8)."),
     )
-    chess_eval_engine: EngineUse = field(
+    chess_engine: str | None = field(
         default="auto",
         metadata=_opt(
-            "The engine judge in the chess evaluation (centipawn loss, Lichess accuracy, "
-            "best-move rate, games against --chess_eval_ladder): auto (when Stockfish is found), "
-            "on (required: the preflight refuses a missing engine), off."
+            "The chess engine (Stockfish) of the engine judge (centipawn loss, Lichess accuracy, "
+            "best-move rate, games against --chess_eval_ladder) and of GRPO's chess_engine "
+            "reward: auto (the first found: $FSDP_UTILS_STOCKFISH, `stockfish` on PATH, "
+            "/usr/games/stockfish; none found: the chess evaluation shows legality only), on "
+            "(the same, but required), off, or PATH (this binary, required: one that is not a "
+            "working UCI engine stops the run before any work).",
+            cli={"metavar": "auto|on|off|PATH"},
         ),
     )
-    chess_engine: str | None = field(
+    chess_eval_engine: EngineUse | None = field(
         default=None,
         metadata=_opt(
-            "The Stockfish binary (default: $FSDP_UTILS_STOCKFISH, then `stockfish` on PATH, "
-            "then /usr/games/stockfish).",
-            cli={"metavar": "PATH"},
+            "The old spelling of --chess_engine auto|on|off, still read (off wins over a "
+            "--chess_engine PATH, as it did)."
         ),
     )
     chess_eval_depth: int = field(
@@ -195,6 +212,7 @@ class EvaluationOptions:
             "Opponents the model plays games against, weakest first, comma-separated: random, "
             "depth:N, nodes:N, skill:N, elo:N (e.g. random,depth:1,skill:0,elo:1350).",
             cli={"metavar": "RUNGS"},
+            joined=True,
         ),
     )
     chess_eval_ladder_games: int = field(
@@ -220,6 +238,12 @@ class EvaluationOptions:
 
 def check(options: EvaluationOptions) -> None:
     check_at_least(options, ("sample_max_new_tokens",))
+    if options.chess_eval_engine == "on" and options.chess_engine == "off":
+        raise ValueError(
+            "--chess_eval_engine on and --chess_engine off disagree: give "
+            "--chess_engine alone (auto, on, off or the engine's path); --chess_eval_engine is "
+            "its old spelling."
+        )
     if options.eval_limit is not None and not options.eval_tasks:
         raise ValueError("--eval_limit limits --eval_tasks: give --eval_tasks too.")
     for name in EVAL_SCORING_FIELDS:

@@ -36,7 +36,8 @@ class LoraOptions:
             "Comma-separated linear layers of the decoder layers to adapt, e.g. q_proj,v_proj; "
             "mixture-of-experts models also take their fused expert tensors (gate_up_proj, "
             "down_proj, or experts for both; needs --lora_dropout 0). Default: every linear "
-            "layer of the decoder layers outside mixture-of-experts blocks."
+            "layer of the decoder layers outside mixture-of-experts blocks.",
+            joined=True,
         ),
     )
     lora_dora: bool = field(

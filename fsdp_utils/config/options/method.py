@@ -27,8 +27,8 @@ def _distill(help: str) -> dict[str, Any]:
     return SECTION.option(help, only_for="distill")
 
 
-def _grpo(help: str) -> dict[str, Any]:
-    return SECTION.option(help, only_for="grpo")
+def _grpo(help: str, **extra: Any) -> dict[str, Any]:
+    return SECTION.option(help, only_for="grpo", **extra)
 
 
 DpoLoss = Literal["sigmoid", "ipo"]
@@ -197,12 +197,15 @@ class MethodOptions:
             "Comma-separated reward functions: FILE.py:FUNCTION (TRL's signature: prompts, "
             "completions, completion_ids, the dataset's other columns and **kwargs; returns "
             "a float, or None to skip, per completion) or a built-in name (docs/grpo.md: "
-            "chess_legal, chess_engine, chess_format, exact_answer, length)."
+            "chess_legal, chess_engine, chess_format, exact_answer, length).",
+            joined=True,
         ),
     )
     reward_weights: str | None = field(
         default=None,
-        metadata=_grpo("Comma-separated weight of each reward function (default: all 1.0)."),
+        metadata=_grpo(
+            "Comma-separated weight of each reward function (default: all 1.0).", joined=True
+        ),
     )
     num_generations: int = field(
         default=8,

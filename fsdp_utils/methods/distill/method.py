@@ -358,6 +358,7 @@ class Distill(Method):
         distill_loss = DistillLoss(
             teacher, DistillSettings.of(self.config, vocab), chunking=self.chunking,
             device=self.env.device, autocast=parts.autocast, live=live,
+            cached_top_k=int(self.meta["top_k"]) if self.cached and self.meta else None,
         )  # fmt: skip
         self.step = build_distill_step(
             model, self.config, world_size=self.env.world_size, device=self.env.device,

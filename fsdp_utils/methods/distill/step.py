@@ -6,7 +6,8 @@ The loss of a micro-batch is summed over its target tokens and normalised by the
 target tokens (all micro-batches, all ranks), as the token loss is, so any split of the same
 total batch gives the same update. Its terms (`loss.TERMS`) are logged as means over the
 step's target tokens: distill/ce, distill/divergence, distill/teacher_kl,
-distill/top1_agreement.
+distill/top1_agreement; with a cached teacher, distill/teacher_top_k (its K: the divergences
+are then lower bounds of the whole vocabulary's).
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ class DistillLoss:
         device: torch.device,
         autocast: Callable[[], Any],
         live: TeacherSource | None = None,
+        cached_top_k: int | None = None,
     ) -> None:
         self.teacher = teacher
         self.live = live
+        # The cached teacher's K: its divergences are over K + 1 outcomes, a lower bound of the
+        # whole vocabulary's (loss.py), and the log says so beside them.
+        self.cached_top_k = cached_top_k
         self.settings = settings
         self.chunking = chunking
         self.device = device
@@ -125,6 +130,8 @@ class DistillStep(TrainStep):
             metrics["logged"] = term_means(sums, total)
             if self.on_policy is not None:
                 metrics["logged"]["distill/on_policy"] = float(sampled)
+            if self.distill_loss.cached_top_k and not sampled:
+                metrics["logged"]["distill/teacher_top_k"] = self.distill_loss.cached_top_k
         return metrics
 
     def forward_backward(self, batch: Batch, global_targets: float) -> torch.Tensor:
@@ -214,8 +221,10 @@ def evaluate_distill(
     loss_sum, *term_sums, count = dist_utils.all_reduce_sum(totals).tolist()
     if count == 0:
         return None
+    bound = distill_loss.cached_top_k
     return {
         "eval_loss": loss_sum / count,
         **term_means(term_sums, count, prefix="eval_"),
+        **({"eval_distill/teacher_top_k": bound} if bound else {}),
         "eval_tokens": int(count),
     }

@@ -37,6 +37,25 @@ from .rollouts import Rollouts, completion_texts
 from .step import GrpoStep, PlannedUpdate, reference_logps
 
 
+def reward_engine(config: TrainConfig) -> str:
+    """The engine of the rewards that call one: --chess_engine's (auto: the first found, and
+    required here; a path: checked to be a working UCI engine). A ValueError (exit 2) names
+    the fix when there is none."""
+    from fsdp_utils.chess_eval.judge import choose_engine
+    from fsdp_utils.config.options.evaluation import engine_choice
+
+    choice = engine_choice(config)
+    if choice == "off":
+        raise ValueError(
+            "A reward of --reward_funcs calls the chess engine (chess_engine, or an "
+            "EngineReward), and --chess_engine off turns it off: drop that reward, or give "
+            "--chess_engine auto (or the engine's path)."
+        )
+    path = choose_engine("on" if choice == "auto" else choice)
+    assert path is not None  # on and a path are required: EngineNotFound otherwise
+    return path
+
+
 class GRPO(Method):
     name: ClassVar[str] = "grpo"
     step: GrpoStep  # set by build_step
@@ -47,6 +66,10 @@ class GRPO(Method):
         # Loaded first: a missing file or function stops the run before any data or model work.
         self.rewards = [load_reward_function(spec) for spec in reward_names(config)]
         self.weights = reward_weights(config)
+        if any(r.needs_engine for r in self.rewards):  # the engine --chess_engine chose
+            from fsdp_utils.chess_eval.rewards import use_engine_path
+
+            use_engine_path(reward_engine(config))
         self.prepared: PreparedData | None = None
         self.train_prompts: PromptSet | None = None
         self.frozen: nn.Module | None = None  # the reference of a full fine-tune at beta > 0
@@ -63,9 +86,7 @@ class GRPO(Method):
         on the compute node before any work (it has no internet to install one from)."""
         rewards = [load_reward_function(spec) for spec in reward_names(config)]
         if any(r.needs_engine for r in rewards):
-            from fsdp_utils.chess_eval.judge import find_engine
-
-            find_engine()
+            reward_engine(config)
 
     def use_data(self, prepared: PreparedData) -> tuple[Examples, Examples]:
         splits = [prepared.split(name) for name in ("train", "eval")]
