@@ -139,7 +139,7 @@ def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    batch, length = config.batch_size_per_device, config.max_seq_length
+    batch, length = config.batch_size_per_device, config.seq_length
     dtype = compute_dtype(config.precision)
 
     def heads_of(count: int) -> torch.Tensor:  # as the projections give them: [b, s, h, d]^T
