@@ -27,6 +27,7 @@ from fsdp_utils.methods.registry import method_class
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.attention import check_attn_implementation
 from fsdp_utils.model.build import check_seq_length
+from fsdp_utils.model.float8 import check_float8_device
 from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.lora import check_target_modules
 from fsdp_utils.model.qlora import shard_group_size
@@ -73,6 +74,7 @@ def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, Resolved
     check_seq_length(hf_config, config.max_seq_length)
     check_not_quantized(hf_config, assets.model_dir)
     check_attn_implementation(hf_config, config, device_type=device_type(config.device))
+    check_float8_device(config, device_type(config.device))
     check_splittable(
         hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
         max_seq_length=config.max_seq_length, world_size=world_size,
