@@ -25,8 +25,10 @@ from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids, next_token_labels
+from fsdp_utils.data.document_masking import known_packing, packing_from_host
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.parallelize import gradient_sync_context
+from fsdp_utils.parallel.sequence import FORWARD_KEYWORD as SEQUENCE_PARALLEL_KEYWORD
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import (
     LossChunking,
@@ -82,7 +84,12 @@ def model_forward(
     `extra`: keyword arguments of the forward (`output_router_logits` for the router loss, a
     sequence-parallel slice's `sequence_parallel`: fsdp_utils/parallel/sequence.py)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    with autocast():
+    host_packing = (
+        contextlib.nullcontext()
+        if SEQUENCE_PARALLEL_KEYWORD in extra
+        else known_packing(batch.get("position_ids"))
+    )
+    with autocast(), host_packing:
         return model(
             input_ids=input_ids,
             position_ids=batch_position_ids(batch, device),
@@ -399,10 +406,15 @@ class TrainStep:
         global_targets, global_tokens = global_counts
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for index, batch in enumerate(micro_batches):
-            sync = index == len(micro_batches) - 1 or not self.config.defer_grad_sync
-            with gradient_sync_context(self.model, sync):
-                loss_sum += self.forward_backward(batch, global_targets)
+        # --sync_free_steps: the forwards take their packing from the host (known_packing)
+        host_packing = (
+            packing_from_host() if self.config.sync_free_steps else contextlib.nullcontext()
+        )
+        with host_packing:
+            for index, batch in enumerate(micro_batches):
+                sync = index == len(micro_batches) - 1 or not self.config.defer_grad_sync
+                with gradient_sync_context(self.model, sync):
+                    loss_sum += self.forward_backward(batch, global_targets)
 
         grad_norm = self.clip_gradients()
         loss = norm = None
