@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 
 # Implementations whose transformers mask code turns packed position ids into a
@@ -177,7 +178,8 @@ def known_packing(position_ids: torch.Tensor | None) -> Iterator[None]:
     if current is not _find_packed_from_host:
         _TRANSFORMERS_FIND[:] = [current]
         masking_utils.find_packed_sequence_indices = _find_packed_from_host
-    packed = position_ids is not None and bool((position_ids.diff(dim=-1) != 1).any())
+    # numpy: the host's own arrays, never the device's (the batch is still on the host)
+    packed = position_ids is not None and bool(np.any(np.diff(position_ids.numpy(), axis=-1) != 1))
     token = _BATCH_PACKED.set(packed)
     try:
         yield

@@ -278,22 +278,24 @@ def _nll_sum_and_logit_grad(
     return -picked.sum(), probs.to(logits.dtype)
 
 
-# The chunks' elementwise work through torch.compile (--compile), built at its first use: one
-# graph per function and dtype, and one recompile when a chunk of another length first comes
-# (the last chunk of a batch: torch.compile then makes the length dynamic).
-_COMPILED: dict[str, Callable[..., Any]] = {}
+# The chunks' elementwise work through torch.compile (--compile), built at its first use, per
+# backend: one graph per function and dtype, and one recompile when a chunk of another length
+# first comes (the last chunk of a batch: torch.compile then makes the length dynamic).
+_COMPILED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def _chunk_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(`_logits_nll`, `_nll_sum_and_logit_grad`), compiled or eager."""
     if not compiled:
         return _logits_nll, _nll_sum_and_logit_grad
+    from fsdp_utils.parallel.compile import compile_backend
     from fsdp_utils.parallel.compile import compiled as compile_function
 
-    if not _COMPILED:
-        _COMPILED["nll"] = compile_function(_logits_nll)
-        _COMPILED["grad"] = compile_function(_nll_sum_and_logit_grad)
-    return _COMPILED["nll"], _COMPILED["grad"]
+    backend = compile_backend()
+    if backend not in _COMPILED:
+        functions = (_logits_nll, _nll_sum_and_logit_grad)
+        _COMPILED[backend] = (compile_function(functions[0]), compile_function(functions[1]))
+    return _COMPILED[backend]
 
 
 def _chunk_nll_entropy(

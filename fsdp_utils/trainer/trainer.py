@@ -268,6 +268,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             data=self.data,
             loss_chunk_size=self.train_step.chunking.chunk_size,
+            optimizer_kernel="fused" if self.optimizer.defaults.get("fused") else "foreach",
         )
         write_run_config(self.layout, record)
         self.log.config(record)
