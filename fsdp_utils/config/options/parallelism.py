@@ -69,8 +69,9 @@ class ParallelismOptions:
         metadata=_opt(
             "Target tokens per chunk of the loss: the output layer and cross-entropy run over "
             "chunks of this many tokens, each chunk's logits recomputed in backward, so the "
-            "full [tokens, vocabulary] logits never exist (default: as many tokens as hold "
-            "64 Mi logits, 523 for a 128,256-word vocabulary; 0: the whole batch at once)."
+            "full [tokens, vocabulary] logits never exist (default per device: on a GPU 8,192 "
+            "tokens, at most 1 Gi logits; on a CPU as many tokens as hold 64 Mi logits, 523 for "
+            "a 128,256-word vocabulary; 0: the whole batch at once)."
         ),
     )
     defer_grad_sync: bool = field(
