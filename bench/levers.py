@@ -134,6 +134,7 @@ def loss_timings(compile_chunks: bool) -> dict[str, dict[str, float]]:
             )
             loss.backward()
             seconds = time.process_time() - started
+            assert h.grad is not None
             outcome[:] = [loss.detach(), h.grad]
             return seconds
 
@@ -166,9 +167,11 @@ def main() -> None:
     load_before = os.getloadavg()
     paths = assets()
     reruns: list[dict[str, Any]] = []
-    measures: dict[str, Callable[[], dict[str, float]]] = {
-        name: (lambda name=name: training_run(name, paths, args, reruns)) for name in RUNS
-    }
+
+    def measure(name: str) -> Callable[[], dict[str, float]]:
+        return lambda: training_run(name, paths, args, reruns)
+
+    measures = {name: measure(name) for name in RUNS}
     try:
         rounds = interleaved_rounds(measures, args.pairs)
     except ChildFailed as err:
