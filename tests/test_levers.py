@@ -34,7 +34,7 @@ from fsdp_utils.parallel.compile import BACKEND_VARIABLE, CompileCounts, decoder
 from fsdp_utils.synthetic import tiny_model_config
 from fsdp_utils.train.loss import LossChunking, Targets, chunked_target_nll, default_chunk_size
 from fsdp_utils.train.optim import apply_settings, build_optimizer, implementation
-from fsdp_utils.train.step import build_train_step, forward_loss_sum
+from fsdp_utils.train.step import TrainingDivergedError, build_train_step, forward_loss_sum
 from tests.train_helpers import read_metrics, run_finetunes, tiny_args
 
 CPU = torch.device("cpu")
@@ -283,6 +283,26 @@ def test_sync_free_steps_read_nothing_but_the_log_steps_values_after_their_updat
     fp16 = {"sync_free_steps": True, "precision": "fp16-mixed"}
     assert _reads_per_step(**fp16) == [(1, 1), (1, 0)]
     assert _reads_per_step(**fp16, fused_optimizer=True) == [(0, 1), (0, 0)]
+
+
+def test_sync_free_steps_never_save_a_non_finite_update():
+    """Step 2's gradient is infinite and step 3 is the log step: step 2's update was applied (no
+    step waits), the read at step 3 stops the run, and so would a save."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("llama", 96, hidden_size=32))
+    config = TrainConfig(log_every=3, no_fsdp=True, sync_free_steps=True)
+    step = build_train_step(model, config, world_size=1, device=CPU, hf_config=model.config)
+    for number in (1, 2, 3):
+        poison = None
+        if number == 2:
+            poison = model.lm_head.weight.register_hook(lambda grad: grad * math.inf)
+        metrics = step([_batch(number)], step=number, global_counts=[46.0, 48.0], check=number == 3)
+        if poison is not None:
+            poison.remove()
+    with pytest.raises(TrainingDivergedError, match=r"at step 2 \(found at step 3: no step is"):
+        step.read_pending(metrics)
+    with pytest.raises(TrainingDivergedError, match="before saving a checkpoint at step 3"):
+        step.check_weights_finite("saving a checkpoint", 3)
 
 
 def test_packing_from_the_host_gives_transformers_masks():

@@ -322,6 +322,8 @@ class Trainer:
             except StepInterrupted as stopped:  # before its update: the weights are unchanged
                 self._stop_inside_step(stopped)
                 return _summary("interrupted", stopped.reason, last, None, started)
+            if log_now:  # --sync_free_steps: the step's values read here, its update queued
+                metrics = self.train_step.read_pending(metrics)
             self.state.step = step
             self.state.tokens_seen += metrics["tokens"]
             more = step < config.max_training_steps
@@ -330,8 +332,7 @@ class Trainer:
             # The next step's target counts ride on the stop decision's all-reduce.
             decision = self.stop.poll(step, step_time, add=self.train_step.local_counts(batches))
             global_counts = decision.sums
-            if log_now:  # --sync_free_steps: the step's values are read here, its update queued
-                metrics = self.train_step.read_pending(metrics)
+            if log_now:
                 last = self._log_step(metrics, step_time)
                 self._log_compile_counts()
             if config.eval_every and step % config.eval_every == 0:
