@@ -145,8 +145,10 @@ _TRANSFORMERS_FIND: list[Any] = []
 def _find_packed_from_host(position_ids: torch.Tensor) -> torch.Tensor | None:
     """transformers' `find_packed_sequence_indices` without its read, inside `known_packing`;
     transformers' own outside it and while dynamo traces (where it reads nothing either)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get
+        return _TRANSFORMERS_FIND[0](position_ids)
     packed = _BATCH_PACKED.get()
-    if torch.compiler.is_compiling() or packed is None:
+    if packed is None:
         return _TRANSFORMERS_FIND[0](position_ids)
     if not packed:  # every row one sequence: transformers' None
         return None
