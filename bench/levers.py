@@ -1,7 +1,7 @@
 """CPU timings of the step levers of issue 60 (docs/levers.md), each against the default run.
 
-    python bench/levers.py                 # 2 measured rounds after a warm-up round, 6 steps
-    python bench/levers.py --pairs 3 --steps 10
+    python bench/levers.py                 # 2 measured rounds after a warm-up round, 4 steps
+    python bench/levers.py --pairs 3 --steps 10 --seq 1024
     python bench/levers.py --compile       # also the loss's chunks compiled by inductor (its
                                            #   first call compiles: ~30 s of CPU)
 
@@ -13,7 +13,8 @@ matrix products are not starved by small chunks as a GPU's are. They show what e
 or saves of the host's own work, and that it runs; the GPU kit's rows (bench/gpu_check.py)
 measure the levers where they matter.
 
-Two parts, run on the bench's Llama (4 layers x 256, seq 1,024; bench/throughput.py's assets):
+Two parts, run on the bench's Llama (4 layers x 256, bench/throughput.py's assets; sequences of
+256 tokens: bf16 matrix products on this CPU run at a few hundred tokens/s):
 
 1. training runs (`chess_finetune.py`, bf16-mixed, 2 sequences per device, total batch 8,
    `--log_every 1`): the default run and one run per lever, on 1 process (--fused_optimizer,
@@ -53,7 +54,7 @@ from throughput import (  # bench/ is not a package: its folder is on sys.path
 )
 
 REPO = Path(__file__).resolve().parent.parent
-SEQ, PER_DEVICE, TOTAL = 1024, 2, 8
+PER_DEVICE, TOTAL = 2, 8
 # name: (processes, extra flags, the default run it is compared with)
 RUNS: dict[str, tuple[int, tuple[str, ...], str | None]] = {
     "default (1 process)": (1, (), None),
@@ -81,7 +82,7 @@ def training_run(
         *launcher, str(REPO / "chess_finetune.py"),
         "--model", str(paths["model"]), "--dataset", str(paths["data"]),
         "--data_cache_dir", str(RESULTS / "prepared"), "--output_dir", str(out),
-        "--max_seq_length", str(SEQ), "--batch_size_per_device", str(PER_DEVICE),
+        "--max_seq_length", str(args.seq), "--batch_size_per_device", str(PER_DEVICE),
         "--total_batch_size", str(TOTAL), "--max_training_steps", str(args.steps + args.warmup_steps),
         "--precision", "bf16-mixed", "--eval_every", "0", "--eval_batches", "1",
         "--save_every_minutes", "0", "--no_final_save", "--resume", "never", *extra,
@@ -157,8 +158,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--pairs", type=int, default=2, help="measured rounds after a warm-up")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
-    parser.add_argument("--warmup_steps", type=int, default=2, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--warmup_steps", type=int, default=1, help="untimed steps per run")
+    parser.add_argument(
+        "--seq", type=int, default=256, help="tokens per sequence (bf16 on a CPU is slow)"
+    )
     parser.add_argument(
         "--compile", action="store_true", help="also the loss's chunks compiled by inductor"
     )
@@ -191,7 +195,7 @@ def main() -> None:
     }
     load = f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores)"
     setup = (
-        f"Llama 4 layers x 256, seq {SEQ}, {PER_DEVICE}/device, total batch {TOTAL}, bf16-mixed, "
+        f"Llama 4 layers x 256, seq {args.seq}, {PER_DEVICE}/device, total batch {TOTAL}, bf16-mixed, "
         f"CPU (gloo); {args.pairs} interleaved rounds after a warm-up, {args.steps} timed steps "
         f"per run after {args.warmup_steps}; {load}"
     )

@@ -123,12 +123,12 @@ def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
 # Gemma's 256,000; a small vocabulary's micro-batch is one chunk, which recomputes nothing
 # (`chunked_target_nll`).
 LOGITS_PER_CHUNK = 64 * 2**20
-# On a GPU the chunk is the output layer's matrix product, and small ones starve it: torchtitan's
-# docs/chunked_loss.md (Qwen3-14B, 8 x H100) measured 37.2% MFU with 1,024-token chunks, 38.4%
-# with 8,192 (its default, the best measured), and 32.3% with 8 chunks of 40,960 tokens, whose
-# eager cross-entropy backward made a logits-sized fp32 temporary (5.8 GiB). So 8,192 target
-# tokens, and at most 1 Gi logits (4 GiB in fp32; torchtitan's 8,192 x 151,936 words are
-# 1.16 Gi): 8,192 tokens up to a 131,072-word vocabulary, 4,194 of Gemma's 256,000.
+# On a GPU the chunk is the output layer's matrix product, and small ones starve it:
+# torchtitan/docs/chunked_loss.md (Qwen3-14B, 8 x H100) measured 37.2% MFU with 1,024-token
+# chunks, 38.4% with 8,192 (its default, the best measured), and 32.3% with 8 chunks of 40,960
+# tokens, whose eager cross-entropy backward made a logits-sized fp32 temporary (5.8 GiB). So
+# 8,192 target tokens, and at most 1 Gi logits (4 GiB in fp32; torchtitan's 8,192 x 151,936
+# words are 1.16 Gi): 8,192 tokens up to a 131,072-word vocabulary, 4,194 of Gemma's 256,000.
 GPU_TOKENS_PER_CHUNK = 8192
 GPU_LOGITS_PER_CHUNK = 2**30
 
@@ -270,7 +270,7 @@ def _nll_sum_and_logit_grad(
     one-hot), in the logits' dtype, computed in fp32. Eager, log_softmax is one pass over the
     logits, in place of logsumexp's several, and the gradient overwrites log p in place;
     compiled (--compile), inductor fuses it all into a pass or two without the fp32 logits-sized
-    temporaries (torchtitan's docs/chunked_loss.md: the eager loss's fp32 temporary was 5.8 GiB
+    temporaries (torchtitan/docs/chunked_loss.md: the eager loss's fp32 temporary was 5.8 GiB
     of 40,960-token chunks)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(1, tokens[:, None])
