@@ -361,11 +361,11 @@ def test_a_resume_keeps_the_kernel_the_run_asked_for():
 
 def test_the_loss_chunk_default_per_device():
     assert default_chunk_size(32_000, "cuda")[0] == 8192  # torchtitan's 8,192 tokens
-    assert default_chunk_size(128_256, "cuda")[0] == 8192
-    assert default_chunk_size(256_000, "cuda")[0] == 4194  # at most 1 Gi logits
+    assert default_chunk_size(128_256, "cuda")[0] == 2092  # at most 256 Mi logits
+    assert default_chunk_size(256_000, "cuda")[0] == 1048
     assert default_chunk_size(128_256, "cpu")[0] == 523  # 64 Mi logits, as before
     assert default_chunk_size(32_000, "cpu")[0] == 2097
-    chunking = LossChunking.build(None, tiny_model_config("llama", 128_256), device_type="cuda")
+    chunking = LossChunking.build(None, tiny_model_config("llama", 32_000), device_type="cuda")
     assert chunking.chunk_size == 8192 and "the GPU default" in chunking.note
 
 
@@ -376,7 +376,7 @@ def test_the_planner_traces_the_gpus_chunk():
     hf = tiny_model_config("llama", 128_256)
     config = TrainConfig(max_seq_length=4096, batch_size_per_device=4, total_batch_size=4)
     traced, note = _loss_chunks_to_trace(config, hf, plan_batch(config, 1))
-    assert traced.loss_chunk_size == 8192 and "8,192 tokens (cuda's default)" in note
+    assert traced.loss_chunk_size == 2092 and "2,092 tokens (cuda's default)" in note
     on_cpu, _ = _loss_chunks_to_trace(config.replace(device="cpu"), hf, plan_batch(config, 1))
     assert on_cpu.loss_chunk_size == 523
     direct = config.replace(single_device_path="direct")

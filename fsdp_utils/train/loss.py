@@ -124,13 +124,17 @@ def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
 # (`chunked_target_nll`).
 LOGITS_PER_CHUNK = 64 * 2**20
 # On a GPU the chunk is the output layer's matrix product, and small ones starve it:
-# torchtitan/docs/chunked_loss.md (Qwen3-14B, 8 x H100) measured 37.2% MFU with 1,024-token
-# chunks, 38.4% with 8,192 (its default, the best measured), and 32.3% with 8 chunks of 40,960
-# tokens, whose eager cross-entropy backward made a logits-sized fp32 temporary (5.8 GiB). So
-# 8,192 target tokens, and at most 1 Gi logits (4 GiB in fp32; torchtitan's 8,192 x 151,936
-# words are 1.16 Gi): 8,192 tokens up to a 131,072-word vocabulary, 4,194 of Gemma's 256,000.
+# torchtitan/docs/chunked_loss.md (Qwen3-14B, 151,936 words, 8 x H100) measured 37.2% MFU with
+# 1,024-token chunks, 38.4% with 8,192 (its default, the best measured), and 32.3% with 8 chunks
+# of 40,960 tokens, whose eager cross-entropy backward made a logits-sized fp32 temporary
+# (5.8 GiB). So 8,192 target tokens, and at most 256 Mi logits (1 GiB in fp32): a chunk's
+# product is then at least 256 Mi x hidden x 2 FLOP (1.1 TFLOP at hidden 2,048: a bf16 8192^3
+# matmul, which runs at full speed on an H100), and the fp32 logits stay within 1 GiB where
+# 8,192 tokens of Llama 3's 128,256 words would hold 4 GiB. 8,192 tokens up to 32,768 words
+# (the 1.1B shape's 32,000: one chunk per 4 x 2,048 micro-batch), 2,092 of Llama 3's, 1,048 of
+# Gemma's 256,000.
 GPU_TOKENS_PER_CHUNK = 8192
-GPU_LOGITS_PER_CHUNK = 2**30
+GPU_LOGITS_PER_CHUNK = 256 * 2**20
 
 
 def default_chunk_size(vocab: int, device_type: str) -> tuple[int, str]:
@@ -140,7 +144,7 @@ def default_chunk_size(vocab: int, device_type: str) -> tuple[int, str]:
     if device_type == "cuda":
         tokens = max(1, min(GPU_TOKENS_PER_CHUNK, GPU_LOGITS_PER_CHUNK // vocab))
         return tokens, (
-            f"the GPU default: {GPU_TOKENS_PER_CHUNK:,} tokens, at most 1 Gi logits of "
+            f"the GPU default: {GPU_TOKENS_PER_CHUNK:,} tokens, at most 256 Mi logits of "
             f"{vocab:,} words; --loss_chunk_size sets it"
         )
     tokens = max(1, LOGITS_PER_CHUNK // vocab)

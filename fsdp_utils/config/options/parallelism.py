@@ -70,7 +70,7 @@ class ParallelismOptions:
             "Target tokens per chunk of the loss: the output layer and cross-entropy run over "
             "chunks of this many tokens, each chunk's logits recomputed in backward, so the "
             "full [tokens, vocabulary] logits never exist (default per device: on a GPU 8,192 "
-            "tokens, at most 1 Gi logits; on a CPU as many tokens as hold 64 Mi logits, 523 for "
+            "tokens, at most 256 Mi logits; on a CPU as many tokens as hold 64 Mi logits, 523 for "
             "a 128,256-word vocabulary; 0: the whole batch at once)."
         ),
     )
