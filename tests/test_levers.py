@@ -145,6 +145,51 @@ def test_the_direct_path_writes_fsdp2s_checkpoints_which_resume_on_two_processes
         assert resumed[step][1] == pytest.approx(base[step][1], rel=1e-3)
 
 
+class Casts(TorchDispatchMode):
+    """Counts casts (`aten._to_copy`) of the given storages."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages, self.count = storages, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.storages:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_direct_paths_casts_with_and_without_gradients():
+    """With gradients every forward casts every fp32 weight (the gradient comes back through
+    the cast) and leaves the parameters as they were; without, the casts are kept until a
+    parameter changes: one cast per update while decoding, not one per token."""
+    from fsdp_utils.model.build import find_decoder_layers
+    from fsdp_utils.parallel.single_device import apply_direct_path
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("llama", 96, hidden_size=32))
+    params = list(model.parameters())
+    config = TrainConfig(precision="bf16-mixed", single_device_path="direct")
+    apply_direct_path(model, find_decoder_layers(model), config)
+    storages = {p.data_ptr() for p in params}
+    ids = _batch(0)["input_ids"]
+
+    def casts(grad: bool) -> int:
+        with torch.set_grad_enabled(grad), Casts(storages) as counted:
+            logits = model(input_ids=ids, use_cache=False).logits
+        assert logits.dtype == torch.bfloat16
+        if grad:
+            logits.float().sum().backward()
+        return counted.count
+
+    assert (casts(False), casts(False)) == (len(params), 0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1e-3)  # an update: its version moves
+    assert casts(False) == 1
+    assert casts(True) == len(params) and casts(True) == len(params)
+    assert list(model.parameters()) == params  # the parameters themselves, back after forward
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+
+
 def test_reshard_last_layer_changes_when_it_gathers_not_what_it_computes(two_processes):
     runs, output = two_processes
     assert "the last layer resharded after forward" in output

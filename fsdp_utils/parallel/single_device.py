@@ -29,8 +29,11 @@ Exactly FSDP2's numbers (MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_d
 What differs is memory and time: a layer's compute-dtype copy lives from its forward to its
 backward (FSDP2 at one rank frees it after the forward and gathers it again: --reshard_last_layer
 aside), 2 bytes per parameter of the layers that activation checkpointing does not recompute;
-the cast runs inside a checkpointed layer, so there it is recomputed in backward and freed. The
-memory planner traces this path as it runs.
+the cast runs inside a checkpointed layer, so there it is recomputed in backward and freed.
+Forwards without gradients keep their casts until the parameters change (decoding casts once,
+not per token: `_cast_for_forward`), 2 bytes per parameter while they last, as FSDP2's groups
+kept gathered for decoding. The memory planner traces the training step as the FSDP2 run that
+holds the same bytes (fsdp_utils/plan/estimate.py, `_direct_to_trace`).
 
 fp32 and bf16-true have nothing to cast (FSDP2 runs them with its default policy): the model
 runs as it is.
@@ -77,11 +80,29 @@ def _cast_for_forward(
     """On `owner`'s forward: the floating-point parameters of `modules` replaced by their casts
     to `dtype` (and, with `cast_inputs`, its floating-point inputs cast) until the forward ends.
     The root's hooks run outside the loss's: that hook is prepended at each forward
-    (fsdp_utils.train.step.forward_target_chunks), so the chunks see the cast output layer."""
+    (fsdp_utils.train.step.forward_target_chunks), so the chunks see the cast output layer.
+
+    Forwards without gradients (an evaluation, decoding token by token: GRPO's rollouts, the
+    chess evaluation) reuse their casts while the parameter is unchanged (its version counter:
+    the optimizer's and the loader's in-place writes move it), as FSDP2 keeps its groups
+    gathered for decoding (`parallelize.gathered_parameters`): one cast per optimizer step,
+    not one per token. The first forward with gradients drops them."""
     swapped: list[list[tuple[dict[str, Any], str, nn.Parameter]]] = []
+    kept: dict[int, tuple[int, torch.Tensor]] = {}  # id(parameter): (its version, its cast)
+
+    def cast_of(param: nn.Parameter, grad: bool) -> torch.Tensor:
+        if grad:
+            return param.to(dtype)  # differentiable: the gradient comes back through it
+        hit = kept.get(id(param))
+        if hit is None or hit[0] != param._version:
+            hit = kept[id(param)] = (param._version, param.detach().to(dtype))
+        return hit[1]
 
     @torch._dynamo.disable  # eager around a compiled layer, as FSDP2's hooks are
     def before(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        if grad:
+            kept.clear()
         casts: dict[int, torch.Tensor] = {}  # a weight shared by two modules is cast once
         done: list[tuple[dict[str, Any], str, nn.Parameter]] = []
         for sub in modules:
@@ -90,7 +111,7 @@ def _cast_for_forward(
                     continue
                 assert param is not None
                 if id(param) not in casts:
-                    casts[id(param)] = param.to(dtype)
+                    casts[id(param)] = cast_of(param, grad)
                 done.append((sub._parameters, name, param))
                 # a plain tensor where the parameter was, as torch.func.functional_call and
                 # FSDP2's unsharded parameters do: the module's forward reads it as its weight
