@@ -468,6 +468,8 @@ def test_whole_model_compile_is_the_decoder_stack():
     assert decoder_stack(model, find_decoder_layers(model)) is model.model
     with pytest.raises(ValueError, match="--compile_scope model chooses what --compile compiles"):
         validate_config(TrainConfig(compile_scope="model"))
+    with pytest.raises(ValueError, match="--single_device_path direct replaces FSDP2"):
+        validate_config(TrainConfig(single_device_path="direct", cpu_offload=True))
 
 
 # --- float8: what converts, what is refused ---------------------------------------------------
