@@ -381,9 +381,8 @@ def _loss_chunks_to_trace(
 ) -> tuple[TrainConfig, str]:
     """The loss's chunk of the planned device when --loss_chunk_size is not given: its default
     depends on the device (`train.loss.default_chunk_size`: on a GPU 8,192 tokens, at most
-    256 Mi logits), and the
-    trace runs on the CPU, whose default would otherwise be traced. Noted when the chunks
-    split a micro-batch's targets."""
+    256 Mi logits), and the trace runs on the CPU, whose default would otherwise be traced.
+    Noted when the chunks split a micro-batch's targets."""
     if config.loss_chunk_size is not None:
         return config, ""
     from fsdp_utils.train.loss import default_chunk_size
