@@ -114,6 +114,7 @@ def validate_config(config: TrainConfig) -> None:
     for stage in STAGES:
         stage.check(config)
     _check_quantize(config)
+    _check_float8(config)
     if config.freeze_layers and config.lora:
         raise ValueError(
             "--freeze_layers with --lora: LoRA already freezes every pretrained weight. To "
@@ -162,6 +163,19 @@ def _check_grpo(config: TrainConfig) -> None:
             "--train_on_prompt with --method grpo: GRPO's loss is on the completions the "
             "model sampled; the prompts carry none. Drop --train_on_prompt."
         )
+
+
+def _check_float8(config: TrainConfig) -> None:
+    """--float8 converts the linear layers that train (fsdp_utils/model/float8.py): not LoRA's."""
+    if config.float8 == "none" or not (config.lora or config.quantize != "none"):
+        return
+    what = "--qlora / --quantize" if config.quantize != "none" else "--lora"
+    raise ValueError(
+        f"--float8 {config.float8} with {what}: float8 training converts the linear layers "
+        "that train, and with LoRA those are the small adapters beside a frozen base (bf16, "
+        "or NF4 codes with --quantize), where float8's casts would cost more than they save. "
+        f"Drop --float8 for LoRA, or drop {what} to fine-tune the whole model in float8."
+    )
 
 
 def _check_quantize(config: TrainConfig) -> None:

@@ -27,8 +27,12 @@ cut a conversation into its turns.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 
 # Implementations whose transformers mask code turns packed position ids into a
@@ -114,3 +118,72 @@ def check_isolates_documents(implementation: str, *, batch_size_per_device: int)
         "and flash attention with one sequence per pass). Use sdpa, or train without "
         "--document_masking."
     )
+
+
+# --- packing known on the host (--sync_free_steps) --------------------------------------------
+
+# Set while a training step runs with --sync_free_steps (`packing_from_host`).
+_PACKING_FROM_HOST: ContextVar[bool] = ContextVar("packing_from_host", default=False)
+
+
+@contextlib.contextmanager
+def packing_from_host() -> Iterator[None]:
+    """Within: the forwards of `known_packing` take the packing of their batch from the host."""
+    token = _PACKING_FROM_HOST.set(True)
+    try:
+        yield
+    finally:
+        _PACKING_FROM_HOST.reset(token)
+
+
+# The packing of the batch being forwarded, known on the host (`known_packing`); None outside.
+_BATCH_PACKED: ContextVar[bool | None] = ContextVar("batch_packed", default=None)
+# transformers' own `find_packed_sequence_indices`, saved when `known_packing` first replaces it.
+_TRANSFORMERS_FIND: list[Any] = []
+
+
+def _find_packed_from_host(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """transformers' `find_packed_sequence_indices` without its read, inside `known_packing`;
+    transformers' own outside it and while dynamo traces (where it reads nothing either)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get
+        return _TRANSFORMERS_FIND[0](position_ids)
+    packed = _BATCH_PACKED.get()
+    if packed is None:
+        return _TRANSFORMERS_FIND[0](position_ids)
+    if not packed:  # every row one sequence: transformers' None
+        return None
+    first = position_ids[:, :1] - 1  # transformers' own: a diff of 1 at the start
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@contextlib.contextmanager
+def known_packing(position_ids: torch.Tensor | None) -> Iterator[None]:
+    """A forward whose batch's position ids (None: every row one sequence from 0) are these
+    host tensors, under `packing_from_host`: transformers' packing detection reads nothing.
+
+    Every forward without an attention mask (every training forward here) calls
+    `masking_utils.find_packed_sequence_indices`, which ends with `(mask[:, -1] == 0).all()`
+    to return None for rows of one document each: a read of a device tensor, so a host-device
+    sync per micro-batch (found by counting the step's reads: tests/test_levers.py). The
+    answer is known on the host before the position ids go to the device: no boundary (a
+    position that does not follow its neighbour by 1) means None, as transformers returns;
+    else the same document indices, computed on the device without reading them. Once
+    replaced, transformers' function stays replaced by one that is transformers' own outside
+    this context: one function, so a compiled forward that calls it is not recompiled. Not
+    used for sequence-parallel slices, whose attention sees the whole sequence's position ids."""
+    from transformers import masking_utils
+
+    current = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if not _PACKING_FROM_HOST.get() or current is None:
+        yield
+        return
+    if current is not _find_packed_from_host:
+        _TRANSFORMERS_FIND[:] = [current]
+        masking_utils.find_packed_sequence_indices = _find_packed_from_host
+    # numpy: the host's own arrays, never the device's (the batch is still on the host)
+    packed = position_ids is not None and bool(np.any(np.diff(position_ids.numpy(), axis=-1) != 1))
+    token = _BATCH_PACKED.set(packed)
+    try:
+        yield
+    finally:
+        _BATCH_PACKED.reset(token)

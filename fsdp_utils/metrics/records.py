@@ -43,6 +43,7 @@ def run_config_record(
     flops_per_token: float,
     data: PreparedData,
     loss_chunk_size: int | None = None,
+    optimizer_kernel: str | None = None,
 ) -> dict[str, Any]:
     """What config.json holds: the config as given, what it resolved to on this world, and
     the library versions."""
@@ -65,6 +66,8 @@ def run_config_record(
         "flops_per_token": flops_per_token,
         # target tokens per chunk of the loss (0: unchunked), --loss_chunk_size resolved
         "loss_chunk_size": loss_chunk_size,
+        # "fused" or "foreach": the optimizer's update kernel (--fused_optimizer)
+        "optimizer_kernel": optimizer_kernel,
         "prepared_data": str(data.folder),
         "data_stats": data.meta.get("stats"),
     }

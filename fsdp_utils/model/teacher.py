@@ -42,6 +42,9 @@ def teacher_build_config(config: TrainConfig) -> TrainConfig:
         freeze_layers=0,
         gradient_checkpointing=False,
         compile=False,
+        compile_scope="layers",
+        float8="none",  # a frozen forward: float8 training's recipes are for trained layers
+        single_device_path="fsdp",
     )
 
 

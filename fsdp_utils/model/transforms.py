@@ -3,7 +3,8 @@
 `transform_model` finds the decoder layers of a freshly built meta model, describes it
 (`ModelInfo`) and applies the model transforms the run asks for, before parallelisation, as
 torchtitan's model converters run before its parallelize function: LoRA adapters (`lora`), over
-a 4-bit base with --quantize nf4 (`qlora`), or frozen bottom layers (`freeze`). The Trainer, the memory planner, the storage check, the
+a 4-bit base with --quantize nf4 (`qlora`), or frozen bottom layers (`freeze`); float8 linear
+layers (`float8`). The Trainer, the memory planner, the storage check, the
 preflight's LoRA check and the export of a checkpoint all start from it, so they see the same
 trainable parameters.
 
@@ -21,6 +22,7 @@ from torch import nn
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.model import lora, qlora
 from fsdp_utils.model.build import active_parameters, count_parameters, find_decoder_layers
+from fsdp_utils.model.float8 import convert_to_float8
 from fsdp_utils.model.freeze import freeze_layers, trains_a_subset
 from fsdp_utils.model.weights import WeightSource, load_pretrained_weights
 
@@ -91,7 +93,10 @@ def apply_transforms(
     model: nn.Module, layers: list[nn.Module], hf_config: Any, config: TrainConfig
 ) -> None:
     """LoRA (over a 4-bit base with --quantize) or --freeze_layers (never both:
-    `validate_config`), in place, on meta."""
+    `validate_config`), and float8's linear layers (--float8, never with LoRA), in place, on
+    meta."""
+    if config.float8 != "none":
+        convert_to_float8(layers, config.float8)
     if config.quantize != "none":  # before LoRA, which wraps the NF4 linears as they are
         qlora.quantize_base(model, layers, config)
     if config.lora:

@@ -4,13 +4,17 @@
    transformers and named in the model's config, so that the layers below call it;
 1. activation checkpointing on decoder layers (non-reentrant; every Nth layer if asked; whole
    layers or op-level, `--checkpoint_mode`: fsdp_utils/parallel/selective_checkpoint.py);
-2. `torch.compile` on each decoder layer (`--compile`): identical layers share one compiled
+2. `torch.compile` on each decoder layer, or on the decoder stack (`--compile`,
+   `--compile_scope`: fsdp_utils/parallel/compile.py): identical layers share one compiled
    graph, and FSDP2's hooks stay outside it;
 3. `fully_shard` on each decoder layer: one shard group per layer, so only one layer's full
    parameters exist at a time;
 4. `fully_shard` on the root, which takes everything else (embeddings, final norm, lm_head).
    Tied input/output embeddings must stay in one group (torch 2.13 fails at the first forward
    if they are split), and the root holds both.
+
+On one process with `--single_device_path direct`, 3 and 4 are the direct path's casts
+instead (fsdp_utils/parallel/single_device.py).
 
 The model is still on the meta device here; `fsdp_utils.model.build.materialize` allocates the shards.
 """
@@ -42,8 +46,14 @@ from fsdp_utils.model.qlora import (
     shard_group_size,
 )
 from fsdp_utils.model.transforms import MetaModel, ModelInfo, transform_model
+from fsdp_utils.parallel.compile import apply_compile
 from fsdp_utils.parallel.distributed import DistEnv, build_mesh
 from fsdp_utils.parallel.selective_checkpoint import wrap_layer
+from fsdp_utils.parallel.single_device import (
+    apply_direct_path,
+    describe_direct_path,
+    uses_direct_path,
+)
 from fsdp_utils.parallel.ulysses import use_split_attention
 
 
@@ -81,27 +91,21 @@ def apply_activation_checkpointing(
     return result
 
 
-def compile_layers(layers: list[nn.Module]) -> None:
-    """`torch.compile` each decoder layer in place, torchtitan's way: per block (the blocks are
-    identical, so they share one compiled graph and compile once), after activation
-    checkpointing (the checkpoint is traced into the graph) and before `fully_shard`.
-
-    `Module.compile` keeps the module and its parameter names (no `_orig_mod.` wrapper), so
-    checkpoints, weight loading and export see the same model. FSDP2's hooks are excluded from
-    tracing (`_dynamo_disable`): they run eagerly around the compiled layer.
-    """
-    for layer in layers:
-        layer.compile()
-
-
 def parallelize(
-    model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh | None, config: TrainConfig
+    model: nn.Module,
+    layers: list[nn.Module],
+    mesh: DeviceMesh | None,
+    config: TrainConfig,
+    *,
+    direct: bool = False,
 ) -> nn.Module:
-    """Split attention, activation checkpointing, then FSDP2 per decoder layer, then the root
-    (or DDP). FSDP2's mesh is every rank, with or without sequence parallelism.
+    """Split attention, activation checkpointing, compilation, then FSDP2 per decoder layer,
+    then the root (or DDP, or the direct path). FSDP2's mesh is every rank, with or without
+    sequence parallelism.
 
     For DDP (`--no_fsdp`) only checkpointing is applied here; `wrap_ddp` runs after the
-    weights are loaded, because DDP needs real parameters.
+    weights are loaded, because DDP needs real parameters. `direct`: one process without
+    FSDP2 (`single_device.uses_direct_path`).
     """
     if config.sequence_parallel > 1:
         use_split_attention(model)
@@ -110,8 +114,11 @@ def parallelize(
             model, layers, config.checkpoint_every_n_layers, mode=config.checkpoint_mode
         )
     if config.compile:
-        compile_layers(layers)
+        apply_compile(model, layers, config.compile_scope)
     if config.no_fsdp:
+        return model
+    if direct:
+        apply_direct_path(model, layers, config)
         return model
     assert mesh is not None
     offload: OffloadPolicy = (
@@ -129,9 +136,10 @@ def parallelize(
     if not config.no_layer_wrap_policy:
         for index, layer in enumerate(layers):
             # The last layer's parameters are needed again right at the start of backward:
-            # resharding them after forward would only all-gather them again (torchtitan).
-            last = index == len(layers) - 1
-            fully_shard(layer, reshard_after_forward=reshard and not last, **fsdp_kwargs)
+            # resharding them after forward would only all-gather them again (torchtitan),
+            # unless --reshard_last_layer trades that all-gather for their memory.
+            keep = index == len(layers) - 1 and not config.reshard_last_layer
+            fully_shard(layer, reshard_after_forward=reshard and not keep, **fsdp_kwargs)
         # The root's (embeddings, final norm, output layer) likewise: the loss's backward needs
         # them first. Kept gathered (FSDP2's default for a root), they take one all-gather per
         # micro-batch instead of two; a state dict still reads them sharded (FSDP's hook).
@@ -154,11 +162,12 @@ def _unsplit_nf4(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter] | None
 def parallelize_model(meta: MetaModel, config: TrainConfig, env: DistEnv) -> nn.Module:
     """Activation checkpointing, torch.compile and FSDP2 (or DDP's part) on a transformed meta
     model, over a device mesh of `env`'s world. Still on meta: `materialize` next."""
-    mesh = None if config.no_fsdp else build_mesh(env, config.sharding)
-    if config.quantize != "none":  # NF4 splits by whole groups of scales only
+    direct = uses_direct_path(config, env.world_size)
+    mesh = None if config.no_fsdp or direct else build_mesh(env, config.sharding)
+    if config.quantize != "none" and not direct:  # NF4 splits by whole groups of scales only
         shards = shard_group_size(config, env.world_size, env.local_world_size)
         check_shardable(quantized_shapes(meta.model), shards)
-    return parallelize(meta.model, meta.layers, mesh, config)
+    return parallelize(meta.model, meta.layers, mesh, config, direct=direct)
 
 
 def build_parallel_model(
@@ -175,10 +184,12 @@ def build_parallel_model(
     return parallelize_model(meta, config, env), meta.info
 
 
-def describe_parallelism(config: TrainConfig) -> str:
+def describe_parallelism(config: TrainConfig, world_size: int) -> str:
     """One line for the start of the log: how the model is spread and what saves memory."""
     if config.no_fsdp:
         kind = "DDP"
+    elif uses_direct_path(config, world_size):
+        kind = describe_direct_path(config)
     elif config.no_layer_wrap_policy:
         kind = f"FSDP2 ({config.sharding}) at the root only"
     else:
@@ -196,6 +207,12 @@ def describe_parallelism(config: TrainConfig) -> str:
         )
     if config.cpu_offload:
         extras.append("CPU offload")
+    if config.reshard_last_layer:
+        extras.append("the last layer resharded after forward")
+    if config.compile:
+        extras.append(f"compiled ({config.compile_scope})")
+    if config.float8 != "none":
+        extras.append(f"float8 {config.float8}")
     sync = "on last micro-batch" if config.defer_grad_sync else "every micro-batch"
     return ", ".join([kind, *extras, f"grad sync {sync}"])
 

@@ -319,7 +319,9 @@ def estimate(config: TrainConfig, cluster: Cluster, *, full_trace: bool = False)
     config, stand_in = _attention_to_trace(config)
     config, eager = _eager_to_trace(config)
     config, kernels = _kernels_to_trace(config)
-    stand_in += eager + kernels
+    config, chunks = _loss_chunks_to_trace(config, hf_config, batch)
+    config, direct = _direct_to_trace(config, cluster.world_size)
+    stand_in += eager + kernels + chunks + direct
 
     with fake_world(cluster) as env, sdpa_backend(config.sdpa_backend):
         # The device meshes are built in here, outside FakeTensorMode, or it fails.
@@ -365,6 +367,55 @@ def _kernels_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:
         notes.append("--liger_kernels planned as the eager layers (the safe side)")
         config = config.replace(liger_kernels=False)
     return config, "".join(f"; {note}" for note in notes)
+
+
+def _direct_to_trace(config: TrainConfig, world_size: int) -> tuple[TrainConfig, str]:
+    """--single_device_path direct (one GPU without FSDP2: fsdp_utils/parallel/single_device.py)
+    planned as the FSDP2 run that holds the same bytes: the tracker follows FSDP2's shard groups
+    only. Its casts are FSDP2's copies without the copying: a layer's compute-dtype copy lives
+    from its forward to its backward unless activation checkpointing recomputes the layer, where
+    it is freed after the forward. So: every layer checkpointed, FSDP2 resharding every layer
+    (the last one too); none, --sharding shard_grad_op (every layer kept gathered); every Nth,
+    shard_grad_op too, which counts the checkpointed layers' copies as well (the safe side)."""
+    if config.single_device_path != "direct" or world_size != 1:
+        return config, ""
+    every_layer = config.gradient_checkpointing and config.checkpoint_every_n_layers == 1
+    if every_layer:
+        traced = config.replace(single_device_path="fsdp", reshard_last_layer=True)
+        how = "FSDP2 resharding every layer (its checkpointed layers' copies are recomputed)"
+    else:
+        traced = config.replace(single_device_path="fsdp", sharding="shard_grad_op")
+        how = "FSDP2 keeping every layer's compute copy from forward to backward"
+        if config.gradient_checkpointing:
+            how += " (the checkpointed layers' too: more than it holds)"
+    return traced, f"; --single_device_path direct traced as {how}"
+
+
+def planned_device_type(config: TrainConfig) -> str:
+    """The device the planned run computes on: a GPU unless --device cpu (the trace itself
+    runs on the CPU either way)."""
+    return "cpu" if config.device == "cpu" else "cuda"
+
+
+def _loss_chunks_to_trace(
+    config: TrainConfig, hf_config: Any, batch: BatchPlan
+) -> tuple[TrainConfig, str]:
+    """The loss's chunk of the planned device when --loss_chunk_size is not given: its default
+    depends on the device (`train.loss.default_chunk_size`: on a GPU 8,192 tokens, at most
+    256 Mi logits), and the trace runs on the CPU, whose default would otherwise be traced.
+    Noted when the chunks split a micro-batch's targets."""
+    if config.loss_chunk_size is not None:
+        return config, ""
+    from fsdp_utils.train.loss import default_chunk_size
+
+    device = planned_device_type(config)
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 1)
+    tokens, _ = default_chunk_size(vocab, device)
+    per_micro_batch = batch.batch_size_per_device * batch.sequences_per_example * batch.seq_length
+    note = ""
+    if tokens < per_micro_batch:
+        note = f"; the loss in chunks of {tokens:,} tokens ({device}'s default)"
+    return config.replace(loss_chunk_size=tokens), note
 
 
 def _attention_to_trace(config: TrainConfig) -> tuple[TrainConfig, str]:

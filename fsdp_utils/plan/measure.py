@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_utils.config.seq_length import fit_seq_length
     from fsdp_utils.hub.resolve import resolve_assets
     from fsdp_utils.parallel import distributed as dist_utils
+    from fsdp_utils.parallel.single_device import uses_direct_path
     from fsdp_utils.trainer.trainer import Trainer
 
     parser = build_parser(__doc__)
@@ -36,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         config, args = parse_config(argv, parser)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if uses_direct_path(config, dist_utils.world_size_from_env()):
+        print(
+            "error: --single_device_path direct has no FSDP2 groups for the tracker to follow. "
+            "Measure the run the planner traces in its place: drop --single_device_path and add "
+            "--sharding shard_grad_op (or, with --gradient_checkpointing, --reshard_last_layer).",
+            file=sys.stderr,
+        )
         return 2
     env = dist_utils.init_distributed(config.device)
     clean, trainer = False, None

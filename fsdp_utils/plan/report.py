@@ -268,9 +268,16 @@ def _gib(size: int) -> str:
 def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
     if config.no_layer_wrap_policy:
         wrap = f"FSDP2 ({config.sharding}) at the root only"
+    elif config.single_device_path == "direct" and cluster.world_size == 1:
+        wrap = "one GPU, direct (no FSDP2)"
     else:
         wrap = f"FSDP2 ({config.sharding}) per decoder layer"
-    extras: list[str] = [config.precision, config.optimizer]
+    optimizer = f"{config.optimizer} (fused)" if config.fused_optimizer else config.optimizer
+    extras: list[str] = [config.precision, optimizer]
+    if config.float8 != "none":
+        extras.append(f"float8 {config.float8}")
+    if config.reshard_last_layer:
+        extras.append("the last layer resharded after forward")
     if config.sequence_parallel > 1:
         extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
     if config.lora:

@@ -28,6 +28,7 @@ from fsdp_utils.lm_harness.training import check_eval_tasks
 from fsdp_utils.methods.registry import method_class
 from fsdp_utils.metrics.trackers import check_trackers
 from fsdp_utils.model.attention import check_attn_implementation
+from fsdp_utils.model.float8 import check_float8_device
 from fsdp_utils.model.freeze import check_freeze_layers
 from fsdp_utils.model.liger import check_liger_kernels
 from fsdp_utils.model.lora import check_target_modules
@@ -87,6 +88,7 @@ def check_run(config: TrainConfig, world_size: int) -> CheckedRun:
     check_not_quantized(hf_config, assets.model_dir)
     check_attn_implementation(hf_config, config, device_type=device_type(config.device))
     check_liger_kernels(hf_config, config, device_type=device_type(config.device))
+    check_float8_device(config, device_type(config.device))
     check_splittable(
         hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
         max_seq_length=config.seq_length, world_size=world_size,

@@ -10,8 +10,10 @@ output layer, and the output layer, the family's logit transform and the cross-e
 chunks of the target tokens only, each chunk under `torch.utils.checkpoint` so that its logits are
 freed after the forward and recomputed in backward. The largest logits tensor is then
 [chunk, vocabulary]: at 8,192 tokens and Llama 3's 128,256 words the fp32 logits alone take
-4.2 GB unchunked and 0.27 GB per chunk of the default 523 tokens (`LOGITS_PER_CHUNK`). The
-price is one more output-layer matmul per chunk but the last in backward (the recompute).
+4.2 GB unchunked, 1.1 GB per chunk of a GPU's default 2,092 tokens and 0.27 GB of a CPU's 523
+(`default_chunk_size`). The price is one more output-layer matmul per chunk but the last in
+backward (the recompute). With --compile the chunks' elementwise work is compiled
+(`_chunk_functions`).
 
 A summed loss through a plain bias-free linear output layer without a logit transform (Llama,
 Qwen, Mistral, ... in fp32 or under FSDP's bf16 parameters; `fused_applies`) goes further:
@@ -119,24 +121,61 @@ def logit_transform(hf_config: Any) -> tuple[LogitTransform | None, str | None]:
     )
 
 
-# The default chunk: as many target tokens as make 64 Mi logits (256 MiB in fp32): 523 tokens
-# of Llama 3's 128,256 words, 262 of Gemma's 256,000; a small vocabulary's micro-batch is one
-# chunk, which recomputes nothing (`chunked_target_nll`).
+# The default chunk depends on the device (`default_chunk_size`). On a CPU: as many target
+# tokens as make 64 Mi logits (256 MiB in fp32): 523 tokens of Llama 3's 128,256 words, 262 of
+# Gemma's 256,000; a small vocabulary's micro-batch is one chunk, which recomputes nothing
+# (`chunked_target_nll`).
 LOGITS_PER_CHUNK = 64 * 2**20
+# On a GPU the chunk is the output layer's matrix product, and small ones starve it:
+# torchtitan/docs/chunked_loss.md (Qwen3-14B, 151,936 words, 8 x H100) measured 37.2% MFU with
+# 1,024-token chunks, 38.4% with 8,192 (its default, the best measured), and 32.3% with 8 chunks
+# of 40,960 tokens, whose eager cross-entropy backward made a logits-sized fp32 temporary
+# (5.8 GiB). So 8,192 target tokens, and at most 256 Mi logits (1 GiB in fp32): a chunk's
+# product is then at least 256 Mi x hidden x 2 FLOP (1.1 TFLOP at hidden 2,048: a bf16 8192^3
+# matmul, which runs at full speed on an H100), and the fp32 logits stay within 1 GiB where
+# 8,192 tokens of Llama 3's 128,256 words would hold 4 GiB. 8,192 tokens up to 32,768 words
+# (the 1.1B shape's 32,000: one chunk per 4 x 2,048 micro-batch), 2,092 of Llama 3's, 1,048 of
+# Gemma's 256,000.
+GPU_TOKENS_PER_CHUNK = 8192
+GPU_LOGITS_PER_CHUNK = 256 * 2**20
+
+
+def default_chunk_size(vocab: int, device_type: str) -> tuple[int, str]:
+    """--loss_chunk_size's default for a vocabulary of `vocab` words on `device_type` ("cuda"
+    or "cpu"), and how it was chosen (for the log)."""
+    vocab = max(vocab, 1)
+    if device_type == "cuda":
+        tokens = max(1, min(GPU_TOKENS_PER_CHUNK, GPU_LOGITS_PER_CHUNK // vocab))
+        return tokens, (
+            f"the GPU default: {GPU_TOKENS_PER_CHUNK:,} tokens, at most 256 Mi logits of "
+            f"{vocab:,} words; --loss_chunk_size sets it"
+        )
+    tokens = max(1, LOGITS_PER_CHUNK // vocab)
+    return tokens, f"64 Mi logits of {vocab:,} words; --loss_chunk_size sets it"
 
 
 @dataclass(frozen=True)
 class LossChunking:
-    """How a run computes its loss: `chunk_size` target tokens per chunk (0: unchunked) and the
-    family's logit transform."""
+    """How a run computes its loss: `chunk_size` target tokens per chunk (0: unchunked), the
+    family's logit transform, and whether the chunks' loss is compiled (`compiled`: --compile)."""
 
     chunk_size: int
     transform: LogitTransform | None = None
     note: str = ""
+    compiled: bool = False
 
     @classmethod
-    def build(cls, chunk_size: int | None, hf_config: Any) -> LossChunking:
-        """`chunk_size`: --loss_chunk_size (None: `LOGITS_PER_CHUNK` logits per chunk)."""
+    def build(
+        cls,
+        chunk_size: int | None,
+        hf_config: Any,
+        *,
+        device_type: str = "cpu",
+        compiled: bool = False,
+    ) -> LossChunking:
+        """`chunk_size`: --loss_chunk_size (None: `default_chunk_size` for `device_type`, the
+        device the loss runs on). `compiled`: --compile (the chunks' elementwise work through
+        torch.compile: `_chunk_functions`)."""
         if chunk_size == 0:
             return cls(0, note="loss: unchunked (--loss_chunk_size 0)")
         transform, reason = logit_transform(hf_config)
@@ -145,11 +184,11 @@ class LossChunking:
         how = "--loss_chunk_size"
         if chunk_size is None:
             vocab = int(getattr(hf_config, "vocab_size", 0) or 1)
-            chunk_size = max(1, LOGITS_PER_CHUNK // vocab)
-            how = f"64 Mi logits of {vocab:,} words; --loss_chunk_size sets it"
-        return cls(
-            chunk_size, transform, note=f"loss: in chunks of {chunk_size:,} target tokens ({how})"
-        )
+            chunk_size, how = default_chunk_size(vocab, device_type)
+        if compiled:
+            how += "; compiled"
+        note = f"loss: in chunks of {chunk_size:,} target tokens ({how})"
+        return cls(chunk_size, transform, note=note, compiled=compiled)
 
     def at_temperature(self, temperature: float) -> LossChunking:
         """The same chunks with the logits divided by `temperature` after the family's own
@@ -161,7 +200,14 @@ class LossChunking:
         def scaled(logits: torch.Tensor) -> torch.Tensor:
             return (family(logits) if family is not None else logits) / temperature
 
-        return LossChunking(self.chunk_size, scaled, self.note)
+        return LossChunking(self.chunk_size, scaled, self.note, self.compiled)
+
+
+def run_chunking(config: Any, hf_config: Any, device: torch.device) -> LossChunking:
+    """The chunks of a run (a TrainConfig's --loss_chunk_size and --compile) on `device`."""
+    return LossChunking.build(
+        config.loss_chunk_size, hf_config, device_type=device.type, compiled=config.compile
+    )
 
 
 def output_layer(model: nn.Module) -> nn.Module:
@@ -205,13 +251,60 @@ class Targets:
 
 
 def _chunk_nll(
-    head: nn.Module, transform: LogitTransform | None, hidden: torch.Tensor, tokens: torch.Tensor
+    head: nn.Module,
+    transform: LogitTransform | None,
+    nll: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
 ) -> torch.Tensor:
-    logits = head(hidden)
+    return nll(head(hidden), tokens, transform)
+
+
+def _logits_nll(
+    logits: torch.Tensor, tokens: torch.Tensor, transform: LogitTransform | None
+) -> torch.Tensor:
+    """-log p(token) of each row of a chunk's logits, after the family's transform; in fp32 as
+    in token_loss_sum: bf16 logits do not cost accuracy in the loss."""
     if transform is not None:
         logits = transform(logits)
-    # fp32 as in token_loss_sum: bf16 logits do not cost accuracy in the loss
     return F.cross_entropy(logits.float(), tokens, reduction="none")
+
+
+def _nll_sum_and_logit_grad(
+    logits: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's summed -log p(token) and its gradient with respect to the logits (softmax -
+    one-hot), in the logits' dtype, computed in fp32. Eager, log_softmax is one pass over the
+    logits, in place of logsumexp's several, and the gradient overwrites log p in place;
+    compiled (--compile), inductor fuses it all into a pass or two without the fp32 logits-sized
+    temporaries (torchtitan/docs/chunked_loss.md: the eager loss's fp32 temporary was 5.8 GiB
+    of 40,960-token chunks)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, tokens[:, None])
+    probs = logp.exp_().scatter_add_(1, tokens[:, None], torch.full_like(picked, -1.0))
+    return -picked.sum(), probs.to(logits.dtype)
+
+
+# The chunks' elementwise work through torch.compile (--compile), built at its first use, per
+# backend: one graph per function and dtype, and one recompile when a chunk of another length
+# first comes (the last chunk of a batch: torch.compile then makes the length dynamic).
+_COMPILED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def _chunk_functions(compiled: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(`_logits_nll`, `_nll_sum_and_logit_grad`), compiled or eager."""
+    if not compiled:
+        return _logits_nll, _nll_sum_and_logit_grad
+    from fsdp_utils.parallel.compile import compile_backend
+    from fsdp_utils.parallel.compile import compiled as compile_function
+
+    backend = compile_backend()
+    if backend not in _COMPILED:
+        _COMPILED[backend] = (
+            compile_function(_logits_nll),
+            compile_function(_nll_sum_and_logit_grad),
+        )
+    return _COMPILED[backend]
 
 
 def _chunk_nll_entropy(
@@ -252,6 +345,7 @@ def chunked_target_nll(
     transform: LogitTransform | None = None,
     summed: bool = False,
     entropy: list[torch.Tensor] | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """-log p(target) of each target token ([targets], fp32; `summed`: their sum, without
     recomputing any chunk where `fused_applies`; `entropy`: a list that gets the [targets]
@@ -270,12 +364,15 @@ def chunked_target_nll(
         entropy.append(both[:, 1].detach())
         # A copy, not a view: it becomes the forward's output, and FSDP2 warns of views there
         return both[:, 0].contiguous()
+    logits_nll, nll_and_grad = _chunk_functions(compiled)
     if summed and targets.rows.numel() and fused_applies(head, transform, hidden):
         picked = hidden.flatten(0, 1).index_select(0, targets.rows)
         # --liger_kernels: liger's fused linear cross-entropy, the same sum in Triton
-        fused = getattr(head, FUSED_NLL_ATTRIBUTE, None) or _LinearNLLSum.apply
-        return fused(picked, head.weight, targets.tokens, chunk_size)  # type: ignore[no-any-return]
-    compute = functools.partial(_chunk_nll, head, transform)
+        fused = getattr(head, FUSED_NLL_ATTRIBUTE, None)
+        if fused is not None:
+            return fused(picked, head.weight, targets.tokens, chunk_size)  # type: ignore[no-any-return]
+        return _LinearNLLSum.apply(picked, head.weight, targets.tokens, chunk_size, nll_and_grad)
+    compute = functools.partial(_chunk_nll, head, transform, logits_nll)
     nll = chunked_over_targets(compute, hidden, targets, chunk_size=chunk_size)
     return nll.sum() if summed else nll
 
@@ -329,21 +426,21 @@ class _LinearNLLSum(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk: int
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        tokens: torch.Tensor,
+        chunk: int,
+        nll_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], tokens[start : start + chunk]
-            # fp32 as in token_loss_sum; log_softmax is one fused pass over the logits, in
-            # place of logsumexp's several (and their temporaries)
-            logp = torch.log_softmax(F.linear(h, weight).float(), dim=-1)
-            picked = logp.gather(1, t[:, None])
-            total -= picked.sum()
-            # d/dlogits of the chunk's summed loss: softmax - one-hot, in place of log p
-            probs = logp.exp_().scatter_add_(1, t[:, None], torch.full_like(picked, -1.0))
-            grad = probs.to(weight.dtype)
+            # the chunk's loss, and d/dlogits of it (`_nll_sum_and_logit_grad`)
+            nll, grad = nll_and_grad(F.linear(h, weight), t)
+            total += nll
             grad_hidden[start : start + chunk] = grad @ weight
             if weight.dtype == torch.float32:  # summed in the matmul: no [vocab, hidden] temporary
                 grad_weight.addmm_(grad.t(), h)
@@ -358,6 +455,7 @@ class _LinearNLLSum(torch.autograd.Function):
         return (
             grad_hidden * grad.to(grad_hidden.dtype),
             grad_weight * grad.to(grad_weight.dtype),
+            None,
             None,
             None,
         )

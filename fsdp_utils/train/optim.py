@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,26 +18,85 @@ ADAMW_BETAS = (0.9, 0.95)
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW keeps two states per parameter (8 bytes/param in fp32); SGD without momentum none.
 
-    With FSDP2 the parameters are DTensor shards, so the state is sharded too. `foreach` is
-    explicit: torch.optim picks it for CUDA parameters but a per-tensor loop for CPU ones (CPU
-    runs, --cpu_offload), and the memory planner must trace what the GPUs will run.
+    With FSDP2 the parameters are DTensor shards, so the state is sharded too. The
+    implementation is explicit (`implementation`): foreach, or with --fused_optimizer the fused
+    kernel where torch has one. torch.optim would pick foreach for CUDA parameters but a
+    per-tensor loop for CPU ones (CPU runs, --cpu_offload), and the memory planner must trace
+    what the GPUs will run: foreach's update makes a temporary the size of the parameters
+    (the square root of the second moments), the fused kernel none.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = implementation(params, config).fused
+    kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
             params,
             lr=config.learning_rate,
             weight_decay=config.weight_decay,
             betas=ADAMW_BETAS,
-            foreach=True,
+            **kernel,
         )
     return torch.optim.SGD(
         params,
         lr=config.learning_rate,
         momentum=config.momentum,
         weight_decay=config.weight_decay,
-        foreach=True,
+        **kernel,
     )
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """Which kernel updates the parameters, and why: the log's `optimizer:` line."""
+
+    fused: bool
+    note: str
+
+
+def implementation(params: Sequence[torch.Tensor], config: TrainConfig) -> Implementation:
+    """Fused with --fused_optimizer when torch's own test accepts every parameter (its
+    `_device_dtype_check_for_fused`: a floating-point tensor on a device with fused kernels,
+    CUDA and CPU among them), else foreach. The same parameters give the same answer in the
+    run and in the planner's trace (fake tensors on the CPU stand for the GPU's: both have the
+    kernel)."""
+    name = "AdamW" if config.optimizer == "adamw" else "SGD"
+    if not config.fused_optimizer:
+        return Implementation(
+            False, f"optimizer: {name}, foreach (--fused_optimizer: torch's fused kernel)"
+        )
+    refused = _fused_refusal(params)
+    if refused is not None:
+        return Implementation(
+            False, f"optimizer: {name}, foreach (--fused_optimizer: no fused kernel: {refused})"
+        )
+    where = ", ".join(sorted({f"{p.device.type} {_dtype_name(p)}" for p in params})) or "none"
+    return Implementation(True, f"optimizer: {name}, fused (torch's kernel for {where} parameters)")
+
+
+def _fused_refusal(params: Sequence[torch.Tensor]) -> str | None:
+    """Why torch would refuse `fused=True` for these parameters, in its own words; None: it
+    takes them."""
+    from torch.optim import optimizer as torch_optimizer
+
+    check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
+    if check is None:  # a torch without the test (older than our floor): foreach is safe
+        return "this torch has no fused-kernel test"
+    for param in params:
+        try:
+            check(param)
+        except RuntimeError as err:
+            return " ".join(str(err).split())
+    return None
+
+
+def optimizer_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
+    """The log's line on the optimizer's kernel (`implementation`)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return implementation(params, config).note
+
+
+def _dtype_name(param: torch.Tensor) -> str:
+    return str(param.dtype).removeprefix("torch.")
 
 
 def lr_multiplier(step: int, config: TrainConfig) -> float:
@@ -111,8 +172,13 @@ def settings_in_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def apply_settings(optimizer: torch.optim.Optimizer, config: TrainConfig) -> None:
     """Weight decay and betas/momentum of the current config, in every param group (a loaded
-    optimizer state brings the checkpoint's). The learning rate is set by `build_scheduler`."""
+    optimizer state brings the checkpoint's), and the kernel this optimizer was built with
+    (torch's `load_state_dict` takes `fused` and `foreach` from the checkpoint too: a run
+    saved with --fused_optimizer would resume fused without it). The learning rate is set by
+    `build_scheduler`."""
     for group in optimizer.param_groups:
+        for kernel in ("fused", "foreach"):
+            group[kernel] = optimizer.defaults.get(kernel)
         group["weight_decay"] = config.weight_decay
         if "betas" in group:
             group["betas"] = ADAMW_BETAS

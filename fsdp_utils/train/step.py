@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.blocks import IGNORE_INDEX, batch_position_ids, next_token_labels
+from fsdp_utils.data.document_masking import known_packing, packing_from_host
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.parallelize import gradient_sync_context
+from fsdp_utils.parallel.sequence import FORWARD_KEYWORD as SEQUENCE_PARALLEL_KEYWORD
 from fsdp_utils.parallel.sequence import SequenceParallel
 from fsdp_utils.train.loss import (
     LossChunking,
@@ -36,6 +39,7 @@ from fsdp_utils.train.loss import (
     logprobs_from_logits,
     next_token_loss_sum,
     output_layer,
+    run_chunking,
     scatter_logprobs,
 )
 from fsdp_utils.train.optim import (
@@ -80,7 +84,12 @@ def model_forward(
     `extra`: keyword arguments of the forward (`output_router_logits` for the router loss, a
     sequence-parallel slice's `sequence_parallel`: fsdp_utils/parallel/sequence.py)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    with autocast():
+    host_packing = (
+        contextlib.nullcontext()
+        if SEQUENCE_PARALLEL_KEYWORD in extra
+        else known_packing(batch.get("position_ids"))
+    )
+    with autocast(), host_packing:
         return model(
             input_ids=input_ids,
             position_ids=batch_position_ids(batch, device),
@@ -155,6 +164,7 @@ def forward_target_nll(
         return chunked_target_nll(
             head, hidden, targets, chunk_size=chunking.chunk_size,
             transform=chunking.transform, summed=summed, entropy=entropy,
+            compiled=chunking.compiled,
         )  # fmt: skip
 
     return forward_target_chunks(model, batch, device, autocast, nll, **extra)
@@ -233,6 +243,24 @@ def local_counts(batches: list[Batch]) -> list[float]:
     return [float(targets), float(tokens)]
 
 
+def describe_sync_free(config: TrainConfig, step: TrainStep) -> str:
+    """The log's line on --sync_free_steps: what is read when, and what still waits."""
+    line = (
+        f"sync-free steps: the loss and gradient norm read back on log steps only (every "
+        f"{config.log_every}), after their update is queued; non-finite values found there or "
+        "before a save"
+    )
+    if config.log_every == 1:
+        line += "; --log_every 1 reads every step: raise it to leave steps without a read"
+    if step.scaler is not None and not getattr(step.optimizer, "_step_supports_amp_scaling", False):
+        line += (
+            "; fp16-mixed's gradient scaler still reads its inf check every step (torch's "
+            "GradScaler), unless the optimizer is fused (--fused_optimizer: its kernel skips "
+            "the step on the device)"
+        )
+    return line
+
+
 def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any:
     """fp16-mixed needs a gradient scaler; on sharded gradients each rank sees only its shard,
     so the found-inf flag is all-reduced (ShardedGradScaler)."""
@@ -264,7 +292,7 @@ def build_train_step(
     optimizer = build_optimizer(model, config)
     options = {
         "router_loss": RouterLoss.build(config, hf_config),
-        "chunking": LossChunking.build(config.loss_chunk_size, hf_config),
+        "chunking": run_chunking(config, hf_config, device),
         **step_options,
     }
     return (step_class or TrainStep)(
@@ -280,12 +308,44 @@ def build_train_step(
     )
 
 
+@dataclass
+class PendingScalars:
+    """A log step's loss sum, gradient norm and record of non-finite steps under
+    --sync_free_steps, on their way to the host: copied without blocking (into pinned memory
+    on CUDA, with an event), read by `TrainStep.read_pending` once the update is queued."""
+
+    step: int
+    global_targets: float
+    values: torch.Tensor  # [loss sum, grad norm (nan: none), first non-finite step (nan: none)]
+    done: Any = None  # a torch.cuda.Event after the copy; None on the CPU
+
+    @classmethod
+    def copy(cls, parts: list[torch.Tensor], step: int, global_targets: float) -> PendingScalars:
+        stacked = torch.stack(parts)
+        if stacked.device.type != "cuda":
+            return cls(step, global_targets, stacked)
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(step, global_targets, host, done)
+
+    def read(self) -> list[float]:
+        """The host's one wait for the device: for this copy, queued before the update."""
+        if self.done is not None:
+            self.done.synchronize()
+        return [float(v) for v in self.values.tolist()]
+
+
 class TrainStep:
     """Runs optimizer steps; `__call__` is one.
 
     A non-finite gradient norm on a step that is not checked on the host (`check=False`: no
     host-device sync) is recorded on the device and found on the next checked step or before
-    any save (`check_weights_finite`), so no non-finite weights are ever saved.
+    any save (`check_weights_finite`), so no non-finite weights are ever saved. With
+    --sync_free_steps no step is checked before its update: a log step's values come back
+    without blocking (`PendingScalars`) and are read after its update is queued
+    (`read_pending`), with the same record.
     """
 
     def __init__(
@@ -337,24 +397,35 @@ class TrainStep:
         the caller has reduced them already (the Trainer does, with the stop decision); else one
         all-reduce of host scalars here.
         check: read the step's loss and gradient norm on the host and check them before the
-        update (one host-device sync: log steps).
+        update (one host-device sync: log steps); with --sync_free_steps, copy them back
+        without waiting instead, as `metrics["pending"]`, for `read_pending` after the update
+        is queued.
         """
         if global_counts is None:
             global_counts = dist_utils.all_reduce_host_sum(self.local_counts(micro_batches))
         global_targets, global_tokens = global_counts
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for index, batch in enumerate(micro_batches):
-            sync = index == len(micro_batches) - 1 or not self.config.defer_grad_sync
-            with gradient_sync_context(self.model, sync):
-                loss_sum += self.forward_backward(batch, global_targets)
+        # --sync_free_steps: the forwards take their packing from the host (known_packing)
+        host_packing = (
+            packing_from_host() if self.config.sync_free_steps else contextlib.nullcontext()
+        )
+        with host_packing:
+            for index, batch in enumerate(micro_batches):
+                sync = index == len(micro_batches) - 1 or not self.config.defer_grad_sync
+                with gradient_sync_context(self.model, sync):
+                    loss_sum += self.forward_backward(batch, global_targets)
 
         grad_norm = self.clip_gradients()
         loss = norm = None
-        if check:
+        pending = None
+        deferred = check and self.config.sync_free_steps
+        if check and not deferred:
             loss, norm = self._check(loss_sum, grad_norm, global_targets, step)
         elif grad_norm is not None and self.scaler is None:
             self._record_nonfinite(grad_norm, step)
+        if deferred:  # queued before the update: the copy does not wait for it
+            pending = PendingScalars.copy(self._scalars(loss_sum, grad_norm), step, global_targets)
         if self.scaler is not None:  # skips steps with inf/NaN gradients itself
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -363,7 +434,11 @@ class TrainStep:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": int(global_tokens)}
+        metrics: dict[str, Any] = {
+            "loss": loss, "grad_norm": norm, "lr": lr, "tokens": int(global_tokens)
+        }  # fmt: skip
+        if pending is not None:
+            metrics["pending"] = pending
         if self.router_loss is not None:  # its own all-reduce, on checked steps only
             if check:
                 metrics["aux_loss"] = self.router_loss.step_value(global_targets)
@@ -447,6 +522,20 @@ class TrainStep:
 
     # --- non-finite loss and gradients ----------------------------------------------------
 
+    def _scalars(
+        self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """[the step's loss sum over all ranks (one all-reduce, on the device), its gradient
+        norm, the first unchecked non-finite step], float64 on the device; nan where none."""
+        loss_sum = dist_utils.all_reduce_sum(loss_sum)
+        device = loss_sum.device
+        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        return [
+            loss_sum,
+            nan if grad_norm is None else grad_norm.to(device, torch.float64),
+            nan if self._nonfinite_step is None else self._nonfinite_step.to(device),
+        ]
+
     def _check(
         self,
         loss_sum: torch.Tensor,
@@ -456,15 +545,7 @@ class TrainStep:
     ) -> tuple[float, float | None]:
         """The checked step's scalars, before the update: one all-reduce (the loss) and one
         host-device sync for the loss, the gradient norm and the record of unchecked steps."""
-        loss_sum = dist_utils.all_reduce_sum(loss_sum)
-        device = loss_sum.device
-        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-        parts = [
-            loss_sum,
-            nan if grad_norm is None else grad_norm.to(device, torch.float64),
-            nan if self._nonfinite_step is None else self._nonfinite_step.to(device),
-        ]
-        total, norm, unchecked_bad = torch.stack(parts).tolist()
+        total, norm, unchecked_bad = torch.stack(self._scalars(loss_sum, grad_norm)).tolist()
         if self._nonfinite_step is not None and math.isfinite(unchecked_bad):
             raise self._diverged_earlier(int(unchecked_bad), f"at step {step}")
         loss = total / max(global_targets, 1)
@@ -485,6 +566,28 @@ class TrainStep:
                 "bf16-true, or check the data."
             )
         return loss, norm
+
+    def read_pending(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` of a --sync_free_steps log step with its loss and gradient norm read (the
+        one wait for the device), after its update was queued: a non-finite value now means
+        that update was applied, and the weights are not saved (`check_weights_finite` reads
+        the same record before any save)."""
+        pending: PendingScalars | None = metrics.pop("pending", None)
+        if pending is None:
+            return metrics
+        total, norm, first_bad = pending.read()
+        if math.isfinite(first_bad):
+            raise self._diverged_earlier(int(first_bad), f"at step {pending.step}")
+        loss = total / max(pending.global_targets, 1)
+        if not math.isfinite(loss):
+            raise TrainingDivergedError(
+                f"The loss is {loss} at step {pending.step}, and with --sync_free_steps its "
+                "update was applied before the loss was read: the weights may not be finite "
+                f"since, and were not saved{self._last_checkpoint_note()}. Resume with a lower "
+                "--learning_rate, use bf16-mixed instead of fp16-mixed, or check the data; "
+                "without --sync_free_steps a log step's loss is checked before its update."
+            )
+        return {**metrics, "loss": loss, "grad_norm": None if math.isnan(norm) else norm}
 
     def _record_nonfinite(self, grad_norm: torch.Tensor, step: int) -> None:
         """Remember the first unchecked step whose gradient norm is not finite, on the device:
@@ -508,12 +611,19 @@ class TrainStep:
             raise self._diverged_earlier(int(first), f"before {before} at step {step}")
 
     def _diverged_earlier(self, first: int, found: str) -> TrainingDivergedError:
+        if self.config.sync_free_steps:
+            unchecked = "no step is checked before its update with --sync_free_steps"
+            fix = (
+                "drop --sync_free_steps (with --log_every 1) to check every step before its update"
+            )
+        else:
+            unchecked = "steps between log steps are checked without waiting for the device"
+            fix = "use --log_every 1 to check every step before its update"
         return TrainingDivergedError(
-            f"The gradient norm was not finite at step {first} (found {found}: steps between "
-            f"log steps are checked without waiting for the device; --log_every "
-            f"{self.config.log_every}). The weights are not finite since that update and were "
-            f"not saved{self._last_checkpoint_note()}. Resume with a lower --learning_rate, "
-            "keep --grad_clip on, or use --log_every 1 to check every step before its update."
+            f"The gradient norm was not finite at step {first} (found {found}: {unchecked}; "
+            f"--log_every {self.config.log_every}). The weights are not finite since that "
+            f"update and were not saved{self._last_checkpoint_note()}. Resume with a lower "
+            f"--learning_rate, keep --grad_clip on, or {fix}."
         )
 
     def _last_checkpoint_note(self) -> str:

@@ -22,6 +22,7 @@ from fsdp_utils.data.workers import PreparationStopped
 from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.model import freeze, liger, lora
 from fsdp_utils.model.build import build_meta_model
+from fsdp_utils.model.float8 import describe_float8
 from fsdp_utils.model.transforms import MetaModel, transform_model
 from fsdp_utils.model.weights import WeightSource, checkpoint_key_map
 from fsdp_utils.parallel import distributed as dist_utils
@@ -43,7 +44,7 @@ def describe_run(config: TrainConfig, plan: BatchPlan, env: DistEnv, root: Path)
         f"world: {env.world_size} process(es) on {env.num_nodes} node(s), "
         f"device {env.device.type}, backend {env.backend}\n"
         f"batch: {plan.describe()}\n"
-        f"parallel: {describe_parallelism(c)}; precision {c.precision}; "
+        f"parallel: {describe_parallelism(c, env.world_size)}; precision {c.precision}; "
         f"optimizer {c.optimizer}, lr {c.learning_rate:g} ({c.lr_schedule}, {warmup}), "
         f"grad clip {c.grad_clip or 'off'}" + (f"\n{padding}" if padding else "")
     )
@@ -142,6 +143,7 @@ class RunModel:
             + (f"\nlora: {lora.describe(c, model)}" if c.lora else "")
             + (f"\nfreeze: {freeze.describe(c, model)}" if c.freeze_layers else "")
             + (f"\n{liger.describe(meta.info.model_type)}" if c.liger_kernels else "")
+            + (f"\n{describe_float8(model, c)}" if c.float8 != "none" else "")
         )
         return model
 

@@ -52,15 +52,17 @@ from fsdp_utils.metrics.throughput import (
 from fsdp_utils.metrics.trackers import open_trackers
 from fsdp_utils.model.transforms import MetaModel
 from fsdp_utils.parallel import distributed as dist_utils
+from fsdp_utils.parallel.compile import CompileCounts
 from fsdp_utils.parallel.distributed import DistEnv
 from fsdp_utils.parallel.parallelize import (
     autocast_context,
 )
 from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_parallel
 from fsdp_utils.startup import resume_collector
+from fsdp_utils.train.optim import optimizer_note
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep
+from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep, describe_sync_free
 from fsdp_utils.train.timelimit import (
     LegEnd,
     StopController,
@@ -103,6 +105,7 @@ class Trainer:
     # Set when the method's work before the first step was the whole job (`Method.trains`)
     work_only: str | None = None
     samples: SamplePrompts | None = None  # --sample_prompts
+    _compile_counts: CompileCounts | None = None  # --compile: the last ones logged
 
     def __init__(
         self, config: TrainConfig, env: DistEnv, *, plan: BatchPlan, assets: ResolvedAssets
@@ -222,6 +225,9 @@ class Trainer:
         self.train_step = self.method.build_step(self.model, parts)
         self.log.info(self.train_step.chunking.note)
         self.optimizer = self.train_step.optimizer
+        self.log.info(optimizer_note(self.optimizer, config))
+        if config.sync_free_steps:
+            self.log.info(describe_sync_free(config, self.train_step))
         if resume_from is not None:
             self._resume(resume_from)
         # MFU counts useful work: no weight gradients for frozen weights (LoRA, --freeze_layers)
@@ -265,6 +271,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             data=self.data,
             loss_chunk_size=self.train_step.chunking.chunk_size,
+            optimizer_kernel="fused" if self.optimizer.defaults.get("fused") else "foreach",
         )
         write_run_config(self.layout, record)
         self.log.config(record)
@@ -318,6 +325,8 @@ class Trainer:
             except StepInterrupted as stopped:  # before its update: the weights are unchanged
                 self._stop_inside_step(stopped)
                 return _summary("interrupted", stopped.reason, last, None, started)
+            if log_now:  # --sync_free_steps: the step's values read here, its update queued
+                metrics = self.train_step.read_pending(metrics)
             self.state.step = step
             self.state.tokens_seen += metrics["tokens"]
             more = step < config.max_training_steps
@@ -328,6 +337,7 @@ class Trainer:
             global_counts = decision.sums
             if log_now:
                 last = self._log_step(metrics, step_time)
+                self._log_compile_counts()
             if config.eval_every and step % config.eval_every == 0:
                 self._timed_evaluate()
             if self.chess_eval:
@@ -350,6 +360,20 @@ class Trainer:
         if self.checkpointing and self.train_step.last_saved_step != self.state.step:
             self.save_checkpoint()
         return _summary("completed", "max_training_steps", last, final_eval, started)
+
+    def _log_compile_counts(self) -> None:
+        """--compile: what torch.compile did (graphs, graph breaks, recompiles), logged when it
+        changed since the last log step (the first step compiles; a recompile later is news)."""
+        if not self.config.compile:
+            return
+        counts = CompileCounts.now()
+        if counts == self._compile_counts:
+            return
+        self._compile_counts = counts
+        self.log.event(
+            "compile", counts.describe(self.config.compile_scope), step=self.state.step,
+            scope=self.config.compile_scope, **counts.record(),
+        )  # fmt: skip
 
     def _step_probes(self) -> StepProbes:
         tokens_per_rank = self.plan.tokens_per_step / self.env.world_size

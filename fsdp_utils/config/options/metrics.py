@@ -29,6 +29,15 @@ def parse_step_range(text: str) -> tuple[int, int]:
 @dataclass
 class MetricsOptions:
     log_every: int = field(default=1, metadata=_opt("Log metrics every N optimizer steps."))
+    sync_free_steps: bool = field(
+        default=False,
+        metadata=_opt(
+            "No step waits for the GPU before its update: the loss and gradient norm are "
+            "copied back without blocking and read on log steps only, after the update is "
+            "queued (a non-finite value is then found at the next log step or before any "
+            "save, as between log steps). Use with --log_every N > 1."
+        ),
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata=_opt("Peak TFLOP/s of one device for MFU (detected for A100/H100/H200)."),

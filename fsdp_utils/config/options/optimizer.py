@@ -23,6 +23,14 @@ class OptimizerOptions:
         metadata=_opt("adamw (2 fp32 states per parameter) or sgd (none without momentum)."),
     )
     weight_decay: float = field(default=0.0, metadata=_opt("Decoupled weight decay."))
+    fused_optimizer: bool = field(
+        default=False,
+        metadata=_opt(
+            "torch's fused AdamW (or SGD) kernel, one kernel for every parameter's update, "
+            "where torch has one for the parameters' device and dtype (CUDA, CPU); else the "
+            "foreach implementation (the default). The log says which ran."
+        ),
+    )
     momentum: float = field(
         default=0.0,
         metadata=_opt("SGD momentum (0 keeps SGD stateless: least memory)."),

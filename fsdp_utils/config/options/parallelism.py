@@ -21,6 +21,12 @@ AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flex_attenti
 CheckpointMode = Literal["layer", "op"]
 # torch's SDPA kernels (torch.nn.attention.SDPBackend); what runs where: fsdp_utils/model/sdpa.py.
 SdpaBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
+# What --compile compiles (fsdp_utils/parallel/compile.py).
+CompileScope = Literal["layers", "model"]
+# How one process trains (fsdp_utils/parallel/single_device.py).
+SingleDevicePath = Literal["fsdp", "direct"]
+# torchao's float8 training recipes (fsdp_utils/model/float8.py).
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
 
 
 @dataclass
@@ -76,8 +82,9 @@ class ParallelismOptions:
         metadata=_opt(
             "Target tokens per chunk of the loss: the output layer and cross-entropy run over "
             "chunks of this many tokens, each chunk's logits recomputed in backward, so the "
-            "full [tokens, vocabulary] logits never exist (default: as many tokens as hold "
-            "64 Mi logits, 523 for a 128,256-word vocabulary; 0: the whole batch at once)."
+            "full [tokens, vocabulary] logits never exist (default per device: on a GPU 8,192 "
+            "tokens, at most 256 Mi logits; on a CPU as many tokens as hold 64 Mi logits, 523 for "
+            "a 128,256-word vocabulary; 0: the whole batch at once)."
         ),
     )
     defer_grad_sync: bool = field(
@@ -126,7 +133,42 @@ class ParallelismOptions:
         default=False,
         metadata=_opt(
             "torch.compile each decoder layer (after activation checkpointing, before FSDP), "
-            "as torchtitan does; the first step is slower while it compiles."
+            "as torchtitan does, and the loss's chunks; the first step is slower while it "
+            "compiles. Graph breaks and recompiles are counted in the log."
+        ),
+    )
+    compile_scope: CompileScope = field(
+        default="layers",
+        metadata=_opt(
+            "With --compile: layers (each decoder layer on its own, torchtitan's way) or model "
+            "(the whole decoder stack, embeddings to final norm, as one compiled forward; "
+            "FSDP2's hooks still break its graph around every layer)."
+        ),
+    )
+    single_device_path: SingleDevicePath = field(
+        default="fsdp",
+        metadata=_opt(
+            "On one process: fsdp (FSDP2 as on many GPUs) or direct (no FSDP2: each layer "
+            "casts its fp32 weights to the compute dtype itself, with FSDP2's numerics and "
+            "checkpoint format, without its per-layer copies; resumable on any number of "
+            "processes). Ignored on more processes."
+        ),
+    )
+    reshard_last_layer: bool = field(
+        default=False,
+        metadata=_opt(
+            "Free the last decoder layer's gathered parameters after its forward, as every "
+            "other layer's (default: kept gathered until its backward, which comes next: one "
+            "all-gather less per micro-batch for one layer's parameters in memory)."
+        ),
+    )
+    float8: Float8Recipe = field(
+        default="none",
+        metadata=_opt(
+            "float8 matrix products for the decoder layers' linear layers (torchao's float8 "
+            "training; the output layer stays in the compute dtype): tensorwise or rowwise "
+            "scaling. Needs a GPU with float8 (compute capability 8.9: L4, L40, H100, H200, "
+            "B200); best with --compile."
         ),
     )
     liger_kernels: bool = field(
@@ -163,3 +205,13 @@ def check(options: ParallelismOptions) -> None:
         )
     if options.no_fsdp and options.sharding != "full":
         raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
+    if options.compile_scope != "layers" and not options.compile:
+        raise ValueError(
+            f"--compile_scope {options.compile_scope} chooses what --compile compiles, and "
+            "--compile is off. Add --compile, or drop --compile_scope."
+        )
+    if options.single_device_path == "direct" and (options.no_fsdp or options.cpu_offload):
+        raise ValueError(
+            "--single_device_path direct replaces FSDP2 on one process; --no_fsdp (DDP) and "
+            "--cpu_offload (FSDP2's offload) are other ways to run. Drop one of them."
+        )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from torch import nn
 
 from fsdp_utils.config.train_config import TrainConfig
@@ -23,7 +24,7 @@ from fsdp_utils.hub.resolve import (
 )
 from fsdp_utils.model.teacher import check_same_vocabulary, output_width
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.train.loss import LossChunking, logit_transform
+from fsdp_utils.train.loss import LossChunking, logit_transform, run_chunking
 from fsdp_utils.train.step import TrainStep, build_train_step
 
 from ..base import Examples, Method, MethodContext, StepParts, StopCheck
@@ -52,10 +53,10 @@ from .teacher import CachedStandIn, CachedTeacher, LiveTeacher, TeacherSource
 ONE_CHUNK = 2**62
 
 
-def distill_chunking(config: TrainConfig, hf_config: Any) -> LossChunking:
+def distill_chunking(config: TrainConfig, hf_config: Any, device: torch.device) -> LossChunking:
     """The student's chunks (`train.loss.LossChunking`): the losses always read the output
     layer through them; --loss_chunk_size 0 makes one chunk of every target."""
-    chunking = LossChunking.build(config.loss_chunk_size, hf_config)
+    chunking = run_chunking(config, hf_config, device)
     if chunking.chunk_size:
         return chunking
     return LossChunking(ONE_CHUNK, logit_transform(hf_config)[0], "loss: in one chunk")
@@ -93,7 +94,7 @@ class Distill(Method):
 
     def __init__(self, config: TrainConfig, context: MethodContext) -> None:
         super().__init__(config, context)
-        self.chunking = distill_chunking(config, context.hf_config)
+        self.chunking = distill_chunking(config, context.hf_config, context.env.device)
         self.cache = Path(config.teacher_cache) if config.teacher_cache else None
         self.cached = False  # the cache is complete (read: no teacher needed for the data)
         self.meta: dict[str, Any] | None = None

@@ -13,7 +13,7 @@ from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.preference import PreferencePairs
 from fsdp_utils.data.prepare import PreparedData
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.train.loss import LossChunking
+from fsdp_utils.train.loss import run_chunking
 from fsdp_utils.train.step import TrainStep
 
 from ..base import Examples, Method, MethodContext, StepParts, StopCheck
@@ -51,7 +51,7 @@ class DPO(Method):
 
     def __init__(self, config: TrainConfig, context: MethodContext) -> None:
         super().__init__(config, context)
-        self.chunking = LossChunking.build(config.loss_chunk_size, context.hf_config)
+        self.chunking = run_chunking(config, context.hf_config, context.env.device)
         self.pairs: list[PreferencePairs] = []
         self.cache: Path | None = None  # the reference cache's folder (--reference cached)
         self.cached = False

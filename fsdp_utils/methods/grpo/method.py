@@ -27,7 +27,7 @@ from fsdp_utils.parallel.generate import (
     Sampling,
     row_seed,
 )
-from fsdp_utils.train.loss import LossChunking
+from fsdp_utils.train.loss import run_chunking
 from fsdp_utils.train.step import TrainStep, build_train_step
 
 from ..base import Examples, Method, MethodContext, StepParts
@@ -161,7 +161,7 @@ class GRPO(Method):
     def build_step(self, model: nn.Module, parts: StepParts) -> TrainStep:
         assert self.prepared is not None and self.train_prompts is not None
         c = self.config
-        chunking = LossChunking.build(c.loss_chunk_size, self.context.hf_config)
+        chunking = run_chunking(c, self.context.hf_config, self.env.device)
         reference = None
         if self.settings.beta != 0:
             target = model
@@ -209,7 +209,7 @@ class GRPO(Method):
             model, c, world_size=self.env.world_size, device=self.env.device,
             hf_config=self.context.hf_config, autocast=parts.autocast,
             grad_scaler=parts.grad_scaler, step_class=PlannedUpdate, router_loss=None,
-            chunking=LossChunking.build(c.loss_chunk_size, self.context.hf_config),
+            chunking=run_chunking(c, self.context.hf_config, self.env.device),
             settings=self.settings, temperature=c.temperature,
         )  # fmt: skip
         return step
