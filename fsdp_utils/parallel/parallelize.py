@@ -60,9 +60,11 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, layers: list[nn.Module], every_n: int = 1
+    model: nn.Module, layers: list[nn.Module], every_n: int = 1, *, first_n: int | None = None
 ) -> list[nn.Module]:
-    """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place.
+    """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place
+    (with `first_n`, --checkpoint_layers: only the first `first_n` layers, whose activations
+    are held longest: their backward comes last).
 
     Returns the decoder layers as they now are in the model (wrapped or not), in order.
     Non-reentrant checkpointing works with keyword arguments (HF layers take many) and with
@@ -74,7 +76,7 @@ def apply_activation_checkpointing(
             parents[id(child)] = (module, child_name)
     result = []
     for index, layer in enumerate(layers):
-        if index % every_n != 0:
+        if index % every_n != 0 or (first_n is not None and index >= first_n):
             result.append(layer)
             continue
         parent, child_name = parents[id(layer)]
@@ -108,8 +110,10 @@ def parallelize(
     """
     if config.sequence_parallel > 1:
         use_split_attention(model)
-    if config.gradient_checkpointing:
-        layers = apply_activation_checkpointing(model, layers, config.checkpoint_every_n_layers)
+    if config.gradient_checkpointing or config.checkpoint_layers:
+        layers = apply_activation_checkpointing(
+            model, layers, config.checkpoint_every_n_layers, first_n=config.checkpoint_layers
+        )
     if config.compile:
         compile_layers(layers)
     if config.no_fsdp:
@@ -187,13 +191,25 @@ def describe_parallelism(config: TrainConfig) -> str:
     extras = []
     if config.sequence_parallel > 1:
         extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
-    if config.gradient_checkpointing:
-        every = config.checkpoint_every_n_layers
-        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+    if (checkpointing := describe_checkpointing(config)) is not None:
+        extras.append(checkpointing)
     if config.cpu_offload:
         extras.append("CPU offload")
     sync = "on last micro-batch" if config.defer_grad_sync else "every micro-batch"
     return ", ".join([kind, *extras, f"grad sync {sync}"])
+
+
+def describe_checkpointing(config: TrainConfig) -> str | None:
+    """'activation checkpointing', '... every 2 layers', '... of the first 12 layers'; None
+    when no layer is checkpointed."""
+    if config.checkpoint_layers is not None:
+        if config.checkpoint_layers == 0:
+            return None
+        return f"activation checkpointing of the first {config.checkpoint_layers} layers"
+    if not config.gradient_checkpointing:
+        return None
+    every = config.checkpoint_every_n_layers
+    return "activation checkpointing" + (f" every {every} layers" if every > 1 else "")
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

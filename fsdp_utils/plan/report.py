@@ -11,6 +11,7 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.sequence_slices import padded_length
 from fsdp_utils.model.transforms import ModelInfo
+from fsdp_utils.parallel.parallelize import describe_checkpointing
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.rollout import RolloutPlan, largest_prompts
@@ -278,9 +279,8 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
         extras.append(
             f"{'QLoRA' if config.quantize == 'nf4' else 'LoRA'} r={config.lora_r} ({base})"
         )
-    if config.gradient_checkpointing:
-        every = config.checkpoint_every_n_layers
-        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+    if (checkpointing := describe_checkpointing(config)) is not None:
+        extras.append(checkpointing)
     if config.cpu_offload:
         extras.append("CPU offload")
     if config.defer_grad_sync:
