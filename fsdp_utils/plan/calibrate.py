@@ -1,0 +1,320 @@
+"""`python -m fsdp_utils.plan --calibrate`: this node's rates, measured in about a minute, for the
+step-time model (fsdp_utils/plan/step_time.py), written to the site file the next plan reads
+(fsdp_utils/plan/site.py).
+
+    srun -N 1 --gpus-per-node 4 python -m fsdp_utils.plan --calibrate --gpus_per_node 4
+    python -m fsdp_utils.plan --calibrate --device cpu --gpus_per_node 2      # 2 CPU processes
+
+It starts --gpus_per_node processes (one per GPU, NCCL; with --device cpu, gloo, each with the
+threads a run's process gets: $OMP_NUM_THREADS, else the cores shared), all measuring at once
+as a run's processes compute at once, and records rank 0's figures:
+
+- matrix products, forward and backward, (tokens x width) @ (width x width) over a grid of
+  tokens per micro-batch and widths: the curve the model reads at the run's shapes (bf16 on a
+  GPU, fp32 on a CPU);
+- causal attention (SDPA, forward and backward) at one length: its executed FLOP/s;
+- memory bandwidth: a large copy (bytes read and written per second);
+- an operator's launch: a chain of small autograd operators, forward and backward, per op;
+- the optimizer on the host: torch's foreach AdamW step and the gradient clipping on CPU
+  tensors (what --cpu_offload runs, and on a CPU the optimizer itself), as bytes/s of its
+  traffic; and on a GPU node the PCIe copies between pinned host memory and the GPU;
+- collectives between the processes: all-gather, reduce-scatter, all-reduce, all-to-all at a
+  small and a large size: the latency and the bus bandwidth (nccl-tests' definition).
+
+Between nodes nothing is measured (one node); the fabric stays the GPU kind's (--interconnect,
+--fabric_gbps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.plan.hardware import GPU_SPECS, Gpu, fabric_bandwidth, spec_key
+from fsdp_utils.plan.site import cpu_key, write_calibration
+from fsdp_utils.plan.step_time import CAUSAL_SHARE, Device, optimizer_accesses, RunShape
+
+Progress = Callable[[str], None]
+
+CPU_GRID = {"tokens": (64, 256, 1024, 4096), "widths": (64, 256, 1024)}
+GPU_GRID = {"tokens": (256, 1024, 4096, 16384), "widths": (1024, 2048, 4096, 8192)}
+MIN_SECONDS = 0.15  # each measurement repeats until it has run this long (and at least twice)
+
+
+def _timed(work: Callable[[], None], sync: Callable[[], None], min_seconds: float = MIN_SECONDS) -> float:
+    """Seconds per call of `work` (after one warm-up call), the median of a few rounds."""
+    work()
+    sync()
+    rounds = []
+    for _ in range(3):
+        calls, started = 0, time.perf_counter()
+        while True:
+            work()
+            calls += 1
+            sync()
+            elapsed = time.perf_counter() - started
+            if elapsed >= min_seconds / 3 and calls >= 2:
+                break
+        rounds.append(elapsed / calls)
+    return statistics.median(rounds)
+
+
+def measure_compute(device: torch.device, dtype: torch.dtype, grid: dict[str, Any]) -> dict[str, Any]:
+    """The single-process rates (see the module's docstring)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    table = []
+    for width in grid["widths"]:
+        weight = torch.randn(width, width, device=device, dtype=dtype, requires_grad=True)
+        for tokens in grid["tokens"]:
+            x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+
+            def product(x: torch.Tensor = x, weight: torch.Tensor = weight) -> None:
+                torch.nn.functional.linear(x, weight).sum().backward()
+
+            seconds = _timed(product, sync)
+            table.append((float(tokens), float(width), 6.0 * tokens * width * width / seconds))
+
+    heads, head_dim, length = (8, 128, 4096) if device.type == "cuda" else (4, 64, 1024)
+    q, k, v = (
+        torch.randn(1, heads, length, head_dim, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def attention() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    executed = CAUSAL_SHARE * 12.0 * heads * head_dim * length * length
+    attention_flops = executed / _timed(attention, sync)
+
+    size = (512 if device.type == "cuda" else 64) * 2**20
+    source = torch.empty(size // 4, device=device, dtype=torch.float32)
+    target = torch.empty_like(source)
+    memory = 2 * size / _timed(lambda: target.copy_(source), sync)
+
+    x = torch.randn(8, device=device, requires_grad=True)
+    chain = 50
+
+    def operators() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+
+    # forward: 2 ops a link, backward about as many
+    dispatch = _timed(operators, lambda: None) / (4 * chain)
+    if device.type == "cuda":
+        sync()
+
+    params = [torch.randn(1 << 20, requires_grad=True) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+
+    accesses = optimizer_accesses(RunShape(micro_batch=1, accumulation=1))
+    host_optimizer = 16 * (1 << 20) * accesses * 4 / _timed(step, lambda: None)
+    host = None
+    if device.type == "cuda":
+        pinned = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
+        up = size / _timed(lambda: source.copy_(pinned, non_blocking=True), sync)
+        down = size / _timed(lambda: pinned.copy_(source, non_blocking=True), sync)
+        host = min(up, down)
+    return {
+        "matmul_table": table,
+        "attention_flops": attention_flops,
+        "memory_bandwidth": memory,
+        "dispatch_s": dispatch,
+        "host_optimizer_bandwidth": host_optimizer,
+        "host_bandwidth": host,
+    }
+
+
+def _timed_together(work: Callable[[], None], sync: Callable[[], None], *, calls: int) -> float:
+    """Seconds per call of a collective: every rank makes the same calls (a rank that made more
+    would wait for a partner that never comes), after a warm-up and a barrier."""
+    import torch.distributed as dist
+
+    work()
+    sync()
+    dist.barrier()
+    rounds = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(calls):
+            work()
+        sync()
+        rounds.append((time.perf_counter() - started) / calls)
+    return statistics.median(rounds)
+
+
+def measure_collectives(rank: int, world: int, device: torch.device) -> dict[str, float]:
+    """Latency (a 4 KiB collective) and bus bandwidth (a large one, nccl-tests' busbw: the
+    bytes x (n - 1) / n each rank moves, per second) of the collectives FSDP2 and Ulysses run."""
+    import torch.distributed as dist
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # torch 2.13 renamed them (the old names warn); 2.11 has only the old ones
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    large = (256 if device.type == "cuda" else 16) * 2**20
+    results: dict[str, float] = {}
+    latencies, bandwidths = [], []
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        times = {}
+        for size in (4096, large):
+            n = size // 4 // world * world
+            full = torch.ones(n, device=device)
+            part = torch.ones(n // world, device=device)
+            out = torch.empty_like(full)
+            call = {
+                "all_gather": lambda: gather(out, part),
+                "reduce_scatter": lambda: scatter(part, full),
+                "all_reduce": lambda: dist.all_reduce(full),
+                "all_to_all": lambda: dist.all_to_all_single(out, full),
+            }[name]
+            times[size] = _timed_together(call, sync, calls=20 if size == 4096 else 5)
+        factor = 2.0 if name == "all_reduce" else 1.0
+        moved = factor * large * (world - 1) / world
+        latency = times[4096]
+        bandwidth = moved / max(times[large] - latency, 1e-9)
+        results[f"{name}_latency_s"] = latency
+        results[f"{name}_busbw"] = bandwidth
+        latencies.append(latency)
+        bandwidths.append(bandwidth)
+    results["latency_s"] = statistics.median(latencies)
+    results["busbw"] = statistics.median(bandwidths)
+    return results
+
+
+def _worker(rank: int, world: int, init: str, use_cuda: bool, threads: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", init_method=init, rank=rank, world_size=world
+    )
+    try:
+        grid = GPU_GRID if use_cuda else CPU_GRID
+        dtype = torch.bfloat16 if use_cuda else torch.float32
+        compute = measure_compute(device, dtype, grid)
+        collectives = measure_collectives(rank, world, device) if world > 1 else {}
+        if rank == 0:
+            Path(out).write_text(json.dumps({"compute": compute, "collectives": collectives}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(processes: int, *, use_cuda: bool) -> dict[str, Any]:
+    """Start `processes` processes that measure at once; rank 0's figures."""
+    import torch.multiprocessing as mp
+
+    cores = os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, cores // processes)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rates.json"
+        init = f"file://{Path(tmp) / 'store'}"
+        mp.start_processes(
+            _worker,
+            args=(processes, init, use_cuda, threads, str(out)),
+            nprocs=processes,
+            start_method="spawn",
+        )
+        data = json.loads(out.read_text())
+    data["threads"] = threads
+    return data
+
+
+def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -> str:
+    """Measure, write the site's calibration of this node's device, and say what was measured."""
+    use_cuda = config.device != "cpu" and torch.cuda.is_available()
+    if config.device == "cuda" and not use_cuda:
+        raise ValueError("--calibrate --device cuda: this node has no CUDA device.")
+    if use_cuda and processes > torch.cuda.device_count():
+        raise ValueError(
+            f"--calibrate --gpus_per_node {processes}: this node has "
+            f"{torch.cuda.device_count()} GPU(s)."
+        )
+    progress(f"calibrating: {processes} process(es) on {'GPUs' if use_cuda else 'the CPU'} ...")
+    started = time.perf_counter()
+    data = measure(processes, use_cuda=use_cuda)
+    compute, comm = data["compute"], data["collectives"]
+    if use_cuda:
+        props = torch.cuda.get_device_properties(0)
+        gpu = Gpu(props.name, int(props.total_memory))
+        key = spec_key(gpu) or f"gpu:{props.name}"
+        spec = GPU_SPECS.get(key)
+        peak = (spec.fp32_flops if config.precision == "fp32" else spec.bf16_flops) if spec else 0
+        fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, spec) if spec else 0
+        name, kind = props.name, "gpu"
+    else:
+        key, spec, peak, fabric = cpu_key(), None, 0.0, 0.0
+        name, kind = f"{key.removeprefix('cpu:')} ({data['threads']} thread(s) a process)", "cpu"
+    measured_peak = max(rate for _, _, rate in compute["matmul_table"])
+    link = comm.get("busbw", compute["memory_bandwidth"])
+    latency = comm.get("latency_s", 0.0)
+    device = Device(
+        name=name,
+        kind=kind,
+        matmul_flops=peak or measured_peak,
+        memory_bandwidth=compute["memory_bandwidth"],
+        link_bandwidth=link,
+        fabric_bandwidth=fabric or link,
+        host_bandwidth=compute["host_bandwidth"] or compute["memory_bandwidth"],
+        link_latency=latency,
+        fabric_latency=max(latency, 20e-6) if fabric else latency,
+        host_optimizer_bandwidth=compute["host_optimizer_bandwidth"],
+        dispatch_s=compute["dispatch_s"],
+        matmul_table=tuple(tuple(row) for row in compute["matmul_table"]),
+        attention_flops=compute["attention_flops"],
+        source=f"calibrated {time.strftime('%Y-%m-%d')}",
+    )
+    path = write_calibration(key, device, {"processes": processes, "collectives": comm})
+    lines = [
+        f"calibrated {name} ({key}) in {time.perf_counter() - started:.0f} s, "
+        f"{processes} process(es) at once; written to {path}:",
+        f"  matrix products   {measured_peak / 1e9:,.1f} GFLOP/s at best "
+        f"({min(r for _, _, r in compute['matmul_table']) / 1e9:,.1f} at the fewest tokens)",
+        f"  causal attention  {compute['attention_flops'] / 1e9:,.1f} GFLOP/s",
+        f"  memory            {compute['memory_bandwidth'] / 1e9:,.1f} GB/s (copy: read + write)",
+        f"  operator launch   {compute['dispatch_s'] * 1e6:,.1f} us",
+        f"  host optimizer    {compute['host_optimizer_bandwidth'] / 1e9:,.1f} GB/s of AdamW "
+        "traffic",
+    ]
+    if compute["host_bandwidth"]:
+        lines.append(f"  PCIe              {compute['host_bandwidth'] / 1e9:,.1f} GB/s")
+    if comm:
+        lines.append(
+            f"  collectives       {comm['busbw'] / 1e9:,.2f} GB/s bus bandwidth, "
+            f"{comm['latency_s'] * 1e6:,.0f} us latency (median of all-gather, reduce-scatter, "
+            "all-reduce, all-to-all)"
+        )
+    if spec is not None and peak:
+        lines.append(
+            f"  against the data sheet: products at {measured_peak / peak:.0%} of "
+            f"{peak / 1e12:,.0f} TFLOP/s, memory at "
+            f"{compute['memory_bandwidth'] / spec.memory_bandwidth:.0%}"
+        )
+    return "\n".join(lines)
