@@ -95,12 +95,27 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
     clean = False
+    speed = None
     try:
+        notes: list[str] = []
+        if config.auto:  # the choice, made once before the model: fsdp_utils/run/speed.py
+            from fsdp_utils.run.speed import resolve_auto
+
+            config, notes = resolve_auto(config, env)
         trainer = open_trainer(config, env)
+        for note in notes:
+            trainer.log.info(note)
         trainer.setup()
+        if env.is_main and trainer.stopped_early is None:
+            speed = _predicted_speed(trainer)
         if after_setup is not None and trainer.stopped_early is None:
             after_setup(trainer)
         summary = trainer.train()
+        if speed is not None:
+            from fsdp_utils.run.speed import record_run
+
+            if (line := record_run(trainer.config, speed, env)) is not None:
+                trainer.log.info(line)
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
         if final is not None and config.eval_tasks:
@@ -142,6 +157,26 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         gc.collect()
         if owns_group:
             dist_utils.destroy(synchronize=clean)
+
+
+def _predicted_speed(trainer: Trainer) -> Any:
+    """Rank 0: the step-time model's prediction for this run, handed to the trainer as data
+    (`Trainer.speed_check`); None where nothing predicts it (a CPU --calibrate has not
+    measured). Imported only then: most test runs are on such CPUs."""
+    from fsdp_utils.plan.site import calibrated_device, cpu_key
+
+    config = trainer.config
+    if trainer.env.device.type == "cpu" and calibrated_device(cpu_key(), config) is None:
+        return None
+    from fsdp_utils.run.speed import predict_run
+
+    speed, line = predict_run(config, trainer.env)
+    if line is not None:
+        trainer.log.info(line)
+    if speed is not None:
+        trainer.log.info(speed.line)
+        trainer.speed_check = speed.check
+    return speed
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

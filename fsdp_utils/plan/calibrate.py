@@ -41,27 +41,51 @@ import torch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.hardware import GPU_SPECS, Gpu, fabric_bandwidth, spec_key
 from fsdp_utils.plan.site import cpu_key, write_calibration
-from fsdp_utils.plan.step_time import CAUSAL_SHARE, Device, optimizer_accesses, RunShape
+from fsdp_utils.plan.efficiency import SpeedRow, fit
+from fsdp_utils.plan.step_time import (
+    CALIBRATED_PRIOR,
+    CAUSAL_SHARE,
+    Device,
+    RunShape,
+    optimizer_accesses,
+)
 
 Progress = Callable[[str], None]
 
-CPU_GRID = {"tokens": (64, 256, 1024, 4096), "widths": (64, 256, 1024)}
-GPU_GRID = {"tokens": (256, 1024, 4096, 16384), "widths": (1024, 2048, 4096, 8192)}
+CPU_GRID = {
+    "tokens": (64, 256, 1024, 4096), "widths": (64, 256, 1024),
+    "lengths": (256, 1024, 2048), "head_dims": (32, 64), "attention_width": 256,
+    "layer": (256, 8, 4, 1024),  # hidden, heads, key-value heads, tokens
+}
+GPU_GRID = {
+    "tokens": (256, 1024, 4096, 16384), "widths": (1024, 2048, 4096, 8192),
+    "lengths": (1024, 4096, 16384), "head_dims": (64, 128), "attention_width": 4096,
+    "layer": (4096, 32, 8, 4096),
+}  # fmt: skip
+MALLOC_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 MIN_SECONDS = 0.15  # each measurement repeats until it has run this long (and at least twice)
 
 
-def _timed(work: Callable[[], None], sync: Callable[[], None], min_seconds: float = MIN_SECONDS) -> float:
+# On a CPU the process's own CPU seconds: what a step costs on a machine that other work does
+# not share (a loaded node's wall clock would put its neighbours' work into the figures).
+# A GPU's work is not the process's CPU time: the wall clock there.
+_clock = time.perf_counter
+
+
+def _timed(
+    work: Callable[[], None], sync: Callable[[], None], min_seconds: float = MIN_SECONDS
+) -> float:
     """Seconds per call of `work` (after one warm-up call), the median of a few rounds."""
     work()
     sync()
     rounds = []
     for _ in range(3):
-        calls, started = 0, time.perf_counter()
+        calls, started = 0, _clock()
         while True:
             work()
             calls += 1
             sync()
-            elapsed = time.perf_counter() - started
+            elapsed = _clock() - started
             if elapsed >= min_seconds / 3 and calls >= 2:
                 break
         rounds.append(elapsed / calls)
@@ -87,18 +111,25 @@ def measure_compute(device: torch.device, dtype: torch.dtype, grid: dict[str, An
             seconds = _timed(product, sync)
             table.append((float(tokens), float(width), 6.0 * tokens * width * width / seconds))
 
-    heads, head_dim, length = (8, 128, 4096) if device.type == "cuda" else (4, 64, 1024)
-    q, k, v = (
-        torch.randn(1, heads, length, head_dim, device=device, dtype=dtype, requires_grad=True)
-        for _ in range(3)
-    )
+    attention_table = []
+    for head_dim in grid["head_dims"]:
+        for length in grid["lengths"]:
+            heads = grid["attention_width"] // head_dim
+            q, k, v = (
+                torch.randn(1, heads, length, head_dim, device=device, dtype=dtype,
+                            requires_grad=True)
+                for _ in range(3)
+            )  # fmt: skip
 
-    def attention() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.sum().backward()
+            def attention(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.sum().backward()
 
-    executed = CAUSAL_SHARE * 12.0 * heads * head_dim * length * length
-    attention_flops = executed / _timed(attention, sync)
+            executed = CAUSAL_SHARE * 12.0 * heads * head_dim * length * length
+            attention_table.append(
+                (float(length), float(head_dim), executed / _timed(attention, sync))
+            )
+    attention_flops = max(rate for _, _, rate in attention_table)
 
     size = (512 if device.type == "cuda" else 64) * 2**20
     source = torch.empty(size // 4, device=device, dtype=torch.float32)
@@ -138,12 +169,178 @@ def measure_compute(device: torch.device, dtype: torch.dtype, grid: dict[str, An
         host = min(up, down)
     return {
         "matmul_table": table,
+        "attention_table": attention_table,
         "attention_flops": attention_flops,
+        "elementwise_bandwidth": measure_elementwise(device, dtype, grid),
         "memory_bandwidth": memory,
         "dispatch_s": dispatch,
         "host_optimizer_bandwidth": host_optimizer,
         "host_bandwidth": host,
     }
+
+
+# Operators of a decoder layer that are its products or its attention (what the profiler
+# names them); everything else is its elementwise work.
+_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+def measure_elementwise(device: torch.device, dtype: torch.dtype, grid: dict[str, Any]) -> float:
+    """A Llama decoder layer of transformers, forward and backward, timed, and profiled once to
+    split its time by operator: what is not its products or its attention is its elementwise
+    work (the norms with their fp32 upcast, rotary, the copies for SDPA and grouped-query
+    attention, SiLU and the gate's product, the residual adds, autograd's own), returned as
+    bytes/s of the step-time model's count of them (`layer_elementwise_bytes`)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from fsdp_utils.plan.step_time import layer_elementwise_bytes
+
+    hidden, heads, kv_heads, tokens = grid["layer"]
+    head_dim, intermediate = hidden // heads, hidden * 11 // 4
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, num_hidden_layers=1, max_position_embeddings=tokens,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).to(device=device, dtype=dtype)
+    x = torch.randn(1, tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    positions = torch.arange(tokens, device=device)[None]
+    cos_sin = LlamaRotaryEmbedding(config).to(device)(x, positions)
+
+    def run() -> None:
+        out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    seconds = _timed(run, sync)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        run()
+        sync()
+    products = attention = total = 0.0
+    for event in prof.key_averages():
+        spent = float(event.self_device_time_total if gpu else event.self_cpu_time_total)
+        total += spent
+        if event.key in _PRODUCTS:
+            products += spent
+        elif any(name in event.key for name in _ATTENTION):
+            attention += spent
+    share = max(1.0 - (products + attention) / total, 0.02) if total else 0.5
+    moved = 3 * tokens * layer_elementwise_bytes(hidden, heads, kv_heads, head_dim, intermediate)
+    return moved / (share * seconds)
+
+
+def measure_fsdp_hooks(device: torch.device) -> tuple[float, float]:
+    """CPU seconds of FSDP2's hooks per shard group and micro-batch: stacks of 2 and 8 tiny
+    layers, each a shard group, against the same stacks unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    x = torch.randn(2, 16, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def layer_like() -> torch.nn.Module:  # a decoder layer's nine tensors: seven projections, two norms
+        parts = [torch.nn.RMSNorm(16), *[torch.nn.Linear(16, 16, bias=False) for _ in range(7)]]
+        return torch.nn.Sequential(*parts, torch.nn.RMSNorm(16))
+
+    seconds = {}
+    for sharded in (False, True):
+        for depth in (2, 8):
+            stack = torch.nn.Sequential(*[layer_like() for _ in range(depth)]).to(device)
+            if sharded:
+                for block in stack:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(stack, mesh=mesh)
+
+            def step(stack: torch.nn.Module = stack) -> None:
+                stack(x).sum().backward()
+
+            seconds[sharded, depth] = _timed_together(step, sync, calls=20)
+    hooks = (seconds[True, 8] - seconds[True, 2]) - (seconds[False, 8] - seconds[False, 2])
+    # the optimizer on the deepest sharded stack: AdamW and the clipping, per tensor (DTensor's
+    # dispatch of each foreach operator)
+    params = list(stack.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+
+    per_tensor = _timed_together(update, sync, calls=10) / len(params)
+    return max(hooks / 6, 0.0), per_tensor
+
+
+def measure_toolkit_steps(
+    rank: int, world: int, device: torch.device, grid: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The toolkit's own training step (`TrainStep`: FSDP2 over these processes, the loss in
+    chunks, AdamW, the clipping) on small Llamas of the calibration layer's width, 2 and 4
+    layers deep, at a short and a long micro-batch, one and two micro-batches a step: measured
+    rows for the shares' fit on this device (fsdp_utils/plan/efficiency.py), so that what the
+    rates above leave out of a real step (the trainer's loss, autograd, memory mapping) is
+    learned where it is measured."""
+    from transformers import LlamaConfig
+
+    from fsdp_utils.config.batch import plan_batch
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.model.build import build_meta_model, materialize
+    from fsdp_utils.model.transforms import transform_model
+    from fsdp_utils.parallel.distributed import DistEnv
+    from fsdp_utils.parallel.parallelize import build_parallel_model
+    from fsdp_utils.plan.estimate import placeholder_micro_batches, traced_step
+    from fsdp_utils.plan.workload import facts_from_meta, run_shape
+
+    hidden, heads, kv_heads, tokens = grid["layer"]
+    env = DistEnv(rank, rank, world, world, device, "calibration")
+    precision = "bf16-mixed" if device.type == "cuda" else "fp32"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for layers in (2, 4):
+        hf_config = LlamaConfig(
+            hidden_size=hidden, intermediate_size=hidden * 2, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=512,
+            max_position_embeddings=tokens, tie_word_embeddings=False,
+        )  # fmt: skip
+        for length, accumulation in ((tokens // 4, 2), (tokens, 1)):
+            config = TrainConfig(
+                model=f"calibration: {layers} layers of {hidden}", max_seq_length=length,
+                batch_size_per_device=1, total_batch_size=world * accumulation,
+                precision=precision, device=device.type,
+            )  # fmt: skip
+            batch = plan_batch(config, world)
+            model, _ = build_parallel_model(hf_config, config, env)
+            materialize(model, device)
+            with torch.no_grad():
+                for param in model.parameters():
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    local.normal_(0.0, 0.02)
+            step, _ = traced_step(model, config, env, batch)
+            micro = placeholder_micro_batches(batch, accumulation, 0)
+            number = iter(range(1, 1000))
+
+            def run(step: Any = step, micro: Any = micro) -> None:
+                step(micro, step=next(number), check=False)
+
+            seconds = _timed_together(run, sync, calls=3)
+            meta = transform_model(build_meta_model(hf_config, precision), config)
+            facts = facts_from_meta(meta, hf_config, config, name=config.model)
+            rows.append(
+                {
+                    "name": f"{config.model}, {accumulation} x {length} tokens",
+                    "cluster": {"nodes": 1, "gpus_per_node": world},
+                    "facts": facts.__dict__,
+                    "shape": run_shape(config, batch, layers).__dict__,
+                    "step_seconds": seconds,
+                    "source": "--calibrate: the toolkit's own step",
+                }
+            )
+    return rows
 
 
 def _timed_together(work: Callable[[], None], sync: Callable[[], None], *, calls: int) -> float:
@@ -156,11 +353,11 @@ def _timed_together(work: Callable[[], None], sync: Callable[[], None], *, calls
     dist.barrier()
     rounds = []
     for _ in range(3):
-        started = time.perf_counter()
+        started = _clock()
         for _ in range(calls):
             work()
         sync()
-        rounds.append((time.perf_counter() - started) / calls)
+        rounds.append((_clock() - started) / calls)
     return statistics.median(rounds)
 
 
@@ -209,6 +406,8 @@ def measure_collectives(rank: int, world: int, device: torch.device) -> dict[str
 def _worker(rank: int, world: int, init: str, use_cuda: bool, threads: int, out: str) -> None:
     import torch.distributed as dist
 
+    global _clock
+    _clock = time.perf_counter if use_cuda else time.process_time
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -221,6 +420,8 @@ def _worker(rank: int, world: int, init: str, use_cuda: bool, threads: int, out:
         dtype = torch.bfloat16 if use_cuda else torch.float32
         compute = measure_compute(device, dtype, grid)
         collectives = measure_collectives(rank, world, device) if world > 1 else {}
+        compute["fsdp_group_s"], compute["optimizer_tensor_s"] = measure_fsdp_hooks(device)
+        compute["steps"] = measure_toolkit_steps(rank, world, device, grid)
         if rank == 0:
             Path(out).write_text(json.dumps({"compute": compute, "collectives": collectives}))
     finally:
@@ -233,16 +434,25 @@ def measure(processes: int, *, use_cuda: bool) -> dict[str, Any]:
 
     cores = os.cpu_count() or 1
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, cores // processes)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rates.json"
-        init = f"file://{Path(tmp) / 'store'}"
-        mp.start_processes(
-            _worker,
-            args=(processes, init, use_cuda, threads, str(out)),
-            nprocs=processes,
-            start_method="spawn",
-        )
-        data = json.loads(out.read_text())
+    # The processes' malloc as a training process has it (fsdp_utils/run/host_memory.py fixes
+    # the mmap threshold: every large block mapped and zeroed afresh, 1.1-1.3x a CPU step's
+    # time): glibc reads this before they start. A threshold of the user's own is kept.
+    saved = os.environ.get(MALLOC_THRESHOLD)
+    os.environ.setdefault(MALLOC_THRESHOLD, str(128 * 1024))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rates.json"
+            init = f"file://{Path(tmp) / 'store'}"
+            mp.start_processes(
+                _worker,
+                args=(processes, init, use_cuda, threads, str(out)),
+                nprocs=processes,
+                start_method="spawn",
+            )
+            data = json.loads(out.read_text())
+    finally:
+        if saved is None:
+            os.environ.pop(MALLOC_THRESHOLD, None)
     data["threads"] = threads
     return data
 
@@ -289,9 +499,17 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         dispatch_s=compute["dispatch_s"],
         matmul_table=tuple(tuple(row) for row in compute["matmul_table"]),
         attention_flops=compute["attention_flops"],
+        attention_table=tuple(tuple(row) for row in compute["attention_table"]),
+        elementwise_bandwidth=compute["elementwise_bandwidth"],
+        fsdp_group_s=compute["fsdp_group_s"],
+        optimizer_tensor_s=compute["optimizer_tensor_s"],
         source=f"calibrated {time.strftime('%Y-%m-%d')}",
     )
-    path = write_calibration(key, device, {"processes": processes, "collectives": comm})
+    steps = [{**row, "device": device.to_dict()} for row in compute["steps"]]
+    path = write_calibration(
+        key, device, {"processes": processes, "collectives": comm, "rows": steps}
+    )
+    fitted = fit([SpeedRow.from_dict(row) for row in steps], CALIBRATED_PRIOR)
     lines = [
         f"calibrated {name} ({key}) in {time.perf_counter() - started:.0f} s, "
         f"{processes} process(es) at once; written to {path}:",
@@ -299,7 +517,17 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         f"({min(r for _, _, r in compute['matmul_table']) / 1e9:,.1f} at the fewest tokens)",
         f"  causal attention  {compute['attention_flops'] / 1e9:,.1f} GFLOP/s",
         f"  memory            {compute['memory_bandwidth'] / 1e9:,.1f} GB/s (copy: read + write)",
-        f"  operator launch   {compute['dispatch_s'] * 1e6:,.1f} us",
+        f"  operator launch   {compute['dispatch_s'] * 1e6:,.1f} us; FSDP2's hooks "
+        f"{compute['fsdp_group_s'] * 1e3:,.2f} ms per shard group and micro-batch; the "
+        f"optimizer {compute['optimizer_tensor_s'] * 1e6:,.0f} us per sharded tensor",
+        f"  elementwise       {compute['elementwise_bandwidth'] / 1e9:,.1f} GB/s (a decoder "
+        "layer's norms, rotary, activations, forward and backward)",
+        f"  the toolkit's own step, {len(steps)} sizes ("
+        + ", ".join(f"{r['step_seconds'] * 1e3:,.0f}" for r in steps)
+        + " ms): the shares fitted to them: "
+        + ", ".join(f"{n} {getattr(fitted, n):.3g}" for n in ("matmul", "attention",
+                                                              "elementwise", "dispatch",
+                                                              "step_overhead_s")),
         f"  host optimizer    {compute['host_optimizer_bandwidth'] / 1e9:,.1f} GB/s of AdamW "
         "traffic",
     ]

@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.estimate import Cluster
@@ -108,11 +109,11 @@ def make_parser() -> argparse.ArgumentParser:
         "cpu) and the host's optimizer step, in about a minute, and write them to the site "
         "file the next plan reads ($FSDP_UTILS_SITE_DIR/calibration.json).",
     )
-    speed.add_argument(
-        "--auto_choice_file",
+    what.add_argument(
+        "--save_json",
         metavar="FILE",
-        help="With --auto: also write the choice (settings, predictions, why) to FILE as JSON "
-        "(the sbatch preflight writes <output_dir>/auto.json, which the run then reads).",
+        help="Also write the plan (with --auto: the choice, its predictions and why) to FILE as "
+        "JSON (the sbatch preflight writes <output_dir>/auto.json, which the run reads).",
     )
     return parser
 
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return EXIT_CRASHED
+    if args.save_json:
+        write_json_atomic(Path(args.save_json), plan.to_dict())
     if args.json:
         print(plan.to_json())
     else:
@@ -309,9 +312,7 @@ def _auto(
             )
         return EXIT_DOES_NOT_FIT
     record = choice_record(config, result, cluster, gpu, speed)
-    if args.auto_choice_file:
-        from fsdp_utils.atomic import write_json_atomic
-
-        write_json_atomic(Path(args.auto_choice_file), record)
+    if args.save_json:
+        write_json_atomic(Path(args.save_json), record)
     print(json.dumps(record, indent=2) if args.json else format_search(result, gpu), flush=True)
     return EXIT_FITS

@@ -21,6 +21,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -50,7 +54,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -88,6 +93,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -117,7 +126,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -155,6 +165,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -184,7 +198,8 @@ ROWS = [
    "adapted_features": 81920,
    "seq_length": 4096,
    "useful_flops_per_token": 35010920448.0,
-   "attention_flops_per_token": 6442450944.0
+   "attention_flops_per_token": 6442450944.0,
+   "trainable_tensors": 448
   },
   "shape": {
    "micro_batch": 1,
@@ -222,6 +237,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -251,7 +270,8 @@ ROWS = [
    "adapted_features": 81920,
    "seq_length": 32768,
    "useful_flops_per_token": 80108077056.0,
-   "attention_flops_per_token": 51539607552.0
+   "attention_flops_per_token": 51539607552.0,
+   "trainable_tensors": 448
   },
   "shape": {
    "micro_batch": 1,
@@ -289,6 +309,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -318,7 +342,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -356,6 +381,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -385,7 +414,8 @@ ROWS = [
    "adapted_features": 81920,
    "seq_length": 4096,
    "useful_flops_per_token": 35010920448.0,
-   "attention_flops_per_token": 6442450944.0
+   "attention_flops_per_token": 6442450944.0,
+   "trainable_tensors": 448
   },
   "shape": {
    "micro_batch": 1,
@@ -423,6 +453,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -452,7 +486,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -490,6 +525,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -519,7 +558,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -557,6 +597,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -586,7 +630,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,
@@ -624,6 +669,10 @@ ROWS = [
    "dispatch_s": 8e-06,
    "matmul_table": [],
    "attention_flops": None,
+   "attention_table": [],
+   "elementwise_bandwidth": None,
+   "fsdp_group_s": 0.0005,
+   "optimizer_tensor_s": 0.0,
    "source": "H100-80GB data sheet"
   },
   "cluster": {
@@ -653,7 +702,8 @@ ROWS = [
    "adapted_features": 0,
    "seq_length": 2048,
    "useful_flops_per_token": 7314370560.0,
-   "attention_flops_per_token": 1107296256.0
+   "attention_flops_per_token": 1107296256.0,
+   "trainable_tensors": 201
   },
   "shape": {
    "micro_batch": 4,

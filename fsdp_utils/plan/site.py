@@ -40,6 +40,9 @@ HOST_OPTIMIZER_BANDWIDTH = 20e9
 # Seconds to launch one operator from eager PyTorch on a GPU (assumed: the 5-10 us usually
 # quoted for a kernel launch through the dispatcher); --calibrate measures it.
 GPU_DISPATCH_S = 8e-6
+# CPU seconds of FSDP2's hooks per shard group and micro-batch on a GPU node's host (assumed
+# from this machine's 2-4 ms under load, on a faster, idle core); --calibrate measures it.
+GPU_FSDP_GROUP_S = 0.5e-3
 
 
 def site_dir() -> Path:
@@ -110,6 +113,7 @@ def sheet_device(key: str, config: TrainConfig) -> Device:
         fabric_latency=FABRIC_LATENCY_S,
         host_optimizer_bandwidth=HOST_OPTIMIZER_BANDWIDTH,
         dispatch_s=GPU_DISPATCH_S,
+        fsdp_group_s=GPU_FSDP_GROUP_S,
         source=f"{spec.kind} data sheet",
     )
 
@@ -128,6 +132,18 @@ def calibrated_device(key: str, config: TrainConfig) -> Device | None:
         fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, GPU_SPECS[key])
         device = Device.from_dict({**device.to_dict(), "fabric_bandwidth": fabric})
     return device
+
+
+def calibration_rows(key: str) -> list[SpeedRow]:
+    """The toolkit steps --calibrate measured on `key` (its rows for the shares' fit)."""
+    entry = read_calibrations().get(key)
+    rows = []
+    for data in entry.get("rows", []) if isinstance(entry, dict) else []:
+        try:
+            rows.append(SpeedRow.from_dict(data))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return rows
 
 
 def append_run(row: SpeedRow, key: str) -> Path:
@@ -173,7 +189,8 @@ def efficiency_for(key: str, device: Device) -> Efficiency:
     cache_key = (key, calibrated, len(own))
     if cache_key not in _FITS:
         if calibrated or device.kind == "cpu":
-            _FITS[cache_key] = fit(own, CALIBRATED_PRIOR, site_rows=len(own))
+            rows = [*calibration_rows(key), *own]
+            _FITS[cache_key] = fit(rows, CALIBRATED_PRIOR, site_rows=len(own))
         else:
             shipped = [SpeedRow.from_dict(row) for row in ROWS]
             _FITS[cache_key] = fit([*shipped, *own], Efficiency(), site_rows=len(own))

@@ -54,8 +54,9 @@ class SpeedModel:
         if eff.rows == 0:
             fitted = "the priors (no measured rows for this device yet)"
         else:
-            shipped = eff.rows - eff.site_rows
-            parts = [f"{shipped} shipped H100 rows"] if shipped else []
+            other = eff.rows - eff.site_rows
+            where = "--calibrate's toolkit steps" if self.device.matmul_table else "shipped H100 rows"
+            parts = [f"{other} {where}"] if other else []
             parts.append(f"{eff.site_rows} of this site's own runs")
             fitted = "fitted to " + " and ".join(parts)
         return f"{self.device.name} ({self.device.source}); shares {fitted}"

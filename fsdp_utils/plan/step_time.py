@@ -76,10 +76,11 @@ class ModelFacts:
     seq_length: int  # the length the FLOPs below are for
     useful_flops_per_token: float  # MFU's numerator (fsdp_utils/metrics/flop_count.py)
     attention_flops_per_token: float  # its attention part, 12·L·H·d·s (forward and backward)
+    trainable_tensors: int = 0  # parameter tensors with gradients (the optimizer's per-tensor work)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelFacts:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def at_length(self, seq_length: int) -> ModelFacts:
         """The same model at another sequence length (attention's FLOPs scale with it)."""
@@ -141,7 +142,18 @@ class Device:
     host_optimizer_bandwidth: float  # bytes/s of optimizer traffic the host sustains (offload)
     dispatch_s: float  # seconds to launch one operator (its share of the CPU)
     matmul_table: tuple[tuple[float, float, float], ...] = ()
-    attention_flops: float | None = None  # measured causal SDPA rate (convention FLOPs/s)
+    attention_flops: float | None = None  # measured causal SDPA rate (executed FLOPs/s)
+    # ... and over (length, head dim, FLOP/s): attention's kernels depend on both
+    attention_table: tuple[tuple[float, float, float], ...] = ()
+    # the counted elementwise bytes per second a real decoder layer reaches (measured: a CPU's
+    # single-threaded operators are far from its memory bandwidth); None: memory_bandwidth
+    elementwise_bandwidth: float | None = None
+    # CPU seconds of FSDP2's hooks around one shard group, per micro-batch (forward and
+    # backward: the all-gathers' and reduce-scatter's bookkeeping and launches)
+    fsdp_group_s: float = 0.0
+    # seconds per sharded parameter tensor of an optimizer step and its clipping beyond their
+    # traffic (DTensor's dispatch of each foreach operator)
+    optimizer_tensor_s: float = 0.0
     source: str = "data sheet"
 
     @property
@@ -158,8 +170,10 @@ class Device:
         width_share = width / (width + eff.matmul_half_width)
         return self.matmul_flops * eff.matmul * tokens_share * width_share
 
-    def attention_rate(self, eff: Efficiency) -> float:
-        """FLOP/s (causal, executed) of attention's kernels."""
+    def attention_rate(self, eff: Efficiency, length: float = 0, head_dim: float = 0) -> float:
+        """FLOP/s (causal, executed) of attention's kernels for sequences of `length`."""
+        if self.attention_table:
+            return eff.attention * _interpolate_rate(self.attention_table, length, head_dim)
         if self.attention_flops is not None:
             return eff.attention * self.attention_flops
         return eff.attention * self.matmul_flops
@@ -170,15 +184,17 @@ class Device:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Device:
         values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
-        values["matmul_table"] = tuple(tuple(row) for row in values.get("matmul_table", ()))
+        for table in ("matmul_table", "attention_table"):
+            values[table] = tuple(tuple(row) for row in values.get(table, ()))
         return cls(**values)
 
 
 def _interpolate_rate(
     table: Sequence[tuple[float, float, float]], tokens: float, width: float
 ) -> float:
-    """A measured rate at (tokens, width): log-linear between the measured points (clamped at
-    the ends), first along tokens for each measured width, then across widths."""
+    """A measured rate at (tokens, width) (or (length, head dim)): log-linear between the
+    measured points (clamped at the ends), first along the first for each measured second,
+    then across the second."""
     widths = sorted({w for _, w, _ in table})
 
     def along_tokens(w: float) -> float:
@@ -245,8 +261,9 @@ class Efficiency:
         return dataclasses.asdict(self)
 
 
-# Priors for a device measured by --calibrate: its table already has the shapes' own rates.
-CALIBRATED_PRIOR = Efficiency(matmul=0.9, attention=0.9)
+# Priors for a device measured by --calibrate: its tables have the shapes' own rates, and its
+# toolkit step the overheads.
+CALIBRATED_PRIOR = Efficiency(matmul=1.0, attention=1.0)
 
 
 @dataclass(frozen=True)
@@ -327,10 +344,19 @@ def elementwise_bytes_per_token(facts: ModelFacts) -> float:
     product (~10 per intermediate unit); LoRA: dropout on each adapted input, the small
     products reading it and writing the output, the scaled addition (~12 per in and out
     feature). Backward moves about twice the forward."""
-    kv = facts.kv_heads * facts.head_dim
-    q = facts.heads * facts.head_dim
-    per_token = 84 * facts.hidden + 24 * (q + kv) + 4 * (q + 2 * kv) + 10 * facts.intermediate
-    return per_token + 12 * facts.adapted_features
+    return layer_elementwise_bytes(
+        facts.hidden, facts.heads, facts.kv_heads, facts.head_dim, facts.intermediate,
+        facts.adapted_features,
+    )  # fmt: skip
+
+
+def layer_elementwise_bytes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, adapted: int = 0
+) -> float:
+    """`elementwise_bytes_per_token` from the shapes (--calibrate measures a layer with it)."""
+    kv, q = kv_heads * head_dim, heads * head_dim
+    per_token = 84 * hidden + 24 * (q + kv) + 4 * (q + 2 * kv) + 10 * intermediate
+    return per_token + 12 * adapted
 
 
 def operators_per_layer(facts: ModelFacts) -> float:
@@ -402,16 +428,18 @@ def predict(
     linear_flops = t * (linear + recompute_linear)
     attention_flops = t * CAUSAL_SHARE * (attention + recompute_attention)
     matmul_rate = device.matmul_rate(t, facts.hidden, eff)
-    attention_rate = device.attention_rate(eff)
+    attention_rate = device.attention_rate(eff, facts.seq_length, facts.head_dim)
     compute = m * (linear_flops / matmul_rate + attention_flops / attention_rate)
 
     # --- elementwise and dispatch: per layer and pass (forward 1, backward 2, recompute 1) ---
     passes = 3 * L + c
     share = eff.compiled_elementwise if shape.compile else 1.0
     element_bytes = m * t * passes * elementwise_bytes_per_token(facts) * eff.elementwise * share
-    elementwise = element_bytes / device.memory_bandwidth
+    element_rate = device.elementwise_bandwidth or device.memory_bandwidth
+    elementwise = element_bytes / element_rate
     ops = m * passes * operators_per_layer(facts) * eff.dispatch * (0.3 if shape.compile else 1.0)
-    dispatch_cpu = ops * device.dispatch_s
+    hooks = m * (L + 1) * device.fsdp_group_s  # every shard group, every micro-batch
+    dispatch_cpu = ops * device.dispatch_s + hooks
     gpu_work = compute + elementwise
     dispatch = dispatch_cpu if device.serial_dispatch else max(0.0, dispatch_cpu - gpu_work)
 
@@ -455,8 +483,13 @@ def predict(
         down = facts.layer_trainable * reduce_b / shard / device.host_bandwidth * sync_share
     else:
         up = down = 0.0
-    forward_compute = gpu_work / m / passes  # one layer's forward, per micro-batch
-    backward_compute = forward_compute * (2 + c / L)
+    # One layer's forward and backward, per micro-batch, without the recompute: the overlap
+    # is not counted on a recompute (it may hide a collective; the model does not claim it,
+    # so that checkpointing another layer never predicts a faster step).
+    plain = m * t * (linear / matmul_rate + CAUSAL_SHARE * attention / attention_rate)
+    plain += m * t * 3 * L * elementwise_bytes_per_token(facts) * eff.elementwise * share / element_rate
+    forward_compute = plain / m / (3 * L)
+    backward_compute = 2 * forward_compute
     forward_comm = gather.seconds + up
     backward_comm = (
         (gather.seconds + up if reshards else 0.0)
@@ -469,6 +502,8 @@ def predict(
     # The first layer's and the root's all-gathers have nothing before them to hide behind.
     first = 2 * forward_comm
     collectives = m * (first + L * exposed_layer)
+    if device.serial_dispatch:  # a CPU's cores do the collectives' copies as well: no overlap
+        collectives = m * (L + 1) * (forward_comm + backward_comm)
 
     # --- Ulysses: all-to-all of q, k, v before attention and of its output after, per pass ---
     all_to_all = 0.0
@@ -491,6 +526,7 @@ def predict(
         optimizer = 0.0
     else:
         optimizer = optimizer_bytes / device.memory_bandwidth
+    optimizer += facts.trainable_tensors * device.optimizer_tensor_s
     # NF4: dequantized once in the forward, once in the backward, once more in a recompute
     dequant_bytes = m * (2 * L + c) * facts.layer_quantized * eff.dequantize_bytes
     dequantize = dequant_bytes / device.memory_bandwidth
@@ -511,12 +547,13 @@ def predict(
             "elementwise",
             elementwise,
             f"norms, rotary, activations: {_bytes(element_bytes)} at "
-            f"{_rate(device.memory_bandwidth, 'B/s')}" + (" (compiled)" if shape.compile else ""),
+            f"{_rate(element_rate, 'B/s')}" + (" (compiled)" if shape.compile else ""),
         ),
         Term(
             "dispatch",
             dispatch,
-            f"{ops:,.0f} operator launches at {device.dispatch_s * 1e6:.1f} us"
+            f"{ops:,.0f} operator launches at {device.dispatch_s * 1e6:.1f} us, FSDP2's hooks "
+            f"{hooks * 1e3:,.1f} ms"
             + ("" if device.serial_dispatch else ": the part the GPU's work does not hide"),
         ),
         Term(
@@ -547,7 +584,13 @@ def predict(
     )
     if facts.layer_quantized:
         terms.append(Term("dequantize", dequantize, f"NF4 weights: {_bytes(dequant_bytes)}"))
-    terms.append(Term("step overhead", overhead, "the trainer's per-step work"))
+    terms.append(
+        Term(
+            "step overhead",
+            overhead,
+            "the trainer's per-step work",
+        )
+    )
     return StepTime(
         tuple(terms),
         tokens,

@@ -133,6 +133,7 @@ def facts_from_meta(
             hf_config, model, info.active_parameters, config
         ),
         attention_flops_per_token=attention_flops_per_token(text, config.max_seq_length),
+        trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
     )
 
 
