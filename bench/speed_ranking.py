@@ -24,6 +24,7 @@ bench/results/speed_ranking.json and .md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -45,13 +46,28 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "micro-batch 1": ["--batch_size_per_device", "1"],
     "micro-batch 2": ["--batch_size_per_device", "2"],
     "micro-batch 4": ["--batch_size_per_device", "4"],
-    "micro-batch 4, 2 layers checkpointed": ["--batch_size_per_device", "4", "--checkpoint_layers", "2"],
+    "micro-batch 4, 2 layers checkpointed": [
+        "--batch_size_per_device",
+        "4",
+        "--checkpoint_layers",
+        "2",
+    ],
     "micro-batch 4, all checkpointed": ["--batch_size_per_device", "4", "--checkpoint_layers", "4"],
     "micro-batch 1, all checkpointed": ["--batch_size_per_device", "1", "--checkpoint_layers", "4"],
     "micro-batch 2, shard_grad_op": ["--batch_size_per_device", "2", "--sharding", "shard_grad_op"],
     "micro-batch 2, no_shard": ["--batch_size_per_device", "2", "--sharding", "no_shard"],
-    "sequence parallel 2, micro-batch 1": ["--batch_size_per_device", "1", "--sequence_parallel", "2"],
-    "sequence parallel 2, micro-batch 4": ["--batch_size_per_device", "4", "--sequence_parallel", "2"],
+    "sequence parallel 2, micro-batch 1": [
+        "--batch_size_per_device",
+        "1",
+        "--sequence_parallel",
+        "2",
+    ],
+    "sequence parallel 2, micro-batch 4": [
+        "--batch_size_per_device",
+        "4",
+        "--sequence_parallel",
+        "2",
+    ],
 }
 
 
@@ -118,7 +134,7 @@ def run(paths: dict[str, Path], name: str, flags: list[str], steps: int) -> tupl
     train = [r for r in records if r.get("kind") == "train"]
     wall = statistics.median(r["step_time_s"] for r in train[2:])
     cpu = statistics.median(
-        b["process_cpu_s"] - a["process_cpu_s"] for a, b in zip(train[1:], train[2:], strict=False)
+        b["process_cpu_s"] - a["process_cpu_s"] for a, b in itertools.pairwise(train)
     )
     positions = SEQ * TOTAL / NPROC  # a step's sequence positions per process
     return positions / wall, positions / cpu
@@ -164,7 +180,7 @@ def main() -> None:
                 f"second ({by_wall:,.0f} by the wall clock) tokens/s per process (load {load()})",
                 flush=True,
             )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         p, c, w = (statistics.median(x[name]) for x in (predicted, cpu, wall))
         rows.append({"configuration": name, "predicted": p, "measured_cpu": c,

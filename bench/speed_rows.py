@@ -127,8 +127,9 @@ def write(rows: list[dict[str, Any]]) -> None:
         "`python bench/speed_rows.py --write` from docs/gpu-check-results/ (and checked against\n"
         'it by tests/test_speed_model.py). The step-time model is fitted to them."""\n\n'
         "# fmt: off\n"
-        f"ROWS = {body}\n"
-        .replace("true", "True").replace("false", "False").replace("null", "None")
+        f"ROWS = {body}\n".replace("true", "True")
+        .replace("false", "False")
+        .replace("null", "None")
     )
 
 
@@ -169,6 +170,7 @@ def loo_table(rows: list[Any]) -> str:
         for name in Efficiency.FITTED
     )
     return "\n".join(lines) + f"\n\nfitted to all {len(rows)} rows: {shares}"
+
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ kinds and fabrics, the fit to measured rows, the site's files, and the run's com
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tarfile
 from pathlib import Path
@@ -46,10 +47,12 @@ def _shape(row: SpeedRow, **changes) -> RunShape:
 @pytest.mark.parametrize("sharding", ["full", "hybrid", "shard_grad_op"])
 def test_more_checkpointed_layers_never_predict_less_time(row, cluster, sharding):
     seconds = [
-        predict(row.facts, _shape(row, checkpointed_layers=c, sharding=sharding), cluster, H100, EFF).seconds
+        predict(
+            row.facts, _shape(row, checkpointed_layers=c, sharding=sharding), cluster, H100, EFF
+        ).seconds
         for c in range(row.facts.layers + 1)
     ]
-    assert all(b >= a for a, b in zip(seconds, seconds[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(seconds))
     assert seconds[-1] > seconds[0]  # the recompute costs something
 
 
@@ -66,7 +69,7 @@ def test_a_larger_micro_batch_never_predicts_fewer_tokens_per_s(row, cluster, ch
         ).tokens_per_s_per_gpu
         for b in (1, 2, 4, 8, 16, 32)
     ]  # fmt: skip
-    assert all(b >= a for a, b in zip(speeds, speeds[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(speeds))
 
 
 def test_terms_sum_to_the_step_and_say_what_they_count():
@@ -98,10 +101,16 @@ def test_fabric_and_sharding_scale_as_they_should():
     """Full sharding over 16 nodes moves every layer over the fabric; hybrid moves a node's
     shard; a slower fabric never helps."""
     shape = _shape(EIGHT_B, micro_batch=1)
-    full = predict(EIGHT_B.facts, dataclasses.replace(shape, sharding="full"), Cluster(16, 8), H100, EFF)
-    hybrid = predict(EIGHT_B.facts, dataclasses.replace(shape, sharding="hybrid"), Cluster(16, 8), H100, EFF)
+    full = predict(
+        EIGHT_B.facts, dataclasses.replace(shape, sharding="full"), Cluster(16, 8), H100, EFF
+    )
+    hybrid = predict(
+        EIGHT_B.facts, dataclasses.replace(shape, sharding="hybrid"), Cluster(16, 8), H100, EFF
+    )
     slow = dataclasses.replace(H100, fabric_bandwidth=H100.fabric_bandwidth / 8)
-    slower = predict(EIGHT_B.facts, dataclasses.replace(shape, sharding="full"), Cluster(16, 8), slow, EFF)
+    slower = predict(
+        EIGHT_B.facts, dataclasses.replace(shape, sharding="full"), Cluster(16, 8), slow, EFF
+    )
     assert slower.seconds >= full.seconds
     assert full.term("collectives") >= hybrid.term("collectives")
 
@@ -136,7 +145,9 @@ def test_the_shipped_rows_are_the_gpu_kits_measurements():
             member = tar.extractfile(f"logs/{name}.metrics.jsonl")
             assert member is not None
             records = [json.loads(line) for line in member.read().decode().splitlines()]
-        assert row["step_seconds"] == pytest.approx(rows_script.steady_step_seconds(records), abs=1e-5)
+        assert row["step_seconds"] == pytest.approx(
+            rows_script.steady_step_seconds(records), abs=1e-5
+        )
         measured = next(r for r in json.loads(result.read_text())["rows"] if r["name"] == name)
         assert row["peak_allocated_gib"] == pytest.approx(measured["peak_allocated_gib"], abs=1e-3)
         assert row["facts"]["seq_length"] == measured["seq"]
@@ -159,7 +170,9 @@ def test_the_fit_moves_the_shares_toward_the_rows():
 def test_the_site_remembers_calibrations_and_runs(tmp_path):
     config = TrainConfig()
     assert site.calibrated_device("h100-80gb", config) is None
-    measured = dataclasses.replace(H100, matmul_table=((1024.0, 4096.0, 7e14),), source="calibrated")
+    measured = dataclasses.replace(
+        H100, matmul_table=((1024.0, 4096.0, 7e14),), source="calibrated"
+    )
     site.write_calibration("h100-80gb", measured, {"processes": 8})
     assert site.calibrated_device("h100-80gb", config) == measured
     # a faster fabric given on the command line wins over the one node's guess
@@ -178,9 +191,13 @@ def test_the_site_remembers_calibrations_and_runs(tmp_path):
 def test_auto_keeps_what_the_user_gave(tmp_path):
     from fsdp_utils.plan.cli import make_parser
 
-    config, _ = parse_config(["--auto", "--batch_size_per_device", "2", "--gradient_checkpointing"], make_parser())
+    config, _ = parse_config(
+        ["--auto", "--batch_size_per_device", "2", "--gradient_checkpointing"], make_parser()
+    )
     assert config.auto_keep == "checkpoint_layers,batch_size_per_device"
-    config, _ = parse_config(["--auto", "--auto_keep", "compile", "--sharding", "full"], make_parser())
+    config, _ = parse_config(
+        ["--auto", "--auto_keep", "compile", "--sharding", "full"], make_parser()
+    )
     assert config.auto_keep == "compile,sharding"  # yours first, then what you gave
     # a config file written by the toolkit (every field) pins only what is not a default
     written = tmp_path / "config.json"

@@ -188,7 +188,9 @@ class _Memory:
             )
         return self.plans[key]
 
-    def of(self, candidate: TrainConfig, layers: int, pinned_checkpointing: bool) -> tuple[int, str]:
+    def of(
+        self, candidate: TrainConfig, layers: int, pinned_checkpointing: bool
+    ) -> tuple[int, str]:
         """(peak bytes, basis) of `candidate`."""
         if pinned_checkpointing:  # the user's own checkpointing: traced as it is
             key = ("as given", *_family(candidate), candidate.batch_size_per_device)
@@ -209,15 +211,18 @@ class _Memory:
         line = low.forward_backward_peak_bytes + share * (
             high.forward_backward_peak_bytes - low.forward_backward_peak_bytes
         )
-        rest = [
-            p.update_peak_bytes for p in (low, high) if p.peak_in_optimizer_step
-        ] + [p.rollout.total for p in (low, high) if p.rollout is not None]
-        peak = int(math.ceil(max([line, *rest])))
+        rest = [p.update_peak_bytes for p in (low, high) if p.peak_in_optimizer_step] + [
+            p.rollout.total for p in (low, high) if p.rollout is not None
+        ]
+        peak = math.ceil(max([line, *rest]))
         return peak, f"bound between 0 and {layers} checkpointed layers"
 
 
 def describe(config: TrainConfig) -> str:
-    parts = [f"--sharding {config.sharding}", f"--batch_size_per_device {config.batch_size_per_device}"]
+    parts = [
+        f"--sharding {config.sharding}",
+        f"--batch_size_per_device {config.batch_size_per_device}",
+    ]
     if config.checkpoint_layers is not None:
         parts.append(f"--checkpoint_layers {config.checkpoint_layers}")
     elif config.gradient_checkpointing:
@@ -314,9 +319,7 @@ def search(
                 for b in batches:
                     for c in checkpoint_counts:
                         for compiled in compiles:
-                            out.append(
-                                _with(trial, sp, b, c, compiled, pinned_checkpointing)
-                            )
+                            out.append(_with(trial, sp, b, c, compiled, pinned_checkpointing))
         return out
 
     ranked: list[Candidate] = []
@@ -489,7 +492,6 @@ def format_search(result: AutoResult, gpu: Gpu) -> str:
     if result.skipped:
         lines += ["", "not traced (cannot fit):", *(f"  {s}" for s in result.skipped)]
     return "\n".join(lines)
-
 
 
 # --- the choice, as the run and the GPU kit read it -----------------------------------------------

@@ -27,6 +27,7 @@ Between nodes nothing is measured (one node); the fabric stays the GPU kind's (-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -39,9 +40,9 @@ from typing import Any
 import torch
 
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.plan.efficiency import SpeedRow, fit
 from fsdp_utils.plan.hardware import GPU_SPECS, Gpu, fabric_bandwidth, spec_key
 from fsdp_utils.plan.site import cpu_key, write_calibration
-from fsdp_utils.plan.efficiency import SpeedRow, fit
 from fsdp_utils.plan.step_time import (
     CALIBRATED_PRIOR,
     CAUSAL_SHARE,
@@ -53,8 +54,11 @@ from fsdp_utils.plan.step_time import (
 Progress = Callable[[str], None]
 
 CPU_GRID = {
-    "tokens": (64, 256, 1024, 4096), "widths": (64, 256, 1024),
-    "lengths": (256, 1024, 2048), "head_dims": (32, 64), "attention_width": 256,
+    "tokens": (64, 256, 1024, 4096),
+    "widths": (64, 256, 1024),
+    "lengths": (256, 1024, 2048),
+    "head_dims": (32, 64),
+    "attention_width": 256,
     "layer": (256, 8, 4, 1024),  # hidden, heads, key-value heads, tokens
 }
 GPU_GRID = {
@@ -73,7 +77,7 @@ _clock = time.perf_counter
 
 
 def _timed(
-    work: Callable[[], None], sync: Callable[[], None], min_seconds: float = MIN_SECONDS
+    work: Callable[[], Any], sync: Callable[[], Any], min_seconds: float = MIN_SECONDS
 ) -> float:
     """Seconds per call of `work` (after one warm-up call), the median of a few rounds."""
     work()
@@ -92,7 +96,9 @@ def _timed(
     return statistics.median(rounds)
 
 
-def measure_compute(device: torch.device, dtype: torch.dtype, grid: dict[str, Any]) -> dict[str, Any]:
+def measure_compute(
+    device: torch.device, dtype: torch.dtype, grid: dict[str, Any]
+) -> dict[str, Any]:
     """The single-process rates (see the module's docstring)."""
 
     def sync() -> None:
@@ -236,16 +242,17 @@ def measure_elementwise(device: torch.device, dtype: torch.dtype, grid: dict[str
 def measure_fsdp_hooks(device: torch.device) -> tuple[float, float]:
     """CPU seconds of FSDP2's hooks per shard group and micro-batch: stacks of 2 and 8 tiny
     layers, each a shard group, against the same stacks unsharded."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import torch.distributed as dist
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     x = torch.randn(2, 16, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def layer_like() -> torch.nn.Module:  # a decoder layer's nine tensors: seven projections, two norms
+    def layer_like() -> (
+        torch.nn.Module
+    ):  # a decoder layer's nine tensors: seven projections, two norms
         parts = [torch.nn.RMSNorm(16), *[torch.nn.Linear(16, 16, bias=False) for _ in range(7)]]
         return torch.nn.Sequential(*parts, torch.nn.RMSNorm(16))
 
@@ -288,6 +295,7 @@ def measure_toolkit_steps(
     from transformers import LlamaConfig
 
     from fsdp_utils.config.batch import plan_batch
+    from fsdp_utils.config.options.parallelism import DeviceName, Precision
     from fsdp_utils.config.train_config import TrainConfig
     from fsdp_utils.model.build import build_meta_model, materialize
     from fsdp_utils.model.transforms import transform_model
@@ -298,7 +306,8 @@ def measure_toolkit_steps(
 
     hidden, heads, kv_heads, tokens = grid["layer"]
     env = DistEnv(rank, rank, world, world, device, "calibration")
-    precision = "bf16-mixed" if device.type == "cuda" else "fp32"
+    precision: Precision = "bf16-mixed" if device.type == "cuda" else "fp32"
+    device_name: DeviceName = "cuda" if device.type == "cuda" else "cpu"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for layers in (2, 4):
@@ -311,7 +320,7 @@ def measure_toolkit_steps(
             config = TrainConfig(
                 model=f"calibration: {layers} layers of {hidden}", max_seq_length=length,
                 batch_size_per_device=1, total_batch_size=world * accumulation,
-                precision=precision, device=device.type,
+                precision=precision, device=device_name,
             )  # fmt: skip
             batch = plan_batch(config, world)
             model, _ = build_parallel_model(hf_config, config, env)
@@ -324,7 +333,7 @@ def measure_toolkit_steps(
             micro = placeholder_micro_batches(batch, accumulation, 0)
             number = iter(range(1, 1000))
 
-            def run(step: Any = step, micro: Any = micro) -> None:
+            def run(step: Any = step, micro: Any = micro, number: Any = number) -> None:
                 step(micro, step=next(number), check=False)
 
             seconds = _timed_together(run, sync, calls=3)
@@ -343,7 +352,7 @@ def measure_toolkit_steps(
     return rows
 
 
-def _timed_together(work: Callable[[], None], sync: Callable[[], None], *, calls: int) -> float:
+def _timed_together(work: Callable[[], Any], sync: Callable[[], Any], *, calls: int) -> float:
     """Seconds per call of a collective: every rank makes the same calls (a rank that made more
     would wait for a partner that never comes), after a warm-up and a barrier."""
     import torch.distributed as dist
@@ -383,12 +392,13 @@ def measure_collectives(rank: int, world: int, device: torch.device) -> dict[str
             full = torch.ones(n, device=device)
             part = torch.ones(n // world, device=device)
             out = torch.empty_like(full)
-            call = {
-                "all_gather": lambda: gather(out, part),
-                "reduce_scatter": lambda: scatter(part, full),
-                "all_reduce": lambda: dist.all_reduce(full),
-                "all_to_all": lambda: dist.all_to_all_single(out, full),
-            }[name]
+            calls = {
+                "all_gather": functools.partial(gather, out, part),
+                "reduce_scatter": functools.partial(scatter, part, full),
+                "all_reduce": functools.partial(dist.all_reduce, full),
+                "all_to_all": functools.partial(dist.all_to_all_single, out, full),
+            }
+            call = calls[name]
             times[size] = _timed_together(call, sync, calls=20 if size == 4096 else 5)
         factor = 2.0 if name == "all_reduce" else 1.0
         moved = factor * large * (world - 1) / world
@@ -525,9 +535,10 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         f"  the toolkit's own step, {len(steps)} sizes ("
         + ", ".join(f"{r['step_seconds'] * 1e3:,.0f}" for r in steps)
         + " ms): the shares fitted to them: "
-        + ", ".join(f"{n} {getattr(fitted, n):.3g}" for n in ("matmul", "attention",
-                                                              "elementwise", "dispatch",
-                                                              "step_overhead_s")),
+        + ", ".join(
+            f"{n} {getattr(fitted, n):.3g}"
+            for n in ("matmul", "attention", "elementwise", "dispatch", "step_overhead_s")
+        ),
         f"  host optimizer    {compute['host_optimizer_bandwidth'] / 1e9:,.1f} GB/s of AdamW "
         "traffic",
     ]

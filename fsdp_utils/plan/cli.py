@@ -268,7 +268,7 @@ def _host_memory_per_process(processes: int) -> Gpu:
     """--device cpu without --gpu_memory: the host's available memory shared by its processes."""
     available = 0
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
     except OSError:
@@ -278,9 +278,7 @@ def _host_memory_per_process(processes: int) -> Gpu:
     return Gpu("host memory per process", available // processes)
 
 
-def _auto(
-    config: TrainConfig, target: Target, speed: SpeedModel, args: argparse.Namespace
-) -> int:
+def _auto(config: TrainConfig, target: Target, speed: SpeedModel, args: argparse.Namespace) -> int:
     """`--plan --auto`: the search, its table (or JSON), the choice file; exit 1 with the
     planner's cheapest fixes when nothing fits."""
     from fsdp_utils.plan.auto import choice_record, format_search, search

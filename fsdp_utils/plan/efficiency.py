@@ -162,7 +162,5 @@ def leave_one_out(rows: Sequence[SpeedRow], prior: Efficiency) -> list[LeaveOneO
     out = []
     for index, row in enumerate(rows):
         others = fit([r for i, r in enumerate(rows) if i != index], prior)
-        out.append(
-            LeaveOneOut(row, row.predict(others).seconds, row.predict(everything).seconds)
-        )
+        out.append(LeaveOneOut(row, row.predict(others).seconds, row.predict(everything).seconds))
     return out

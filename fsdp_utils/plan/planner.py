@@ -247,7 +247,9 @@ def _fixes(
     config, cluster, batch = plan.config, plan.cluster, plan.batch
     tries = _Attempts(plan, progress, full_trace, speed)
     for flags, cost, trial in method_class(config.method).memory_fixes(config):
-        tries.attempt(flags, cost, trial)  # the method's own (a distillation teacher in 4 bits, ...)
+        tries.attempt(
+            flags, cost, trial
+        )  # the method's own (a distillation teacher in 4 bits, ...)
     activations_only = "the state alone (parameters, gradients, optimizer state) does not fit"
     smaller = None
     if tries.state_bound:
@@ -296,7 +298,7 @@ def _fixes(
     if not config.cpu_offload:
         tries.attempt(
             "--cpu_offload",
-            "state in host RAM, optimizer step on the CPU: an order of magnitude slower",
+            "state in host RAM, optimizer step on the CPU: much slower",
             config.replace(cpu_offload=True),
         )
     return _ordered(tries.fixes), tries.skipped
@@ -385,7 +387,9 @@ def _sequence_parallel(config: TrainConfig, cluster: Cluster, tries: _Attempts) 
             f"each sequence split over {size} GPUs: two all-to-alls around every attention, "
             f"{size}x the accumulation steps of 1/{size} of a sequence each"
         )
-        if tries.attempt(f"--sequence_parallel {size}", cost, config.replace(sequence_parallel=size)):
+        if tries.attempt(
+            f"--sequence_parallel {size}", cost, config.replace(sequence_parallel=size)
+        ):
             return
 
 

@@ -55,7 +55,9 @@ class SpeedModel:
             fitted = "the priors (no measured rows for this device yet)"
         else:
             other = eff.rows - eff.site_rows
-            where = "--calibrate's toolkit steps" if self.device.matmul_table else "shipped H100 rows"
+            where = (
+                "--calibrate's toolkit steps" if self.device.matmul_table else "shipped H100 rows"
+            )
             parts = [f"{other} {where}"] if other else []
             parts.append(f"{eff.site_rows} of this site's own runs")
             fitted = "fitted to " + " and ".join(parts)
@@ -68,9 +70,9 @@ def speed_model(config: TrainConfig, gpu: Gpu | None, *, required: str = "") -> 
     detected. None when no GPU kind is known, unless `required` (a flag that needs one) asks,
     then a ValueError naming the kinds."""
     if config.device == "cpu":
-        key = cpu_key()
-        device = calibrated_device(key, config) or UNCALIBRATED_CPU
-        return SpeedModel(key, device, efficiency_for(key, device))
+        cpu = cpu_key()
+        device = calibrated_device(cpu, config) or UNCALIBRATED_CPU
+        return SpeedModel(cpu, device, efficiency_for(cpu, device))
     key = spec_key(gpu)
     calibrated = None
     if key is None and gpu is not None and gpu.name:  # a kind without a data sheet here

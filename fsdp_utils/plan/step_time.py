@@ -25,6 +25,8 @@ length / --sequence_parallel):
                   optimizer on the host (not)
     dequantize    QLoRA's NF4 weights dequantized in every forward, backward and recompute
     step overhead the trainer's per-step work (scheduler, stop decision, bookkeeping)
+    stragglers    a synchronous step waits for its slowest GPU: the spread of one GPU's step
+                  times times the expected largest of that many draws
 
 The model's inputs are counts (`ModelFacts`, `RunShape`, `Cluster`), rates (`Device`: a data
 sheet or `--calibrate`'s measurements) and a few fitted shares (`Efficiency`), all plain data:
@@ -34,9 +36,11 @@ a site's measured rows keep them, so that the fit can be redone (fsdp_utils/plan
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 from fsdp_utils.plan.estimate import Cluster
@@ -209,7 +213,7 @@ def _log_interp(points: Sequence[tuple[float, float]], x: float) -> float:
         return points[0][1]
     if x >= points[-1][0]:
         return points[-1][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if x0 <= x <= x1:
             share = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return math.exp(math.log(y0) + share * (math.log(y1) - math.log(y0)))
@@ -237,6 +241,11 @@ class Efficiency:
         expanded and multiplied, the halves stacked: 32).
     host_optimizer: the share of the host's optimizer bandwidth an offloaded step reaches.
     step_overhead_s: the trainer's per-step work outside the model.
+    jitter: the spread of one GPU's step time (its standard deviation over its mean): a
+        synchronous step waits for the slowest of its GPUs, on average that many deviations
+        above the mean as the largest of that many normal draws (`stragglers`). Assumed 2%: the
+        lent H100's steady steps spread by 1-14% (median 5%) on a shared virtual machine,
+        dedicated nodes less.
     """
 
     matmul: float = 0.75
@@ -249,12 +258,13 @@ class Efficiency:
     dequantize_bytes: float = 32.0
     host_optimizer: float = 1.0
     step_overhead_s: float = 0.005
+    jitter: float = 0.02
     rows: int = 0  # measured rows it was fitted to (0: the priors)
     site_rows: int = 0  # of those, this site's own (finished runs, fsdp_utils/plan/site.py)
 
     FITTED = (
         "matmul", "matmul_half_tokens", "matmul_half_width", "attention", "elementwise", "compiled_elementwise",
-        "dispatch", "dequantize_bytes", "host_optimizer", "step_overhead_s",
+        "dispatch", "dequantize_bytes", "host_optimizer", "step_overhead_s", "jitter",
     )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -319,6 +329,13 @@ class StepTime:
             f"(of {self.peak_flops / 1e12:,.1f} TFLOP/s)"
         )
         return out
+
+
+def expected_maximum(n: int) -> float:
+    """The expected largest of n standard normal draws (Blom's approximation; 0 for one)."""
+    if n <= 1:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def _ms(seconds: float) -> str:
@@ -487,7 +504,9 @@ def predict(
     # is not counted on a recompute (it may hide a collective; the model does not claim it,
     # so that checkpointing another layer never predicts a faster step).
     plain = m * t * (linear / matmul_rate + CAUSAL_SHARE * attention / attention_rate)
-    plain += m * t * 3 * L * elementwise_bytes_per_token(facts) * eff.elementwise * share / element_rate
+    plain += (
+        m * t * 3 * L * elementwise_bytes_per_token(facts) * eff.elementwise * share / element_rate
+    )
     forward_compute = plain / m / (3 * L)
     backward_compute = 2 * forward_compute
     forward_comm = gather.seconds + up
@@ -531,6 +550,9 @@ def predict(
     dequant_bytes = m * (2 * L + c) * facts.layer_quantized * eff.dequantize_bytes
     dequantize = dequant_bytes / device.memory_bandwidth
     overhead = eff.step_overhead_s
+    before = compute + elementwise + dispatch + fsdp_copies + collectives + all_to_all
+    before += optimizer + host_optimizer + dequantize + overhead
+    stragglers = before * eff.jitter * expected_maximum(world)
 
     where = "measured" if device.matmul_table else f"{eff.matmul:.0%} of the peak x curve"
     terms = [
@@ -584,13 +606,16 @@ def predict(
     )
     if facts.layer_quantized:
         terms.append(Term("dequantize", dequantize, f"NF4 weights: {_bytes(dequant_bytes)}"))
-    terms.append(
-        Term(
-            "step overhead",
-            overhead,
-            "the trainer's per-step work",
+    terms.append(Term("step overhead", overhead, "the trainer's per-step work"))
+    if world > 1:
+        terms.append(
+            Term(
+                "stragglers",
+                stragglers,
+                f"the slowest of {world} GPUs: {expected_maximum(world):.2f} x a "
+                f"{eff.jitter:.0%} spread",
+            )
         )
-    )
     return StepTime(
         tuple(terms),
         tokens,

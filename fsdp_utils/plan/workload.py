@@ -71,8 +71,9 @@ def _adapted_features(layer: nn.Module) -> int:
     """LoRA: the sum of in and out features of the projections adapted in this layer."""
     total = 0
     for module in layer.modules():
+        features: Any = module  # peft's LoRA layers: in_features and out_features are ints
         if hasattr(module, "lora_A") and hasattr(module, "in_features"):
-            total += int(module.in_features) + int(module.out_features)
+            total += int(features.in_features) + int(features.out_features)
     return total
 
 

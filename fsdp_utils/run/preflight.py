@@ -60,13 +60,13 @@ def detect_gpu_memory() -> str | None:
         return None
     gpus = []
     for line in result.stdout.splitlines():
-        name, _, size = line.rpartition(",")
-        if size.strip().isdigit():
-            gpus.append((int(size), name.strip()))
+        name, _, mib = line.rpartition(",")
+        if mib.strip().isdigit():
+            gpus.append((int(mib), name.strip()))
     if result.returncode != 0 or not gpus:
         return None
-    size, name = min(gpus)
-    return spec_key(Gpu(name, size * MIB)) or f"{size}MiB"
+    smallest, name = min(gpus)
+    return spec_key(Gpu(name, smallest * MIB)) or f"{smallest}MiB"
 
 
 def check_run(config: TrainConfig, world_size: int) -> tuple[BatchPlan, ResolvedAssets]:
