@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,42 @@ def test_issue_64_the_70b_hybrid_plan_is_told_to_shard_fully_first(capsys):
     assert "--sequence_parallel" in skipped and "more --nodes" in skipped
     assert "a smaller --batch_size_per_device" in skipped
     assert "--sharding no_shard" in skipped
+
+
+def test_a_training_run_with_auto_on_a_calibrated_cpu(tiny_assets, tmp_path):
+    """chess_finetune.py --auto on 1 CPU process whose CPU the site has figures for: the choice
+    is made before the model (its table in the log, the values in config.json, auto.json in the
+    run folder), the prediction printed at the start, the measurement beside it at the end, and
+    the run's row added to the site's rows."""
+    from fsdp_utils.plan.speed import UNCALIBRATED_CPU
+    from tests.train_helpers import run_finetune
+
+    site_dir = Path(os.environ[site.SITE_ENV])  # this test's own (`_own_site`)
+    site.write_calibration(site.cpu_key(), UNCALIBRATED_CPU, {"processes": 1})
+    env = {site.SITE_ENV: str(site_dir)}
+    out = tmp_path / "run"
+    result = run_finetune(
+        1,
+        ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+         "--dataset_include", "", "--output_dir", str(out), "--data_cache_dir", str(tmp_path / "cache"),
+         "--max_seq_length", "64", "--total_batch_size", "4", "--max_training_steps", "6",
+         "--log_every", "1", "--eval_every", "0", "--eval_examples", "0", "--no_final_save",
+         "--device", "cpu", "--auto"],
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = result.stdout
+    assert "auto: chose --sharding" in log and "chosen:" in log
+    record = json.loads((out / "auto.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    resolved = config.get("config", config)
+    assert resolved["batch_size_per_device"] == record["settings"]["batch_size_per_device"]
+    assert resolved["checkpoint_layers"] == record["settings"]["checkpoint_layers"]
+    assert "speed: predicted" in log and "speed: measured" in log
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    check = next(e for e in events if e.get("kind") == "speed_check")
+    assert (
+        check["predicted_tokens_per_s_per_gpu"] > 0 and check["measured_tokens_per_s_per_gpu"] > 0
+    )
+    rows = (site_dir / "runs.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["device_key"] == site.cpu_key()

@@ -380,8 +380,11 @@ def _best_first(
 ) -> tuple[list[Candidate], Candidate | None]:
     """Check memory in order of predicted time until `top` settings (each but the checkpointed
     layers) fit; rule out by monotonicity what a failed check implies."""
-    # (family, micro-batch) -> the most checkpointed layers known not to fit
+    # (sharding, offload, tokens per GPU and micro-batch) -> the most checkpointed layers
+    # known not to fit: a GPU's activations follow its tokens, with or without a sequence
+    # split, so more tokens and no more checkpointed layers do not fit either
     too_big: dict[tuple[Any, ...], int] = {}
+    impossible: set[tuple[Any, ...]] = set()  # plans that cannot be made (a split that fails)
     best_of: set[tuple[Any, ...]] = set()
     for cand in timed:
         cfg = cand.config
@@ -390,8 +393,11 @@ def _best_first(
         if group in best_of:
             continue  # a faster one of these settings fits already
         family = _family(cfg)
+        if (*family, cfg.batch_size_per_device) in impossible:
+            continue
+        tokens = cfg.batch_size_per_device / cfg.sequence_parallel
         ruled_out = any(
-            key[:3] == family and key[3] <= cfg.batch_size_per_device and c <= worst
+            key[:2] == (cfg.sharding, cfg.cpu_offload) and key[2] <= tokens and c <= worst
             for key, worst in too_big.items()
         )
         if ruled_out:
@@ -406,7 +412,7 @@ def _best_first(
             peak, basis = memory.of(cfg, layers, pinned)
         except ValueError as err:
             progress(f"  not possible: {describe(cfg)}: {str(err).splitlines()[0]}")
-            too_big[(*family, cfg.batch_size_per_device)] = layers
+            impossible.add((*family, cfg.batch_size_per_device))
             continue
         required = peak + memory.margin.bytes_for(peak)
         fits = required <= memory.gpu.memory_bytes
@@ -414,7 +420,7 @@ def _best_first(
             cand, peak_bytes=peak, required_bytes=required, fits=fits, memory_basis=basis
         )
         if not fits:
-            key = (*family, cfg.batch_size_per_device)
+            key = (cfg.sharding, cfg.cpu_offload, tokens)
             too_big[key] = max(too_big.get(key, -1), c)
             if closest is None or (closest.required_bytes or 0) > required:
                 closest = checked
@@ -536,25 +542,3 @@ def choice_record(
         "report": format_search(result, gpu),
         **result.to_dict(),
     }
-
-
-def auto_choice(argv: list[str]) -> dict[str, Any]:
-    """What `--auto` picks for a command line (training flags and the planner's: --nodes,
-    --gpus_per_node, --gpu_memory with a GPU kind), as the GPU kit's `*-auto` rows ask before
-    they run: the record of `choice_record` (its "flags" to add to the row's command, its
-    "predicted" tokens/s per GPU, step seconds and peak bytes). ValueError when nothing fits or
-    the command cannot be planned."""
-    from fsdp_utils.config.parse import parse_config
-    from fsdp_utils.plan.cli import Target, make_parser
-    from fsdp_utils.plan.speed import speed_model
-
-    config, args = parse_config([*argv, *([] if "--auto" in argv else ["--auto"])], make_parser())
-    target = Target.from_args(args, config)
-    speed = speed_model(config, target.gpu, required="--auto")
-    assert speed is not None
-    if target.gpu is None:
-        raise ValueError("auto_choice needs --gpu_memory (a GPU kind: h100-80gb, h200, ...).")
-    result = search(config, target.cluster, target.gpu, speed, margin=target.margin)
-    if result.winner is None:
-        raise ValueError(f"--auto: no configuration of {config.model} fits {target.gpu.name}.")
-    return choice_record(config, result, target.cluster, target.gpu, speed)

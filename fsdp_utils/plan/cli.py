@@ -15,6 +15,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.config.parse import build_parser, parse_config
@@ -314,3 +315,23 @@ def _auto(config: TrainConfig, target: Target, speed: SpeedModel, args: argparse
         write_json_atomic(Path(args.save_json), record)
     print(json.dumps(record, indent=2) if args.json else format_search(result, gpu), flush=True)
     return EXIT_FITS
+
+
+def auto_choice(argv: list[str]) -> dict[str, Any]:
+    """What `--auto` picks for a command line (training flags and the planner's: --nodes,
+    --gpus_per_node, --gpu_memory with a GPU kind), as the GPU kit's `*-auto` rows ask before
+    they run: the record of `choice_record` (its "flags" to add to the row's command, its
+    "predicted" tokens/s per GPU, step seconds and peak bytes). ValueError when nothing fits or
+    the command cannot be planned."""
+    from fsdp_utils.plan.auto import choice_record, search
+
+    config, args = parse_config([*argv, *([] if "--auto" in argv else ["--auto"])], make_parser())
+    target = Target.from_args(args, config)
+    speed = speed_model(config, target.gpu, required="--auto")
+    assert speed is not None
+    if target.gpu is None:
+        raise ValueError("auto_choice needs --gpu_memory (a GPU kind: h100-80gb, h200, ...).")
+    result = search(config, target.cluster, target.gpu, speed, margin=target.margin)
+    if result.winner is None:
+        raise ValueError(f"--auto: no configuration of {config.model} fits {target.gpu.name}.")
+    return choice_record(config, result, target.cluster, target.gpu, speed)
