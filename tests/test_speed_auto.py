@@ -28,7 +28,7 @@ from fsdp_utils.synthetic import tiny_model_config
 
 REPO = Path(__file__).resolve().parent.parent
 NO_MARGIN = Margin(runtime_bytes=0, allocator_fraction=0.0)
-LAYERS = 4
+LAYERS = 3
 CLUSTER = Cluster(1, 2)
 
 
@@ -48,7 +48,7 @@ def model(tmp_path_factory) -> Path:
 def _config(model: Path, **overrides) -> TrainConfig:
     values = {
         "model": str(model), "total_batch_size": 8, "batch_size_per_device": 2,
-        "max_seq_length": 256, "precision": "fp32",
+        "max_seq_length": 128, "precision": "fp32",
     }  # fmt: skip
     return TrainConfig(**{**values, **overrides})
 

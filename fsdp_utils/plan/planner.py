@@ -186,8 +186,9 @@ def _max_batch_plan(
 # gradients, optimizer state: 16 bytes per parameter with AdamW) exceeds the GPU, and changes
 # that only cut activations when the state is what does not fit. Those that fit are ordered by
 # the step-time model's tokens/s (without a GPU kind: the order they are tried in, below: the
-# batch, sharding, checkpointing, sequence parallelism, more nodes, SGD), and --cpu_offload,
-# an order of magnitude slower (1/15 of the eager speed on the H100), comes last.
+# batch, sharding, checkpointing, sequence parallelism, more nodes), and --cpu_offload, an
+# order of magnitude slower (1/15 of the eager speed on the H100), comes last. --optimizer sgd,
+# which changes the optimizer, is tried only when no other change fits.
 
 
 @dataclass
@@ -289,18 +290,24 @@ def _fixes(
             )
     _sequence_parallel(config, cluster, tries)
     _more_gpus(config, cluster, tries)
-    if config.optimizer == "adamw":
-        tries.attempt(
-            "--optimizer sgd",
-            "no AdamW moments, but a different optimizer: retune the learning rate",
-            config.replace(optimizer="sgd", momentum=0.0),
-        )
     if not config.cpu_offload:
         tries.attempt(
             "--cpu_offload",
             "state in host RAM, optimizer step on the CPU: much slower",
             config.replace(cpu_offload=True),
         )
+    if config.optimizer == "adamw":
+        if any(fix.fits for fix in tries.fixes):
+            tries.skip(
+                "--optimizer sgd",
+                "it changes the optimizer (retune the learning rate), and other changes fit",
+            )
+        else:
+            tries.attempt(
+                "--optimizer sgd",
+                "no AdamW moments, but a different optimizer: retune the learning rate",
+                config.replace(optimizer="sgd", momentum=0.0),
+            )
     return _ordered(tries.fixes), tries.skipped
 
 
