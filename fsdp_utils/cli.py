@@ -162,12 +162,18 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
 def _predicted_speed(trainer: Trainer) -> Any:
     """Rank 0: the step-time model's prediction for this run, handed to the trainer as data
     (`Trainer.speed_check`); None where nothing predicts it (a CPU --calibrate has not
-    measured). Imported only then: most test runs are on such CPUs."""
-    from fsdp_utils.plan.site import calibrated_device, cpu_key
+    measured). The planner is imported only then (a tenth of a second): most CPU runs have no
+    calibration file at all."""
+    from fsdp_utils.config.layout import site_calibration_file
 
     config = trainer.config
-    if trainer.env.device.type == "cpu" and calibrated_device(cpu_key(), config) is None:
-        return None
+    if trainer.env.device.type == "cpu":
+        if not site_calibration_file().is_file():
+            return None
+        from fsdp_utils.plan.site import calibrated_device, cpu_key
+
+        if calibrated_device(cpu_key(), config) is None:
+            return None
     from fsdp_utils.run.speed import predict_run
 
     speed, line = predict_run(config, trainer.env)

@@ -21,7 +21,7 @@ from fsdp_utils.plan import main, plan_memory, site
 from fsdp_utils.plan.auto import _Memory, search
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, GPU_PRESETS, Gpu
-from fsdp_utils.plan.planner import evaluate
+from fsdp_utils.plan.planner import evaluate as _REAL_EVALUATE
 from fsdp_utils.plan.report import Margin
 from fsdp_utils.plan.speed import speed_model
 from fsdp_utils.synthetic import tiny_model_config
@@ -36,6 +36,38 @@ CLUSTER = Cluster(1, 2)
 def _own_site(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(site.SITE_ENV, str(tmp_path_factory.mktemp("site")))
     site._FITS.clear()
+
+
+_PLANS: dict[tuple, object] = {}
+
+
+def _evaluate_once(config, cluster, gpu, margin, *, full_trace=False):
+    """`planner.evaluate`, each configuration traced once in this module: the search, the
+    fixes and the tests plan the same ones again (no and every layer checkpointed, the
+    winner), and a trace on fake tensors has no randomness (as tests/test_plan_estimate.py
+    does). The key counts the checkpointed layers, however the flags say it."""
+    from fsdp_utils.plan.workload import checkpointed_layers
+
+    layers = json.loads((Path(config.model) / "config.json").read_text())["num_hidden_layers"]
+    normal = config.replace(
+        checkpoint_layers=checkpointed_layers(config, layers),
+        gradient_checkpointing=False,
+        checkpoint_every_n_layers=1,
+        auto=False,
+        auto_keep="",
+    )
+    key = (normal.to_json(), cluster, gpu, margin, full_trace)
+    if key not in _PLANS:
+        _PLANS[key] = _REAL_EVALUATE(config, cluster, gpu, margin, full_trace=full_trace)
+    return _PLANS[key]
+
+
+@pytest.fixture(autouse=True)
+def _trace_each_configuration_once(monkeypatch):
+    from fsdp_utils.plan import auto, planner
+
+    monkeypatch.setattr(planner, "evaluate", _evaluate_once)
+    monkeypatch.setattr(auto, "evaluate", _evaluate_once)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +91,7 @@ def checkpointing(model) -> dict[int, int]:
     peaks = {}
     for c in range(LAYERS + 1):
         config = _config(model, checkpoint_layers=c)
-        peaks[c] = evaluate(config, CLUSTER, None, NO_MARGIN).peak_bytes
+        peaks[c] = _evaluate_once(config, CLUSTER, None, NO_MARGIN).peak_bytes
     return peaks
 
 
@@ -75,7 +107,7 @@ def test_the_bound_between_traced_plans_holds_and_falls(model, checkpointing):
         assert bound[c] >= checkpointing[c]
     assert all(bound[c + 1] <= bound[c] for c in range(LAYERS))
     assert checkpointing[LAYERS] < checkpointing[0]
-    assert memory.traced == 2  # none and every layer, each traced once
+    assert memory.traced == 2  # none and every layer, each planned once
 
 
 def test_auto_picks_the_fewest_checkpointed_layers_that_fit(model, checkpointing):

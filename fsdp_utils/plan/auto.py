@@ -64,10 +64,6 @@ class Candidate:
     fits: bool | None = None
     memory_basis: str = ""  # "traced", or the bound between two traced plans
 
-    @property
-    def layers_checkpointed(self) -> int:
-        return checkpointed_layers(self.config, model_facts(self.config).layers)
-
     def settings(self) -> dict[str, Any]:
         return resolved_settings(self.config)
 
@@ -173,7 +169,6 @@ class _Memory:
         self.progress, self.full_trace = progress, full_trace
         self.plans: dict[tuple[Any, ...], MemoryPlan] = {}
         self.traced = 0
-        self.failed: dict[tuple[Any, ...], str] = {}
 
     def _plan(self, config: TrainConfig, key: tuple[Any, ...]) -> MemoryPlan:
         if key not in self.plans:

@@ -16,13 +16,14 @@ devices of the same source (fsdp_utils/plan/efficiency.py): `--plan` says how ma
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from fsdp_utils.atomic import write_text_atomic
+from fsdp_utils.config.layout import SITE_ENV as SITE_ENV  # re-exported: the tests set it
+from fsdp_utils.config.layout import site_calibration_file, site_dir
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.efficiency import SpeedRow, fit
 from fsdp_utils.plan.hardware import (
@@ -33,7 +34,6 @@ from fsdp_utils.plan.hardware import (
 )
 from fsdp_utils.plan.step_time import CALIBRATED_PRIOR, Device, Efficiency
 
-SITE_ENV = "FSDP_UTILS_SITE_DIR"
 # A GPU node's host running an offloaded optimizer step: the bytes/s of AdamW's traffic. Not
 # published for any kind (it is the host's memory and cores): assumed, --calibrate measures it.
 HOST_OPTIMIZER_BANDWIDTH = 20e9
@@ -45,15 +45,8 @@ GPU_DISPATCH_S = 8e-6
 GPU_FSDP_GROUP_S = 0.5e-3
 
 
-def site_dir() -> Path:
-    if os.environ.get(SITE_ENV):
-        return Path(os.environ[SITE_ENV]).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "fsdp_utils" / "site"
-
-
 def calibration_file() -> Path:
-    return site_dir() / "calibration.json"
+    return site_calibration_file()
 
 
 def runs_file() -> Path:
