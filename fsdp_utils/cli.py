@@ -96,12 +96,27 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
     env = dist_utils.init_distributed(config.device, config.collective_timeout_minutes)
     trainer = None
     clean = False
+    speed = None
     try:
+        notes: list[str] = []
+        if config.auto:  # the choice, made once before the model: fsdp_utils/run/speed.py
+            from fsdp_utils.run.speed import resolve_auto
+
+            config, notes = resolve_auto(config, env)
         trainer = open_trainer(config, env)
+        for note in notes:
+            trainer.log.info(note)
         trainer.setup()
+        if env.is_main and trainer.stopped_early is None:
+            speed = _predicted_speed(trainer)
         if after_setup is not None and trainer.stopped_early is None:
             after_setup(trainer)
         summary = trainer.train()
+        if speed is not None:
+            from fsdp_utils.run.speed import record_run
+
+            if (line := record_run(trainer.config, speed, env)) is not None:
+                trainer.log.info(line)
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
         if final is not None and config.eval_tasks:
@@ -165,6 +180,32 @@ def _started_and_failed(config: TrainConfig, err: BaseException) -> None:
             layout, "failed", f"{type(err).__name__}: {err}"[:2000], step=0,
             max_training_steps=config.max_training_steps, user_error=str(err),
         )  # fmt: skip
+
+
+def _predicted_speed(trainer: Trainer) -> Any:
+    """Rank 0: the step-time model's prediction for this run, handed to the trainer as data
+    (`Trainer.speed_check`); None where nothing predicts it (a CPU --calibrate has not
+    measured). The planner is imported only then (a tenth of a second): most CPU runs have no
+    calibration file at all."""
+    from fsdp_utils.config.layout import site_calibration_file
+
+    config = trainer.config
+    if trainer.env.device.type == "cpu":
+        if not site_calibration_file().is_file():
+            return None
+        from fsdp_utils.plan.site import calibrated_device, cpu_key
+
+        if calibrated_device(cpu_key(), config) is None:
+            return None
+    from fsdp_utils.run.speed import predict_run
+
+    speed, line = predict_run(config, trainer.env)
+    if line is not None:
+        trainer.log.info(line)
+    if speed is not None:
+        trainer.log.info(speed.line)
+        trainer.speed_check = speed.check
+    return speed
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -21,6 +21,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nor the user's speed site (fsdp_utils/plan/site.py): no calibration read, no finished run's
+# row appended; a test that wants one writes it here.
+os.environ["FSDP_UTILS_SITE_DIR"] = tempfile.mkdtemp(prefix="fsdp-utils-tests-site-")
 # Python caches each module's compiled code (__pycache__, as for any user) unless told not to;
 # this project's machines set PYTHONDONTWRITEBYTECODE, and each of the suite's ~150 fresh
 # processes (torchrun's workers, Slurm jobs) then compiled this package again: ~0.3-0.5 s each.

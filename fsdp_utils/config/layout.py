@@ -19,8 +19,25 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+SITE_ENV = "FSDP_UTILS_SITE_DIR"
+
+
+def site_dir() -> Path:
+    """Where the step-time model keeps what it learns of this site (fsdp_utils/plan/site.py):
+    $FSDP_UTILS_SITE_DIR, else $XDG_CACHE_HOME/fsdp_utils/site, else ~/.cache/fsdp_utils/site."""
+    if os.environ.get(SITE_ENV):
+        return Path(os.environ[SITE_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "fsdp_utils" / "site"
+
+
+def site_calibration_file() -> Path:
+    """The site's calibrations (`python -m fsdp_utils.plan --calibrate` writes them)."""
+    return site_dir() / "calibration.json"
 
 
 @dataclass(frozen=True)

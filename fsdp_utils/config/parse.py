@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from fsdp_utils.arguments import ArgumentParser, did_you_mean
 from fsdp_utils.config.model_path import with_model_path
+from fsdp_utils.config.options.parallelism import AUTO_PINNED_BY, AUTO_SETTINGS, auto_kept
 from fsdp_utils.config.train_config import SECTIONS, TrainConfig, validate_config
 
 # --- command line and config files ---------------------------------------------------------
@@ -203,10 +204,28 @@ def parse_config(
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_config_file(args.config))
+    from_file = dict(values)
     field_names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values.update({k: v for k, v in vars(args).items() if k in field_names})
+    given = {k: v for k, v in vars(args).items() if k in field_names}
+    values.update(given)
     config = config_from_dict(values, source="the command line and config file")
+    if config.auto:
+        config = _pin_given_settings(config, given, from_file)
     return with_model_path(config), args
+
+
+def _pin_given_settings(
+    config: TrainConfig, given: dict[str, Any], from_file: dict[str, Any]
+) -> TrainConfig:
+    """--auto keeps what the user set: a flag --auto would choose given on the command line,
+    or set in a --config file to another value than its default, joins --auto_keep (a config
+    file written by the toolkit holds every field: its defaults pin nothing)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    names = set(given) | {k for k, v in from_file.items() if v != defaults.get(k, v)}
+    pinned = {AUTO_PINNED_BY.get(name, name) for name in names} & set(AUTO_SETTINGS)
+    kept = auto_kept(config)
+    kept += sorted(pinned - set(kept), key=AUTO_SETTINGS.index)
+    return config.replace(auto_keep=",".join(kept))
 
 
 # The section of a command's own options in `--help`, before the config's sections.

@@ -136,6 +136,16 @@ def validate_config(config: TrainConfig) -> None:
         )
     if config.method == "grpo":
         _check_grpo(config)
+    if config.auto_keep and not config.auto:
+        raise ValueError(
+            "--auto_keep says what --auto must not change, and --auto is not given: add "
+            "--auto, or drop --auto_keep."
+        )
+    if config.auto and config.no_fsdp:
+        raise ValueError(
+            "--auto chooses among FSDP2's settings; --no_fsdp (DDP) has none to choose. Drop "
+            "one of them."
+        )
     if config.method == "dpo" and config.train_on_prompt:
         raise ValueError(
             "--train_on_prompt with --method dpo: DPO compares the answers given the same "

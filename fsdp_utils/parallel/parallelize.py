@@ -68,10 +68,17 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, layers: list[nn.Module], every_n: int = 1, *, mode: str = "layer"
+    model: nn.Module,
+    layers: list[nn.Module],
+    every_n: int = 1,
+    *,
+    first_n: int | None = None,
+    mode: str = "layer",
 ) -> list[nn.Module]:
     """Wrap every `every_n`-th decoder layer in a non-reentrant checkpoint wrapper, in place:
-    whole-layer or op-level (`mode`, `selective_checkpoint.wrap_layer`).
+    whole-layer or op-level (`mode`, `selective_checkpoint.wrap_layer`); with `first_n`
+    (--checkpoint_layers), only the first `first_n` layers, whose activations are held longest:
+    their backward comes last.
 
     Returns the decoder layers as they now are in the model (wrapped or not), in order.
     """
@@ -81,7 +88,7 @@ def apply_activation_checkpointing(
             parents[id(child)] = (module, child_name)
     result = []
     for index, layer in enumerate(layers):
-        if index % every_n != 0:
+        if index % every_n != 0 or (first_n is not None and index >= first_n):
             result.append(layer)
             continue
         parent, child_name = parents[id(layer)]
@@ -109,9 +116,13 @@ def parallelize(
     """
     if config.sequence_parallel > 1:
         use_split_attention(model)
-    if config.gradient_checkpointing:
+    if config.gradient_checkpointing or config.checkpoint_layers:
         layers = apply_activation_checkpointing(
-            model, layers, config.checkpoint_every_n_layers, mode=config.checkpoint_mode
+            model,
+            layers,
+            config.checkpoint_every_n_layers,
+            first_n=config.checkpoint_layers,
+            mode=config.checkpoint_mode,
         )
     if config.compile:
         apply_compile(model, layers, config.compile_scope)
@@ -197,14 +208,8 @@ def describe_parallelism(config: TrainConfig, world_size: int) -> str:
     extras = []
     if config.sequence_parallel > 1:
         extras.append(f"sequence parallel {config.sequence_parallel} (Ulysses)")
-    if config.gradient_checkpointing:
-        every = config.checkpoint_every_n_layers
-        op = " (op-level: attention and every second matmul saved)"
-        extras.append(
-            "activation checkpointing"
-            + (f" every {every} layers" if every > 1 else "")
-            + (op if config.checkpoint_mode == "op" else "")
-        )
+    if (checkpointing := describe_checkpointing(config)) is not None:
+        extras.append(checkpointing)
     if config.cpu_offload:
         extras.append("CPU offload")
     if config.reshard_last_layer:
@@ -215,6 +220,21 @@ def describe_parallelism(config: TrainConfig, world_size: int) -> str:
         extras.append(f"float8 {config.float8}")
     sync = "on last micro-batch" if config.defer_grad_sync else "every micro-batch"
     return ", ".join([kind, *extras, f"grad sync {sync}"])
+
+
+def describe_checkpointing(config: TrainConfig) -> str | None:
+    """'activation checkpointing', '... every 2 layers', '... of the first 12 layers', with
+    '(op-level: ...)' under --checkpoint_mode op; None when no layer is checkpointed."""
+    op = " (op-level: attention and every second matmul saved)"
+    mode = op if config.checkpoint_mode == "op" else ""
+    if config.checkpoint_layers is not None:
+        if config.checkpoint_layers == 0:
+            return None
+        return f"activation checkpointing of the first {config.checkpoint_layers} layers{mode}"
+    if not config.gradient_checkpointing:
+        return None
+    every = config.checkpoint_every_n_layers
+    return "activation checkpointing" + (f" every {every} layers" if every > 1 else "") + mode
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

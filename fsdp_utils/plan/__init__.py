@@ -5,6 +5,9 @@
 
 `plan_memory` traces one training step of the exact configuration on fake tensors (config.json
 only, no weights, no GPU) and measures it with PyTorch's FSDP memory tracker; see estimate.py.
+Beside it, how fast the run will go: the step-time model (step_time.py, its rates in
+hardware.py and site.py, its fitted shares in efficiency.py), `--auto`'s search for the fastest
+configuration that fits (auto.py), `--scaling` (scaling.py) and `--calibrate` (calibrate.py).
 """
 
 from fsdp_utils.model.transforms import ModelInfo

@@ -8,17 +8,24 @@ Exit status: 0 it fits (or no GPU size was given), 1 it does not fit, 2 it canno
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
+from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan
 from fsdp_utils.plan.search import batch_candidates, resolved_total_batch
+from fsdp_utils.plan.speed import SpeedModel, speed_model
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_CANNOT_PLAN, EXIT_CRASHED = 0, 1, 2, 3
 DEFAULT_MARGIN = Margin()  # its defaults live in report.Margin, the one place to calibrate
@@ -88,6 +95,27 @@ def make_parser() -> argparse.ArgumentParser:
         "model (same result when its layers are alike, several times slower).",
     )
     what.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    speed = parser.add_argument_group("speed (the step-time model: docs/plan.md)")
+    speed.add_argument(
+        "--scaling",
+        action="store_true",
+        help="Print the predicted tokens/s per GPU and step time from 1 to 1,024 GPUs, full "
+        "against hybrid sharding (the batch per GPU held), and exit.",
+    )
+    speed.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="Measure this node's matmul rate, memory bandwidth, operator launch time, "
+        "collectives between --gpus_per_node processes (NCCL on GPUs, gloo with --device "
+        "cpu) and the host's optimizer step, in about a minute, and write them to the site "
+        "file the next plan reads ($FSDP_UTILS_SITE_DIR/calibration.json).",
+    )
+    what.add_argument(
+        "--save_json",
+        metavar="FILE",
+        help="Also write the plan (with --auto: the choice, its predictions and why) to FILE as "
+        "JSON (the sbatch preflight writes <output_dir>/auto.json, which the run reads).",
+    )
     return parser
 
 
@@ -102,19 +130,28 @@ class Target:
     full_trace: bool = False
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Target:
+    def from_args(cls, args: argparse.Namespace, config: TrainConfig | None = None) -> Target:
         nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
         gpus = args.gpus_per_node or os.environ.get("SLURM_GPUS_ON_NODE")
         if gpus is None:
             raise ValueError(
-                "How many GPUs per node will the run have? Give --gpus_per_node (e.g. 4), and "
-                "--nodes if more than one."
+                "How many GPUs per node will the run have? Give --gpus_per_node (e.g. 4; with "
+                "--device cpu the processes per node), and --nodes if more than one."
             )
-        gpu = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else detect_gpu()
+        on_cpu = config is not None and config.device == "cpu"
+        gpu = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else None
+        if gpu is None and not on_cpu:
+            gpu = detect_gpu()
         margin = Margin(parse_size(args.margin_runtime, "--margin_runtime"), args.margin_allocator)
         return cls(nodes, int(gpus), gpu, margin, args.full_trace)
 
-    def plan(self, config: TrainConfig, *, suggest_fixes: bool) -> MemoryPlan:
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(self.nodes, self.gpus_per_node)
+
+    def plan(
+        self, config: TrainConfig, *, suggest_fixes: bool, speed: SpeedModel | None = None
+    ) -> MemoryPlan:
         return plan_memory(
             config,
             nodes=self.nodes,
@@ -125,6 +162,7 @@ class Target:
             suggest_fixes=suggest_fixes,
             progress=_progress,
             full_trace=self.full_trace,
+            speed=speed,
         )
 
 
@@ -177,11 +215,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config.to_json())
             return EXIT_FITS
-        target = Target.from_args(args)
+        target = Target.from_args(args, config)
+        if args.calibrate:
+            from fsdp_utils.plan.calibrate import calibrate_node
+
+            print(calibrate_node(config, target.gpus_per_node, progress=_progress), flush=True)
+            return EXIT_FITS
+        required = "--auto" if config.auto else "--scaling" if args.scaling else ""
+        speed = speed_model(config, target.gpu, required=required)
+        if args.scaling:
+            from fsdp_utils.plan.scaling import format_scaling, scaling_rows
+
+            assert speed is not None
+            print(format_scaling(scaling_rows(config, target.gpus_per_node, speed), speed))
+            return EXIT_FITS
+        if config.auto:
+            assert speed is not None
+            return _auto(config, target, speed, args)
         if args.find_max_batch:
             plan, summary = find_max_batch_report(config, target, suggest_fixes=not args.no_fixes)
+            if speed is not None:
+                plan = dataclasses.replace(
+                    plan,
+                    step_time=speed.predict(plan.config, target.cluster),
+                    speed_note=speed.describe(),
+                )
         else:
-            plan, summary = target.plan(config, suggest_fixes=not args.no_fixes), ""
+            plan = target.plan(config, suggest_fixes=not args.no_fixes, speed=speed)
+            summary = ""
     except ValueError as err:
         print(f"\nerror: {err}\n", file=sys.stderr, flush=True)
         return EXIT_CANNOT_PLAN
@@ -195,8 +256,82 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return EXIT_CRASHED
+    if args.save_json:
+        write_json_atomic(Path(args.save_json), plan.to_dict())
     if args.json:
         print(plan.to_json())
     else:
         print(f"{summary}\n\n{format_plan(plan)}" if summary else format_plan(plan))
     return EXIT_DOES_NOT_FIT if plan.fits is False else EXIT_FITS
+
+
+def _host_memory_per_process(processes: int) -> Gpu:
+    """--device cpu without --gpu_memory: the host's available memory shared by its processes."""
+    available = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not available:
+        raise ValueError("--auto --device cpu: give --gpu_memory as the memory per process.")
+    return Gpu("host memory per process", available // processes)
+
+
+def _auto(config: TrainConfig, target: Target, speed: SpeedModel, args: argparse.Namespace) -> int:
+    """`--plan --auto`: the search, its table (or JSON), the choice file; exit 1 with the
+    planner's cheapest fixes when nothing fits."""
+    from fsdp_utils.plan.auto import choice_record, format_search, search
+
+    gpu = target.gpu
+    if gpu is None:
+        if config.device != "cpu":
+            raise ValueError(
+                "--auto needs the GPU's memory and kind: give --gpu_memory (a100-80gb, h100, ...)."
+            )
+        gpu = _host_memory_per_process(target.gpus_per_node)
+    cluster = target.cluster
+    result = search(
+        config, cluster, gpu, speed, margin=target.margin, progress=_progress,
+        full_trace=target.full_trace,
+    )  # fmt: skip
+    if result.winner is None:  # what would make it fit: the planner's fixes on the request
+        plan = plan_memory(
+            config, nodes=target.nodes, gpus_per_node=target.gpus_per_node,
+            gpu_memory_bytes=gpu.memory_bytes, gpu_name=gpu.name, margin=target.margin,
+            progress=_progress, full_trace=target.full_trace, speed=speed,
+        )  # fmt: skip
+        if args.json:
+            print(json.dumps({**result.to_dict(), "plan": plan.to_dict()}, indent=2))
+        else:
+            print(
+                "--auto: no configuration fits "
+                f"({result.considered:,} timed, {result.traced} traced).\n\n{format_plan(plan)}"
+            )
+        return EXIT_DOES_NOT_FIT
+    record = choice_record(config, result, cluster, gpu, speed)
+    if args.save_json:
+        write_json_atomic(Path(args.save_json), record)
+    print(json.dumps(record, indent=2) if args.json else format_search(result, gpu), flush=True)
+    return EXIT_FITS
+
+
+def auto_choice(argv: list[str]) -> dict[str, Any]:
+    """What `--auto` picks for a command line (training flags and the planner's: --nodes,
+    --gpus_per_node, --gpu_memory with a GPU kind), as the GPU kit's `*-auto` rows ask before
+    they run: the record of `choice_record` (its "flags" to add to the row's command, its
+    "predicted" tokens/s per GPU, step seconds and peak bytes). ValueError when nothing fits or
+    the command cannot be planned."""
+    from fsdp_utils.plan.auto import choice_record, search
+
+    config, args = parse_config([*argv, *([] if "--auto" in argv else ["--auto"])], make_parser())
+    target = Target.from_args(args, config)
+    speed = speed_model(config, target.gpu, required="--auto")
+    assert speed is not None
+    if target.gpu is None:
+        raise ValueError("auto_choice needs --gpu_memory (a GPU kind: h100-80gb, h200, ...).")
+    result = search(config, target.cluster, target.gpu, speed, margin=target.margin)
+    if result.winner is None:
+        raise ValueError(f"--auto: no configuration of {config.model} fits {target.gpu.name}.")
+    return choice_record(config, result, target.cluster, target.gpu, speed)

@@ -446,6 +446,7 @@ def _extrapolated(
     if pattern is None:
         return None, why_layers_differ(model) or "its decoder layers do not repeat"
     # Copies grow by whole checkpointing periods and whole periods of the layers' pattern.
+    # (--checkpoint_layers between 0 and all: the layers differ, `layer_period` said so above)
     checkpointing = config.checkpoint_every_n_layers if config.gradient_checkpointing else 1
     every_n = math.lcm(checkpointing, pattern)
     counts = layer_counts(facts.decoder_layers, every_n, repeating=pattern > 1)

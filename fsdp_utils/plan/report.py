@@ -11,9 +11,11 @@ from fsdp_utils.config.batch import BatchPlan
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.sequence_slices import padded_length
 from fsdp_utils.model.transforms import ModelInfo
+from fsdp_utils.parallel.parallelize import describe_checkpointing
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu
 from fsdp_utils.plan.rollout import RolloutPlan, largest_prompts
+from fsdp_utils.plan.step_time import StepTime
 from fsdp_utils.plan.tracking import Breakdown
 
 
@@ -61,12 +63,14 @@ class Margin:
 
 @dataclass(frozen=True)
 class Fix:
-    """One change to the command line, and what the run then needs per GPU."""
+    """One change to the command line, and what the run then needs per GPU (and, with the
+    step-time model, its predicted tokens/s per GPU)."""
 
     flags: str
     cost: str
     required_bytes: int
     fits: bool
+    tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,11 @@ class MemoryPlan:
     # A method that samples its own completions (GRPO): its rollout phase, beside the update
     # (the breakdown above); the run's peak is the higher of the two.
     rollout: RolloutPlan | None = None
+    # The step-time model's prediction (fsdp_utils/plan/step_time.py), and on what it rests
+    step_time: StepTime | None = None
+    speed_note: str = ""
+    # Candidates the fixes skipped without tracing them, one line each
+    skipped: tuple[str, ...] = ()
 
     @property
     def parameter_bytes(self) -> int:
@@ -238,9 +247,16 @@ class MemoryPlan:
             "trace_seconds": self.trace_seconds,
             "trace_method": self.trace_method,
             "frozen_bytes": self.frozen_bytes,
+            "skipped_fixes": list(self.skipped),
+            **self._speed_dict(),
             **self._rollout_dict(),
             "config": self.config.to_dict(),
         }
+
+    def _speed_dict(self) -> dict[str, Any]:
+        if self.step_time is None:
+            return {}
+        return {"step_time": self.step_time.to_dict(), "speed_basis": self.speed_note}
 
     def _rollout_dict(self) -> dict[str, Any]:
         if self.rollout is None:
@@ -285,9 +301,8 @@ def describe_setup(config: TrainConfig, cluster: Cluster) -> str:
         extras.append(
             f"{'QLoRA' if config.quantize == 'nf4' else 'LoRA'} r={config.lora_r} ({base})"
         )
-    if config.gradient_checkpointing:
-        every = config.checkpoint_every_n_layers
-        extras.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+    if (checkpointing := describe_checkpointing(config)) is not None:
+        extras.append(checkpointing)
     if config.cpu_offload:
         extras.append("CPU offload")
     if config.defer_grad_sync:
@@ -368,10 +383,15 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{plan.state_bytes_per_parameter:.1f} bytes/parameter over {shards} GPU(s); "
         f"planned in {plan.trace_seconds:.1f} s, {plan.trace_method or 'traced'})",
     ]
+    if plan.step_time is not None:
+        lines += ["", f"step time, predicted per GPU ({plan.speed_note}):"]
+        lines += plan.step_time.lines()
     if plan.fixes:
         lines += ["", *format_fixes(plan.fixes)]
     elif plan.fits is False:
         lines += ["", "No single change was tried (--no_fixes)."]
+    if plan.skipped:
+        lines += ["Not tried (they cannot help or cannot run):", *(f"  {s}" for s in plan.skipped)]
     return "\n".join(lines)
 
 
@@ -410,20 +430,23 @@ def format_fixes(fixes: tuple[Fix, ...]) -> list[str]:
     fitting = [f for f in fixes if f.fits]
     others = [f for f in fixes if not f.fits]
     width = max(len(f.flags) for f in fixes)
+    timed = any(f.tokens_per_s is not None for f in fixes)
+
+    def line(f: Fix) -> str:
+        speed = ""
+        if timed:
+            speed = f"  {f.tokens_per_s:>9,.0f} tok/s/GPU" if f.tokens_per_s else " " * 20
+        return f"  {f.flags:<{width}}  needs {f.required_bytes / GIB:6.1f} GiB{speed}  ({f.cost})"
+
     lines: list[str] = []
     if fitting:
-        lines.append("Changes that make it fit, cheapest first:")
-        lines += [
-            f"  {f.flags:<{width}}  needs {f.required_bytes / GIB:6.1f} GiB  ({f.cost})"
-            for f in fitting
-        ]
+        order = "fastest first (predicted), offload last" if timed else "cheapest first"
+        lines.append(f"Changes that make it fit, {order}:")
+        lines += [line(f) for f in fitting]
     else:
         lines.append("No single change makes it fit; combine several of these:")
     if others:
         if fitting:
             lines.append("Not enough on their own:")
-        lines += [
-            f"  {f.flags:<{width}}  needs {f.required_bytes / GIB:6.1f} GiB  ({f.cost})"
-            for f in others
-        ]
+        lines += [line(f) for f in others]
     return lines

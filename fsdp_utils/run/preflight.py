@@ -46,19 +46,30 @@ PLAN_TIMEOUT_S = 600
 
 
 def detect_gpu_memory() -> str | None:
-    """The smallest GPU of this node as a size the planner reads ("81559MiB"), from
-    nvidia-smi; None without GPUs. (nvidia-smi rather than torch.cuda: no CUDA context.)"""
+    """The smallest GPU of this node as the planner reads it: its kind's name where the
+    step-time model knows it ("h100-80gb", so that --auto can time it), else its size
+    ("81559MiB"), from nvidia-smi; None without GPUs. (nvidia-smi rather than torch.cuda: no
+    CUDA context.)"""
+    from fsdp_utils.plan.hardware import MIB, Gpu, spec_key
+
     try:
         result = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    sizes = [int(x) for x in result.stdout.split() if x.strip().isdigit()]
-    return f"{min(sizes)}MiB" if result.returncode == 0 and sizes else None
+    gpus = []
+    for line in result.stdout.splitlines():
+        name, _, mib = line.rpartition(",")
+        if mib.strip().isdigit():
+            gpus.append((int(mib), name.strip()))
+    if result.returncode != 0 or not gpus:
+        return None
+    smallest, name = min(gpus)
+    return spec_key(Gpu(name, smallest * MIB)) or f"{smallest}MiB"
 
 
 class CheckedRun(NamedTuple):
@@ -153,6 +164,12 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
             "--nodes", str(nodes), "--gpus_per_node", str(world_size // nodes),
             "--gpu_memory", gpu_memory, "--no_fixes",
         ]  # fmt: skip
+        if config.auto:  # the choice, made here once for every leg (fsdp_utils/run/speed.py)
+            from fsdp_utils.run.speed import auto_file
+
+            choice = auto_file(config)
+            choice.parent.mkdir(parents=True, exist_ok=True)
+            command += ["--auto", "--save_json", str(choice)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
             result = subprocess.run(
@@ -180,6 +197,9 @@ def read_plan(returncode: int, stdout: str, stderr: str, *, rerun: str) -> str:
 
     verdict = next((line for line in stdout.splitlines() if line.startswith("verdict:")), "")
     verdict = verdict.removeprefix("verdict: ")
+    chosen = next((line for line in stdout.splitlines() if line.startswith("chosen:")), "")
+    if returncode == EXIT_FITS and chosen:  # --auto: the choice the run reads back
+        return f"auto: {chosen} (the run folder's auto.json; the run applies it)\n{stdout.strip()}"
     if returncode == EXIT_FITS:
         return f"memory plan: {verdict or 'fits'}"
     if returncode == EXIT_DOES_NOT_FIT and verdict.startswith("DOES NOT FIT"):

@@ -40,6 +40,7 @@ from fsdp_utils.hub.resolve import ResolvedAssets
 from fsdp_utils.methods.base import Examples, Method, MethodContext, StepParts
 from fsdp_utils.methods.registry import build_method
 from fsdp_utils.metrics.logger import RunLogger, Stopwatch
+from fsdp_utils.metrics.prediction import SpeedCheck
 from fsdp_utils.metrics.profile import StepProbes
 from fsdp_utils.metrics.records import run_config_record, write_run_config, write_status
 from fsdp_utils.metrics.throughput import (
@@ -106,6 +107,8 @@ class Trainer:
     work_only: str | None = None
     samples: SamplePrompts | None = None  # --sample_prompts
     _compile_counts: CompileCounts | None = None  # --compile: the last ones logged
+    # The step-time model's prediction, given by the run (fsdp_utils/run/speed.py, rank 0)
+    speed_check: SpeedCheck | None = None
 
     def __init__(
         self, config: TrainConfig, env: DistEnv, *, plan: BatchPlan, assets: ResolvedAssets
@@ -350,6 +353,8 @@ class Trainer:
                 self._periodic_save()
             watch.lap()  # eval and save time is not step time
         self.probes.close()
+        if self.speed_check is not None:  # a run too short for the usual comparison
+            self._compare_speed(self.speed_check.report(self.state.step))
         final_eval = None
         if not config.eval_every or self.state.step % config.eval_every:
             final_eval = self.evaluate()
@@ -422,7 +427,16 @@ class Trainer:
             **memory_snapshot(self.env.device),
         }
         self.log.step(record)
+        if self.speed_check is not None:
+            self._compare_speed(self.speed_check.observe(record))
         return record
+
+    def _compare_speed(self, lines: list[str]) -> None:
+        """The measured throughput and peak beside the prediction, once (metrics.jsonl too)."""
+        if lines and self.speed_check is not None:
+            self.log.event(
+                "speed_check", "\n".join(lines), step=self.state.step, **self.speed_check.fields()
+            )
 
     def evaluate(self) -> dict[str, Any] | None:
         """Collective: the held-out loss and metrics now (the method's `evaluate`), logged; and

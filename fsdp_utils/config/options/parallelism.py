@@ -68,6 +68,14 @@ class ParallelismOptions:
         default=1,
         metadata=_opt("With --gradient_checkpointing: checkpoint every Nth layer."),
     )
+    checkpoint_layers: int | None = field(
+        default=None,
+        metadata=_opt(
+            "Checkpoint the first N decoder layers (0: none; the layer count or more: all, as "
+            "--gradient_checkpointing): between no and full checkpointing, the memory of N "
+            "layers' activations for their recompute. --auto chooses it."
+        ),
+    )
     sequence_parallel: int = field(
         default=1,
         metadata=_opt(
@@ -179,10 +187,73 @@ class ParallelismOptions:
             "it supports (docs/switches.md). Refused on the CPU."
         ),
     )
+    auto: bool = field(
+        default=False,
+        metadata=_opt(
+            "Choose the fastest configuration that fits, before the first step: sharding, "
+            "--checkpoint_layers, --batch_size_per_device (the total batch held), "
+            "--sequence_parallel, --compile on GPUs, --cpu_offload only when nothing else "
+            "fits (the memory planner and the step-time model: docs/plan.md). A setting you "
+            "give yourself is kept (--auto_keep); the choice and why are in the log, the "
+            "values in config.json, and a requeued leg reuses it."
+        ),
+    )
+    auto_keep: str = field(
+        default="",
+        metadata=_opt(
+            "With --auto: settings it must not change, comma-separated (e.g. "
+            "sharding,batch_size_per_device); any of them given on the command line or in "
+            "--config is added."
+        ),
+    )
+    interconnect: str | None = field(
+        default=None,
+        metadata=_opt(
+            "The network between nodes, for the step time (--plan, --auto): ndr, ndr200, "
+            "hdr, hdr100, edr, eth100, eth25 (default: the GPU kind's usual one)."
+        ),
+    )
+    fabric_gbps: float | None = field(
+        default=None,
+        metadata=_opt("Bandwidth between nodes per GPU in Gb/s (overrides --interconnect)."),
+    )
+
+
+# What --auto chooses (fsdp_utils/plan/auto.py), in the order its log names them.
+AUTO_SETTINGS = (
+    "sharding", "checkpoint_layers", "batch_size_per_device", "sequence_parallel", "compile",
+    "cpu_offload",
+)  # fmt: skip
+# A flag given that pins one of them (--gradient_checkpointing pins the checkpointed layers).
+AUTO_PINNED_BY = {
+    "gradient_checkpointing": "checkpoint_layers",
+    "checkpoint_every_n_layers": "checkpoint_layers",
+    "gradient_accumulation_steps": "batch_size_per_device",
+}
+
+
+def auto_kept(options: ParallelismOptions) -> list[str]:
+    """--auto_keep's names, each one --auto chooses (checked in `check`)."""
+    return [name.strip() for name in options.auto_keep.split(",") if name.strip()]
 
 
 def check(options: ParallelismOptions) -> None:
     check_at_least(options, ("checkpoint_every_n_layers", "sequence_parallel"))
+    if options.checkpoint_layers is not None and options.checkpoint_layers < 0:
+        raise ValueError(
+            f"--checkpoint_layers must be 0 or more (0: none), got {options.checkpoint_layers}."
+        )
+    if options.checkpoint_layers is not None and options.checkpoint_every_n_layers > 1:
+        raise ValueError(
+            "--checkpoint_layers N checkpoints the first N layers; --checkpoint_every_n_layers "
+            "spreads them over the stack: give one of the two."
+        )
+    unknown = [name for name in auto_kept(options) if name not in AUTO_SETTINGS]
+    if unknown:
+        raise ValueError(
+            f"--auto_keep {','.join(unknown)}: not a setting --auto chooses. It chooses "
+            f"{', '.join(AUTO_SETTINGS)}."
+        )
     if options.loss_chunk_size is not None and options.loss_chunk_size < 0:
         raise ValueError(
             f"--loss_chunk_size must be >= 0 (0: unchunked), got {options.loss_chunk_size}."
@@ -197,11 +268,12 @@ def check(options: ParallelismOptions) -> None:
             "--no_fsdp (DDP) cannot be combined with --no_layer_wrap_policy or --cpu_offload, "
             "which are FSDP options."
         )
-    if options.checkpoint_mode != "layer" and not options.gradient_checkpointing:
+    checkpoints = options.gradient_checkpointing or options.checkpoint_layers or options.auto
+    if options.checkpoint_mode != "layer" and not checkpoints:
         raise ValueError(
             f"--checkpoint_mode {options.checkpoint_mode} chooses what activation checkpointing "
-            "keeps, and this run does not checkpoint: add --gradient_checkpointing, or drop "
-            "--checkpoint_mode."
+            "keeps, and this run does not checkpoint: add --gradient_checkpointing (or "
+            "--checkpoint_layers N), or drop --checkpoint_mode."
         )
     if options.no_fsdp and options.sharding != "full":
         raise ValueError("--no_fsdp (DDP) cannot be combined with --sharding.")
