@@ -99,6 +99,10 @@ class ModelFacts:
         )
 
 
+# Of a checkpointed layer's matrix-product FLOPs, what --checkpoint_mode op recomputes (above).
+OP_RECOMPUTE_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class RunShape:
     """The settings of a run the step time depends on (the search varies the first six)."""
@@ -116,6 +120,8 @@ class RunShape:
     weight_decay: bool = False
     fused_optimizer: bool = False
     defer_grad_sync: bool = False
+    checkpoint_ops: bool = False  # --checkpoint_mode op: the checkpointed layers recompute less
+    direct: bool = False  # --single_device_path direct on one process: no FSDP2 copies or hooks
     sequences_per_example: int = 1  # 2 for DPO's pairs, G for GRPO's prompts
 
     @classmethod
@@ -440,8 +446,12 @@ def predict(
     attention = facts.attention_flops_per_token
     linear = facts.useful_flops_per_token - attention
     attention_layer_forward = attention / L / 3
-    recompute_linear = c * 2.0 * facts.layer_matmul_parameters
-    recompute_attention = c * attention_layer_forward
+    # Op-level checkpointing (torchtitan's policy) keeps attention's output and every second
+    # matrix product: half the products by count are recomputed (in a Llama layer k, o and up:
+    # 37% of the 1.1B shape's product FLOPs, so half is the slower side), attention none.
+    op_share = OP_RECOMPUTE_SHARE if shape.checkpoint_ops else 1.0
+    recompute_linear = c * 2.0 * facts.layer_matmul_parameters * op_share
+    recompute_attention = 0.0 if shape.checkpoint_ops else c * attention_layer_forward
     linear_flops = t * (linear + recompute_linear)
     attention_flops = t * CAUSAL_SHARE * (attention + recompute_attention)
     matmul_rate = device.matmul_rate(t, facts.hidden, eff)
@@ -455,7 +465,8 @@ def predict(
     element_rate = device.elementwise_bandwidth or device.memory_bandwidth
     elementwise = element_bytes / element_rate
     ops = m * passes * operators_per_layer(facts) * eff.dispatch * (0.3 if shape.compile else 1.0)
-    hooks = m * (L + 1) * device.fsdp_group_s  # every shard group, every micro-batch
+    # every shard group, every micro-batch (none on the direct path: no FSDP2)
+    hooks = 0.0 if shape.direct else m * (L + 1) * device.fsdp_group_s
     dispatch_cpu = ops * device.dispatch_s + hooks
     gpu_work = compute + elementwise
     dispatch = dispatch_cpu if device.serial_dispatch else max(0.0, dispatch_cpu - gpu_work)
@@ -482,6 +493,10 @@ def predict(
     reduce_copies = syncs * trainable * (compute_b + 3 * reduce_b + 3 * reduce_b / shard)
     if shape.defer_grad_sync:  # the unsharded gradients accumulate between syncs
         reduce_copies += (m - 1) * trainable * 3 * reduce_b
+    if shape.direct:  # each layer casts its fp32 weights itself, once a forward (and a
+        # recompute); the gradients are cast back and accumulated: no copy-in/out
+        copies = (m * (L + 1) + m * c) * (facts.layer_stored_bytes + facts.layer_gathered_bytes)
+        reduce_copies = syncs * trainable * (compute_b + 2 * reduce_b)
     fsdp_copies = (copies + reduce_copies) / device.memory_bandwidth
 
     gather = _collective(facts.layer_gathered_bytes, shard, shard_bw, shard_lat)

@@ -43,9 +43,10 @@ def run_shape(config: TrainConfig, batch: BatchPlan, layers: int) -> RunShape:
         optimizer=config.optimizer,
         momentum=config.momentum > 0,
         weight_decay=config.weight_decay > 0,
-        # levers-a's --fused_optimizer, read where it exists
-        fused_optimizer=bool(getattr(config, "fused_optimizer", False)),
+        fused_optimizer=config.fused_optimizer,
         defer_grad_sync=config.defer_grad_sync,
+        checkpoint_ops=config.checkpoint_mode == "op",
+        direct=config.single_device_path == "direct" and batch.devices == 1,
         sequences_per_example=batch.sequences_per_example,
     )
 
@@ -129,11 +130,11 @@ def facts_from_meta(
         ends_gathered_bytes=max(0, round(ends_gathered)),
         ends_trainable=max(0, ends_trainable),
         adapted_features=_adapted_features(layer) if config.lora else 0,
-        seq_length=config.max_seq_length,
+        seq_length=config.seq_length,
         useful_flops_per_token=training_flops_per_token(
             hf_config, model, info.active_parameters, config
         ),
-        attention_flops_per_token=attention_flops_per_token(text, config.max_seq_length),
+        attention_flops_per_token=attention_flops_per_token(text, config.seq_length),
         trainable_tensors=sum(1 for p in model.parameters() if p.requires_grad),
     )
 
