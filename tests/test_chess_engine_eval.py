@@ -20,14 +20,17 @@ from transformers import AutoTokenizer
 
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, EngineSettings, format_table
+from fsdp_utils.chess_eval.games import PHASES
 from fsdp_utils.chess_eval.judge import EngineNotFound, find_engine
 from fsdp_utils.chess_eval.ladder import OPENINGS, elo_difference, wilson_interval
+from fsdp_utils.chess_eval.referee import board_after
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import held_out_games
 from tests.chess_players import ScriptedPlayer, board_from_prompt, fixed_writer
 
 DEPTH = 6
 GAMES = 8
+FLAKY = Path(__file__).parent / "fake_bin" / "flaky-stockfish"  # dies once a marker file exists
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,13 @@ def test_random_loses_more_than_skill_0_which_loses_more_than_full_strength(move
         name: {(x["position"], x["fen"]) for x in m["move_records"]} for name, m in r.items()
     }
     assert positions["random"] == positions["skill0"] == positions["full"]
-    assert r["full"]["engine_positions"] == 3 * GAMES + len(evaluator.balanced or [])
+    # Each distinct position once (the start position at most once), spread over the phases.
+    prefixes = [*evaluator.prefixes, *(evaluator.balanced or [])]
+    distinct = {board_after(p.moves).epd() for p in prefixes}
+    assert r["full"]["engine_positions"] == len(distinct) < len(prefixes)
+    fens = [x["fen"] for x in r["full"]["move_records"]]
+    assert len(fens) == len(set(fens)) and fens.count(chess.STARTING_FEN) <= 1
+    assert all(r["full"][f"engine_moves_{phase}"] >= GAMES // 2 for phase in PHASES)
     balanced = [x for x in r["full"]["move_records"] if x["phase"] == "balanced"]
     assert balanced and all(abs(x["cp_before"]) <= 100 for x in balanced)
     assert r["full"]["engine_moves"] == r["full"]["engine_positions"]  # all legal, none illegal
@@ -158,9 +167,10 @@ def _stockfish_children() -> list[int]:
     return pids
 
 
-def test_an_engine_killed_mid_run_is_an_error_beside_the_legal_move_figures(games, tokenizer):
-    """The judge's engine dies while the model is writing: the referee's figures stand, the
-    engine's are replaced by the error, and no engine process is left behind."""
+def test_an_engine_killed_mid_run_is_restarted_and_the_figures_stand(games, tokenizer, movers):
+    """The judge's engine dies (SIGKILL) while the model is writing: it is restarted and asked
+    again, the restart is counted and said, the figures are those of the run without, and no
+    engine process is left behind."""
     killed: list[int] = []
 
     def kill_then_move(prompt: str) -> tuple[str, bool]:
@@ -172,11 +182,33 @@ def test_an_engine_killed_mid_run_is_an_error_beside_the_legal_move_figures(game
 
     m = _evaluator(games, tokenizer).run(ScriptedPlayer(tokenizer, kill_then_move))
     assert killed, "the judge's engine was running during generation"
-    assert m["engine_error"] and "stopped answering" in m["engine_error"]
+    assert m["engine_error"] is None and m["engine_restarts"] == 1
+    assert "restarted" in m["engine_notes"][0] and "the process exited" in m["engine_notes"][0]
+    assert m["move_records"] == movers[1]["random"]["move_records"]
+    assert "engine restarts        1" in format_table(m, step=None)
+    assert not _stockfish_children()
+
+
+def test_an_engine_that_keeps_dying_is_an_error_beside_the_legal_move_figures(
+    games, tokenizer, tmp_path, monkeypatch
+):
+    """An engine that dies at every search: restarted twice on the first position, then given
+    up; the referee's figures stand, the engine's are replaced by the error naming it."""
+    marker = tmp_path / "die"
+    marker.touch()
+    monkeypatch.setenv("FLAKY_ENGINE_MARKER", str(marker))
+    settings = EngineSettings(path=str(FLAKY), depth=DEPTH)
+    evaluator = ChessEvaluator(
+        games, tokenizer, template=TrainConfig().template, plies=1, max_seq_length=512, seed=0,
+        batch_size=8, engine=settings,
+    )  # fmt: skip
+    m = evaluator.run(ScriptedPlayer(tokenizer, random_writer))
+    assert m["engine_error"] and "failed 3 times in a row" in m["engine_error"]
+    assert str(FLAKY) in m["engine_error"] and "the process exited" in m["engine_error"]
+    assert m["engine_restarts"] == 2
     assert m["legal_move_rate"] == 1.0 and m["continuations"] == 3 * GAMES
     assert "engine_centipawn_loss" not in m and m["move_records"] == []
     assert "FAILED" in format_table(m, step=None)
-    assert not _stockfish_children()
 
 
 # --- the ladder -------------------------------------------------------------------------
@@ -280,28 +312,80 @@ def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_p
 # --- engine games as data -----------------------------------------------------------------
 
 
-def test_self_play_is_the_same_on_one_and_two_processes_and_remakes_the_shipped_games(tmp_path):
+def _ended_as_recorded(game: dict) -> None:
+    board = chess.Board()
+    for uci in game["Moves"]:
+        board.push_uci(uci)
+    outcome = board.outcome(claim_draw=True)
+    assert outcome is not None and outcome.result() == game["Result"]
+    assert outcome.termination.name == game["Termination"]
+
+
+def test_engine_data_is_the_same_from_one_task_or_three_and_a_requeued_task_skips_done_shards(
+    tmp_path, capsys
+):
+    """The array job's shards: three tasks (as `sbatch --array=0-2` runs them) and one task on
+    two processes write the same files, byte for byte, in laion/strategic_game_chess's schema;
+    the manifest says how and by which engine; a task run again plays only the missing shard."""
     import pyarrow.parquet as pq
 
     from fsdp_utils.chess_eval.judge import engine_version
     from fsdp_utils.chess_eval.selfplay import main as selfplay_main
+    from fsdp_utils.chess_eval.selfplay import read_games, self_play
+
+    common = ["--games", "9", "--shard_games", "2", "--mix", "selfplay:2,vs_random:1,random:1"]
+    three, one = tmp_path / "three", tmp_path / "one"
+    for task in range(3):
+        assert (
+            selfplay_main([*common, "--output", str(three), "--task", str(task), "--tasks", "3"])
+            == 0
+        )
+    assert selfplay_main([*common, "--output", str(one), "--processes", "2"]) == 0
+    names = sorted(p.name for p in one.glob("*.parquet"))
+    assert names == [f"chess_game_{k:04d}.parquet" for k in range(1, 6)]
+    assert names == sorted(p.name for p in three.glob("*.parquet"))
+    for name in names:
+        assert (one / name).read_bytes() == (three / name).read_bytes(), name
+    games = read_games(one)
+    assert [g for g in games] == list(
+        self_play(9, mix=(("selfplay", 2), ("vs_random", 1), ("random", 1)))
+    )
+    for game in games:
+        _ended_as_recorded(game)
+    assert pq.read_table(one / names[0]).column_names == ["Moves", "Termination", "Result"]
+    manifest = json.loads((one / "selfplay.json").read_text())
+    assert manifest == {**manifest, "games": 9, "seed": 0, "depth": 1, "shard_games": 2,
+                        "engine": engine_version(), "tasks": 1}  # fmt: skip
+    assert sum(manifest["games_by_kind"].values()) == 9 and len(manifest["games_by_kind"]) == 3
+    assert manifest["plies"] == sum(len(g["Moves"]) for g in games)
+    other = json.loads((three / "selfplay.json").read_text())
+    assert other["tasks"] == 3
+    assert [s["sha256"] for s in other["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    assert "--mix selfplay:2,vs_random:1,random:1" in manifest["command"]
+    # The data set is the folder: its manifest and the shards' notes are not data files.
+    from fsdp_utils.hub.resolve import resolve_dataset_files
+
+    assert [p.name for p in resolve_dataset_files(str(one))] == names
+
+    # A requeued task: the shards it wrote stay, the one it lost is played again.
+    (three / names[3]).unlink()  # task 0's shards: 1 and 4 of 5
+    capsys.readouterr()
+    assert selfplay_main([*common, "--output", str(three), "--task", "0", "--tasks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of its 2 shards are done already" in out and "shard 4/5" in out
+    assert "shard 1/5" not in out
+    assert (three / names[3]).read_bytes() == (one / names[3]).read_bytes()
+    # Another data set in the same folder is refused.
+    assert selfplay_main(["--games", "10", "--shard_games", "2", "--output", str(three)]) == 2
+    assert "a shard of another data set" in capsys.readouterr().err
+
+
+def test_the_shipped_engine_games_are_what_their_command_makes():
+    from fsdp_utils.chess_eval.judge import engine_version
     from fsdp_utils.chess_eval.selfplay import self_play
     from fsdp_utils.demo import ENGINE_GAMES, engine_games
 
-    assert selfplay_main(["--games", "4", "--output", str(tmp_path / "one")]) == 0
-    one = pq.read_table(tmp_path / "one" / "chess_game_0001.parquet").to_pylist()
-    assert one == self_play(4, seed=0, depth=1, processes=2)
-    for game in one:  # laion/strategic_game_chess's schema, and games that really ended so
-        board = chess.Board()
-        for uci in game["Moves"]:
-            board.push_uci(uci)
-        outcome = board.outcome(claim_draw=True)
-        assert outcome is not None and outcome.result() == game["Result"]
-        assert outcome.termination.name == game["Termination"]
     made = json.loads((ENGINE_GAMES / "selfplay.json").read_text())
-    assert (
-        json.loads((tmp_path / "one" / "selfplay.json").read_text())["engine"] == engine_version()
-    )
+    assert len(engine_games()) == made["games"] == sum(made["games_by_kind"].values())
     if made["engine"] == engine_version():  # the engine that made the shipped file remakes it
-        assert engine_games()[:4] == one
-    assert len(engine_games()) == made["games"]
+        assert engine_games()[:3] == list(self_play(3, seed=made["seed"], depth=made["depth"]))

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_utils.chess_eval import ChessEvaluator
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
-from fsdp_utils.chess_eval.games import make_prefixes
+from fsdp_utils.chess_eval.games import OPENING_PLIES, make_prefixes
 from fsdp_utils.chess_eval.referee import board_after, judge
 from fsdp_utils.cli import main as finetune_main
 from fsdp_utils.config.train_config import TrainConfig
@@ -112,10 +112,12 @@ def test_prefixes_cover_opening_middlegame_and_ending(games, config):
         assert list(p.moves) == list(game["Moves"][: len(p.moves)])
         assert p.prompt.startswith(f"[Result {game['Result']}]") and p.prompt == p.prompt.rstrip()
         assert p.header_result == game["Result"]
-        if p.phase == "opening":
-            assert not p.moves
+        if p.phase == "opening":  # one of the first plies, seeded per game
+            assert len(p.moves) <= OPENING_PLIES
         if p.phase == "ending":
             assert len(p.moves) == len(game["Moves"]) - PLIES // 2
+    openings = [p.moves for p in prefixes if p.phase == "opening"]
+    assert len(set(openings)) > len(openings) // 2  # not every game's start position
     no_header = make_prefixes(games, "{moves}", plies=PLIES, seed=config.seed)
     assert len(no_header) == len(prefixes) and all(p.header_result is None for p in no_header)
 

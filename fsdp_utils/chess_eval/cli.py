@@ -57,6 +57,7 @@ EVAL_OPTIONS = {
     "judged_plies": "chess_eval_judged_plies",
     "ladder": "chess_eval_ladder",
     "ladder_games": "chess_eval_ladder_games",
+    "masking": "chess_eval_masking",
 }
 
 
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         extra: dict[str, Any] = {"type": kinds.get(name, int)}
         if name == "chess_eval_engine":
             extra = {"choices": ["auto", "on", "off"]}
+        if name == "chess_eval_masking":
+            extra = {"choices": ["off", "on", "both"]}
         parser.add_argument(
             f"--{short}", f"--{name}", dest=name, default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {f.default})", **extra,

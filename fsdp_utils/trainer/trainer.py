@@ -60,7 +60,7 @@ from fsdp_utils.parallel.sequence import SequenceParallel, init_sequence_paralle
 from fsdp_utils.startup import resume_collector
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep
+from fsdp_utils.train.step import Batch, StepFailed, StepInterrupted, TrainStep
 from fsdp_utils.train.timelimit import (
     LegEnd,
     StopController,
@@ -314,6 +314,8 @@ class Trainer:
                     )
             except StepInterrupted as stopped:  # before its update: the weights are unchanged
                 self._stop_inside_step(stopped)
+                if isinstance(stopped, StepFailed):  # saved: now the run ends with its message
+                    raise
                 return _summary("interrupted", stopped.reason, last, None, started)
             self.state.step = step
             self.state.tokens_seen += metrics["tokens"]
