@@ -250,6 +250,41 @@ def test_ladder_games_alternate_colours_and_an_illegal_move_loses(games, tokeniz
     assert pgn is not None and pgn.headers["Opening"] == OPENINGS[0][0]
 
 
+def test_masked_games_play_only_legal_moves_and_are_reported_apart(tiny_assets, games, tokenizer):
+    """The untrained tiny model (its unmasked moves are almost never legal) plays both ways:
+    masked, every move is legal (the most likely legal one), the engine judges its moves in
+    the games, and the figures go to their own names beside the unmasked games'."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets["model"]).eval()
+    ev = _evaluator(games, tokenizer, ladder=("depth:1",), ladder_games=2, masking="both")
+    m = ev.run(model)
+    records = m["game_records"]
+    assert [(g["masked"], g["model_color"]) for g in records] == [
+        (False, "white"), (False, "black"), (True, "white"), (True, "black"),
+    ]  # fmt: skip
+    for g in records:
+        board = chess.Board()
+        for uci in g["moves"]:  # every move on the board was legal (push_uci checks)
+            board.push_uci(uci)
+        if not g["masked"]:
+            continue
+        assert not g["termination"].startswith("model ")  # no illegal move
+        model_moves = (
+            len(g["moves"]) - len(OPENINGS[g["game"] // 2][1]) + (g["model_color"] == "white")
+        ) // 2
+        assert len(g["legal_mass"]) == model_moves and all(0 < x <= 1 for x in g["legal_mass"])
+        assert len(g["judged"]) == min(16, model_moves)
+        assert all(0 <= j["cp_loss"] <= 1000 and 0 <= j["accuracy"] <= 100 for j in g["judged"])
+    assert m["ladder_masked_depth1_games"] == m["ladder_depth1_games"] == 2
+    assert m["ladder_masked_depth1_illegal_losses"] == 0
+    assert m["ladder_masked_moves_judged"] == sum(len(g["judged"]) for g in records if g["masked"])
+    assert m["ladder_masked_centipawn_loss"] is not None and "ladder_centipawn_loss" not in m
+    table = format_table(m, step=None)
+    assert "vs depth1 masked" in table and "masked games" in table
+    assert 'Event "fsdp_utils chess_eval ladder, masked"' in m["pgns"][2]
+
+
 # --- missing engine, the command and its preflight ----------------------------------------
 
 

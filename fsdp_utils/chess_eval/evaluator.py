@@ -672,7 +672,8 @@ class ChessEvaluator:
                 )
             else:
                 pick = int(torch.argmax(values))  # the first of equals: moves in UCI order
-            game.legal_mass.append(float(values.exp().sum()))
+            # Rounded: a batch of another shape (another process count) moves the last digits.
+            game.legal_mass.append(round(float(values.exp().sum()), 4))
             game.board.push(legal[pick])
             game.check_end()
 

@@ -88,10 +88,13 @@ class EngineReward:
         path: str | None = None,
         kind: Kind = "accuracy",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str | None = None,
     ) -> None:
         if kind not in ("accuracy", "centipawn"):
             raise ValueError(f"EngineReward(kind={kind!r}): accuracy or centipawn.")
         self.depth, self.path, self.kind, self.timeout_s = depth, path, kind, timeout_s
+        if name is not None:  # the metrics' name (rewards/<name>/mean), as a function's
+            self.__name__ = name
         self._judge: EngineJudge | None = None
         _REWARDS.add(self)
 
