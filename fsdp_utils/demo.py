@@ -67,7 +67,7 @@ def build_assets(folder: Path, games: int, *, engine: bool = False) -> dict[str,
 
     stamp = folder / "assets.json"
     source = "engine" if engine else "random"
-    wanted = {"games": games, "source": source, "version": 4, **DEMO_MODEL}
+    wanted = {"games": games, "source": source, "version": 5, **DEMO_MODEL}
     played = engine_games() if engine else None
     what = f"{len(played):,} engine self-play games" if played else f"{games:,} random legal games"
     if stamp.is_file() and json.loads(stamp.read_text()) == wanted:

@@ -130,14 +130,11 @@ def uci_moves() -> list[str]:
         for to_file in (file - 1, file, file + 1):
             if not 0 <= to_file < 8:
                 continue
-            for start, end in ((6, 7), (1, 0)):  # White's seventh to eighth, Black's second to first
-                for piece in "qrbn":
-                    moves.add(
-                        chess.Move(
-                            chess.square(file, start), chess.square(to_file, end),
-                            chess.Piece.from_symbol(piece).piece_type,
-                        ).uci()
-                    )  # fmt: skip
+            # White's seventh rank to the eighth, Black's second to the first.
+            for start, end in ((6, 7), (1, 0)):
+                for promotion in (chess.QUEEN, chess.ROOK, chess.BISHOP, chess.KNIGHT):
+                    from_square, to_square = chess.square(file, start), chess.square(to_file, end)
+                    moves.add(chess.Move(from_square, to_square, promotion).uci())
     return sorted(moves, key=lambda m: (chess.parse_square(m[:2]), m))
 
 

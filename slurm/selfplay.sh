@@ -50,8 +50,10 @@ time_limit=0
 # shellcheck disable=SC2317  # called by the trap
 on_time_limit() {
     time_limit=1
+    local then="REQUEUE=0: not requeued"
+    [ "${REQUEUE:-1}" = 0 ] || then="requeueing this task to play the rest"
     echo "$(date '+%F %T') Slurm signalled the coming time limit: the shards written so far" \
-        "stay; ${REQUEUE:-1} = 1 requeues this task to play the rest"
+        "stay; $then"
     [ -z "$child" ] || kill -TERM "$child" 2>/dev/null
 }
 trap on_time_limit USR1

@@ -34,6 +34,7 @@ machine (~90 plies a game), 2-4 on a busy one; a random game takes a few millise
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -185,6 +186,10 @@ def play_game(
     }
 
 
+def _play_on(engine: chess.engine.SimpleEngine, *, index: int, plan: Plan) -> dict[str, Any]:
+    return play_game(engine, index, plan=plan)
+
+
 def _play_call(
     engine: chess.engine.SimpleEngine, board: chess.Board, limit: chess.engine.Limit, game: object
 ) -> Any:
@@ -239,8 +244,8 @@ def play_shard(
             if process is None:
                 rows.append(play_game(None, i, plan=plan))
             else:
-                rows.append(process.call(lambda e, i=i: play_game(e, i, plan=plan), f"game {i}",
-                                         guard=False))  # fmt: skip
+                game = functools.partial(_play_on, index=i, plan=plan)
+                rows.append(process.call(game, f"game {i}", guard=False))
         restarts = process.restarts - restarts_before if process is not None else 0
         engine_cpu = process.cpu_seconds() - engine_cpu_before if process is not None else 0.0
     finally:
@@ -416,7 +421,9 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
     engines = {m["engine"] for m in done.values()}
     if len(engines) > 1:
         raise ValueError(f"{output}'s shards were played by different engines: {sorted(engines)}.")
-    shards, kinds, plies = [], Counter(), 0
+    shards: list[dict[str, Any]] = []
+    kinds: Counter[str] = Counter()
+    plies = 0
     for s in range(plan.shards):
         meta = done[s]
         path = shard_path(output, s)
@@ -483,7 +490,8 @@ def self_play(
     process = EngineProcess(find_engine(path), ENGINE_OPTIONS)
     try:
         for i in range(games):
-            yield process.call(lambda e, i=i: play_game(e, i, plan=plan), f"game {i}", guard=False)
+            game = functools.partial(_play_on, index=i, plan=plan)
+            yield process.call(game, f"game {i}", guard=False)
     finally:
         process.close()
 

@@ -317,11 +317,11 @@ def continuation_logprobs(
     results: list[list[float]] = []
     for cands, placed in zip(candidates, where, strict=True):
         scores = []
-        for c, (row, start) in zip(cands, placed, strict=True):
-            # Row `row`'s token at position start + j is predicted by the logits at start + j;
-            # the kept window starts at len(row) - keep (left padding ends every row there).
-            offset = len(rows[row]) - keeps[row]
-            scores.append(float(sum(logps[row][start + j - offset, t] for j, t in enumerate(c))))
+        for c, (r, start) in zip(cands, placed, strict=True):
+            # Row r's token at position start + j is predicted by the logits at start + j; the
+            # kept window starts at len(row) - keep (left padding ends every row there).
+            offset = len(rows[r]) - keeps[r]
+            scores.append(float(sum(logps[r][start + j - offset, t] for j, t in enumerate(c))))
         results.append(scores)
     return results
 
