@@ -356,10 +356,10 @@ def _ended_as_recorded(game: dict) -> None:
     assert outcome.termination.name == game["Termination"]
 
 
-def test_engine_data_is_the_same_from_one_task_or_three_and_a_requeued_task_skips_done_shards(
+def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_done_shards(
     tmp_path, capsys
 ):
-    """The array job's shards: three tasks (as `sbatch --array=0-2` runs them) and one task on
+    """The array job's shards: two tasks (as `sbatch --array=0-1` runs them) and one task on
     two processes write the same files, byte for byte, in laion/strategic_game_chess's schema;
     the manifest says how and by which engine; a task run again plays only the missing shard."""
     import pyarrow.parquet as pq
@@ -368,50 +368,50 @@ def test_engine_data_is_the_same_from_one_task_or_three_and_a_requeued_task_skip
     from fsdp_utils.chess_eval.selfplay import main as selfplay_main
     from fsdp_utils.chess_eval.selfplay import read_games, self_play
 
-    common = ["--games", "9", "--shard_games", "2", "--mix", "selfplay:2,vs_random:1,random:1"]
-    three, one = tmp_path / "three", tmp_path / "one"
-    for task in range(3):
+    mix = "selfplay:2,vs_random:1,random:1"
+    common = ["--games", "6", "--shard_games", "2", "--mix", mix, "--seed", "3"]  # all 3 kinds
+    two, one = tmp_path / "two", tmp_path / "one"
+    for task in range(2):  # task 0: shards 1 and 3 of 3; task 1: shard 2
         assert (
-            selfplay_main([*common, "--output", str(three), "--task", str(task), "--tasks", "3"])
-            == 0
+            selfplay_main([*common, "--output", str(two), "--task", str(task), "--tasks", "2"]) == 0
         )
     assert selfplay_main([*common, "--output", str(one), "--processes", "2"]) == 0
     names = sorted(p.name for p in one.glob("*.parquet"))
-    assert names == [f"chess_game_{k:04d}.parquet" for k in range(1, 6)]
-    assert names == sorted(p.name for p in three.glob("*.parquet"))
+    assert names == [f"chess_game_{k:04d}.parquet" for k in range(1, 4)]
+    assert names == sorted(p.name for p in two.glob("*.parquet"))
     for name in names:
-        assert (one / name).read_bytes() == (three / name).read_bytes(), name
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
     games = read_games(one)
-    assert [g for g in games] == list(
-        self_play(9, mix=(("selfplay", 2), ("vs_random", 1), ("random", 1)))
+    assert games == list(
+        self_play(6, seed=3, mix=(("selfplay", 2), ("vs_random", 1), ("random", 1)))
     )
     for game in games:
         _ended_as_recorded(game)
     assert pq.read_table(one / names[0]).column_names == ["Moves", "Termination", "Result"]
     manifest = json.loads((one / "selfplay.json").read_text())
-    assert manifest == {**manifest, "games": 9, "seed": 0, "depth": 1, "shard_games": 2,
+    assert manifest == {**manifest, "games": 6, "seed": 3, "depth": 1, "shard_games": 2,
                         "engine": engine_version(), "tasks": 1}  # fmt: skip
-    assert sum(manifest["games_by_kind"].values()) == 9 and len(manifest["games_by_kind"]) == 3
+    assert sum(manifest["games_by_kind"].values()) == 6 and len(manifest["games_by_kind"]) == 3
     assert manifest["plies"] == sum(len(g["Moves"]) for g in games)
-    other = json.loads((three / "selfplay.json").read_text())
-    assert other["tasks"] == 3
+    other = json.loads((two / "selfplay.json").read_text())
+    assert other["tasks"] == 2
     assert [s["sha256"] for s in other["shards"]] == [s["sha256"] for s in manifest["shards"]]
-    assert "--mix selfplay:2,vs_random:1,random:1" in manifest["command"]
+    assert f"--mix {mix}" in manifest["command"]
     # The data set is the folder: its manifest and the shards' notes are not data files.
     from fsdp_utils.hub.resolve import resolve_dataset_files
 
     assert [p.name for p in resolve_dataset_files(str(one))] == names
 
     # A requeued task: the shards it wrote stay, the one it lost is played again.
-    (three / names[3]).unlink()  # task 0's shards: 1 and 4 of 5
+    (two / names[2]).unlink()
     capsys.readouterr()
-    assert selfplay_main([*common, "--output", str(three), "--task", "0", "--tasks", "3"]) == 0
+    assert selfplay_main([*common, "--output", str(two), "--task", "0", "--tasks", "2"]) == 0
     out = capsys.readouterr().out
-    assert "1 of its 2 shards are done already" in out and "shard 4/5" in out
-    assert "shard 1/5" not in out
-    assert (three / names[3]).read_bytes() == (one / names[3]).read_bytes()
+    assert "1 of its 2 shards are done already" in out and "shard 3/3" in out
+    assert "shard 1/3" not in out
+    assert (two / names[2]).read_bytes() == (one / names[2]).read_bytes()
     # Another data set in the same folder is refused.
-    assert selfplay_main(["--games", "10", "--shard_games", "2", "--output", str(three)]) == 2
+    assert selfplay_main(["--games", "7", "--shard_games", "2", "--output", str(two)]) == 2
     assert "a shard of another data set" in capsys.readouterr().err
 
 
