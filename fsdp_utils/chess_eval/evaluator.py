@@ -10,11 +10,12 @@ all-reduce of the integer counts gives every rank the same totals, whatever the 
 The engine part (`engine`: `EngineSettings`, None without an engine) composes the referee
 (`referee.py`), the judge (`judge.py`, one Stockfish process per rank, started for the run and
 ended on every way out of it) and the games (`games.py`, `ladder.py`): each rank judges its
-own continuations and plays its share of the ladder's games, so the engine work is spread over
-the ranks' CPU cores; the per-move and per-game records are gathered and every figure is
-computed from them in one order (`figures.py`). An engine that fails (crash, hang) ends that
-part of this evaluation with its error in the metrics (`engine_error`); the referee's figures
-and the training run go on.
+own continuations and plays its share of the ladder's games (unmasked, or masked: the model's
+most likely legal move, `_masked_moves`), so the engine work is spread over the ranks' CPU
+cores; the per-move and per-game records are gathered and every figure is computed from them in
+one order (`figures.py`). An engine that crashes or hangs is restarted and asked again
+(`engine_restarts`); one that keeps failing ends that part of this evaluation with its error in
+the metrics (`engine_error`); the referee's figures and the training run go on.
 """
 
 from __future__ import annotations

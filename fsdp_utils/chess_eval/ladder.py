@@ -26,6 +26,12 @@ The games (the model's side is played by `evaluator.py`, which owns the model):
   the calibration Stockfish 15 carries): at 10 ms a move it is a weaker opponent, not a rating.
   The Elo differences below are differences to these opponents as they played here.
 
+Masked games (`--chess_eval_masking on|both`): the model's move is the legal move it gives the
+highest probability (DeepMind's searchless-chess evaluation), chosen by `evaluator.py`; a masked
+game is never lost to an illegal move. Masked and unmasked games are scored apart, never mixed
+(`ladder_<rung>_*` and `ladder_masked_<rung>_*`), and the engine judges up to `JUDGED_MOVES` of the
+model's moves in each masked game (`LadderGame.judge_moves`).
+
 Scores: the model's points (win 1, draw 1/2) over the games against a rung, with a 95% Wilson
 score interval (it stays inside [0, 1] for 0 or 8 points of 8); the Elo difference
 -400 * log10(1 / score - 1) and its interval from the interval's ends (infinite at 0 and 1:
