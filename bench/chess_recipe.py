@@ -385,7 +385,44 @@ def report(record: dict[str, Any]) -> str:
                 "ladder_masked_accuracy", "ladder_masked_legal_mass"):  # fmt: skip
         values = [_fmt(key, record.get(name, {}).get(key)) for name in ("sft", "grpo")]
         lines.append(f"| `{key}` | {values[0]} | {values[1]} | |")
+    lines.extend(["", *curve_lines(record.get("curves", {}))])
     return "\n".join(lines)
+
+
+def curve_lines(curves: dict[str, Any]) -> list[str]:
+    """The learning curves as tables: SFT (loss, held-out loss, legal-move rate of held-out
+    positions), GRPO (the reward of its samples, held-out sampled and greedy rewards)."""
+    lines = []
+    sft = curves.get("sft", {})
+    if sft.get("chess_eval"):
+        evals = {r["step"]: r for r in sft.get("eval", [])}
+        train = {r["step"]: r for r in sft.get("train", [])}
+        lines += ["| SFT step | train loss | held-out loss | legal moves (held-out positions) |",
+                  "|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sft["chess_eval"]:
+            step = r["step"]
+            near = train.get(step) or min(train.values(), key=lambda t: abs(t["step"] - step))
+            lines.append(
+                f"| {step} | {near.get('loss', float('nan')):.3f} | "
+                f"{evals.get(step, {}).get('eval_loss', float('nan')):.3f} | "
+                f"{100 * r['legal_move_rate']:.1f}% |"
+            )
+        lines.append("")
+    grpo = curves.get("grpo", {})
+    if grpo.get("eval"):
+        train = [r for r in grpo.get("train", []) if "reward" in r]
+        lines += ["| GRPO step | train reward (mean since the last row) | held-out sampled | "
+                  "held-out greedy |", "|---:|---:|---:|---:|"]  # fmt: skip
+        last = 0
+        for r in grpo["eval"]:
+            window = [t["reward"] for t in train if last < t["step"] <= r["step"]]
+            mean = sum(window) / len(window) if window else float("nan")
+            lines.append(
+                f"| {r['step']} | {mean:.3f} | {r.get('eval_reward', float('nan')):.3f} | "
+                f"{r.get('eval_greedy_reward', float('nan')):.3f} |"
+            )
+            last = r["step"]
+    return lines
 
 
 def _fmt(key: str, value: Any) -> str:

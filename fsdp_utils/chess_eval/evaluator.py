@@ -892,7 +892,8 @@ def engine_lines(m: dict[str, Any]) -> list[str]:
         f"{m['engine_illegal']} illegal ones scored as the worst move ({CP_CEILING} cp, "
         "accuracy 0)",
         f"  legal moves only       centipawn loss {se('engine_centipawn_loss', '.0f')}, "
-        f"accuracy {se('engine_accuracy', '.1f')}%: {m['engine_moves']} moves ({phases})",
+        f"accuracy {se('engine_accuracy', '.1f')}%: {m['engine_moves']} moves"
+        + (f" ({phases})" if phases else ""),
         f"                         best move {pct(m['engine_best_move_rate'])}; inaccuracies "
         f"{pct(m['engine_inaccuracy_rate'])}, mistakes {pct(m['engine_mistake_rate'])}, "
         f"blunders {pct(m['engine_blunder_rate'])}",
