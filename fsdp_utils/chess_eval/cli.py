@@ -16,7 +16,7 @@ the ladder's games (`--ladder RUNGS`) are described in docs/chess-eval.md. With 
 (moves.jsonl), the games (games.jsonl, games.pgn) and the summary (summary.json).
 
 Exit status: 0; 2 for a user mistake (one paragraph naming the fix; a missing engine with
-`--engine on`); 1 if the engine failed during the evaluation (the referee's figures are still
+`--engine on`); 1 if an engine kept failing after its restarts (the referee's figures are still
 printed and written).
 """
 
