@@ -153,15 +153,26 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
     ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
     ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
-    # The engine judge's (docs/chess-eval.md): over the legal moves it judged.
+    # The engine judge's (docs/chess-eval.md): over every judged move, an illegal one as the
+    # worst (engine_all_*: the headline), and over the legal moves alone.
     ("chess eval: centipawn loss (engine)", "mean centipawns lost per move",
-     ("engine_centipawn_loss", "engine_centipawn_loss_balanced")),
+     ("engine_all_centipawn_loss", "engine_centipawn_loss", "engine_centipawn_loss_balanced")),
     ("chess eval: accuracy (engine, Lichess)", "mean move accuracy, %",
-     ("engine_accuracy", "engine_accuracy_balanced")),
+     ("engine_all_accuracy", "engine_accuracy", "engine_accuracy_balanced")),
     ("chess eval: best move, blunders (engine)", "share of judged moves",
      ("engine_best_move_rate", "engine_blunder_rate")),
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
+# A series' legend where the field's last word would not say it (else: that word, a phase).
+CHESS_LABELS = {
+    "legal_move_rate": "all",
+    "engine_all_centipawn_loss": "every move (illegal = 1000)",
+    "engine_centipawn_loss": "legal moves",
+    "engine_all_accuracy": "every move (illegal = 0)",
+    "engine_accuracy": "legal moves",
+    "engine_best_move_rate": "best move",
+    "engine_blunder_rate": "blunders",
+}
 
 # DPO's metrics, TRL's names (fsdp_utils.methods.dpo.step): three panels when a run logged them,
 # the train split's as lines and the eval split's (`eval_` prefix) as the same line style with
@@ -348,7 +359,7 @@ def plot_runs(
         if len(fields) > 1:  # which line style is which game phase
             axes[title_].legend(
                 handles=[Line2D([], [], color="0.3", ls=ls,
-                                                label="all" if name == "legal_move_rate" else name.rsplit("_", 1)[1])
+                                label=CHESS_LABELS.get(name, name.rsplit("_", 1)[1]))
                          for name, ls in zip(fields, CHESS_STYLES, strict=False)],
                 fontsize="small",
             )  # fmt: skip
