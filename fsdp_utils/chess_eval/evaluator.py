@@ -657,7 +657,7 @@ class ChessEvaluator:
             ids = self._encode(prompt)
             legal = sorted(game.board.legal_moves, key=lambda m: m.uci())
             prompts.append(ids)
-            candidates.append([self._move_tokens(prompt, ids, m.uci()) for m in legal])
+            candidates.append(self._move_tokens(prompt, ids, [m.uci() for m in legal]))
             legal_moves.append(legal)
         scores = continuation_logprobs(
             model, prompts, candidates, pad_token_id=self.pad, device=self.device,
@@ -678,14 +678,19 @@ class ChessEvaluator:
             game.board.push(legal[pick])
             game.check_end()
 
-    def _move_tokens(self, prompt: str, prompt_ids: list[int], move: str) -> list[int]:
-        """The tokens the model writes for `move` after `prompt`: as the prompt and the move
-        encode together, less the prompt's tokens (apart, where the tokenizer spells the
-        prompt differently then)."""
-        whole = self._encode(prompt + " " + move)
-        if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
-            return whole[len(prompt_ids) :]
-        return list(self.tokenizer(" " + move, add_special_tokens=False)["input_ids"])
+    def _move_tokens(self, prompt: str, prompt_ids: list[int], moves: list[str]) -> list[list[int]]:
+        """The tokens the model writes for each of `moves` after `prompt`: as the prompt and
+        the move encode together, less the prompt's tokens (apart, where the tokenizer spells
+        the prompt differently then). One batched call of the tokenizer."""
+        encoded = self.tokenizer([f"{prompt} {move}" for move in moves], add_special_tokens=True)
+        tokens = []
+        for move, whole in zip(moves, encoded["input_ids"], strict=True):
+            if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
+                tokens.append(list(whole[len(prompt_ids) :]))
+            else:
+                apart = self.tokenizer(" " + move, add_special_tokens=False)["input_ids"]
+                tokens.append(list(apart))
+        return tokens
 
     def _judge_ladder(self, engine: _EngineRun, games: list[LadderGame]) -> None:
         """The engine judge on the model's moves in this rank's masked games."""
