@@ -138,11 +138,9 @@ class Recipe:
         if done.exists():
             stage.reused = True
             previous = self._previous(name)
-            if previous is not None:
-                stage.wall_seconds, stage.cpu_seconds = (
-                    previous["wall_seconds"],
-                    previous["cpu_seconds"],
-                )
+            if previous is not None:  # the figures of the run that made it
+                for key in ("wall_seconds", "cpu_seconds", "load_before", "load_after"):
+                    setattr(stage, key, previous[key])
             print(f"[{name}] reusing {done}", flush=True)
         else:
             print(f"[{name}] {' '.join(command)}", flush=True)
@@ -156,7 +154,7 @@ class Recipe:
             )
             if result.returncode != 0:
                 raise SystemExit(f"[{name}] failed (exit {result.returncode}): {' '.join(command)}")
-        stage.load_after = os.getloadavg()[0]
+            stage.load_after = os.getloadavg()[0]
         self.stages.append(stage)
         print(
             f"[{name}] {stage.wall_seconds:.0f} s wall, {stage.cpu_seconds:.0f} CPU s, load "
