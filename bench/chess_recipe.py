@@ -408,12 +408,12 @@ def curve_lines(curves: dict[str, Any]) -> list[str]:
         lines.append("")
     grpo = curves.get("grpo", {})
     if grpo.get("eval"):
-        train = [r for r in grpo.get("train", []) if "reward" in r]
+        rewarded = [r for r in grpo.get("train", []) if "reward" in r]
         lines += ["| GRPO step | train reward (mean since the last row) | held-out sampled | "
                   "held-out greedy |", "|---:|---:|---:|---:|"]  # fmt: skip
         last = 0
         for r in grpo["eval"]:
-            window = [t["reward"] for t in train if last < t["step"] <= r["step"]]
+            window = [t["reward"] for t in rewarded if last < t["step"] <= r["step"]]
             mean = sum(window) / len(window) if window else float("nan")
             lines.append(
                 f"| {r['step']} | {mean:.3f} | {r.get('eval_reward', float('nan')):.3f} | "
