@@ -32,7 +32,7 @@ import chess
 import chess.engine
 
 from fsdp_utils.chess_eval.judge import EngineJudge, engine_version, find_engine
-from fsdp_utils.chess_eval.selfplay import play_range
+from fsdp_utils.chess_eval.selfplay import self_play
 from fsdp_utils.demo import engine_games
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -114,7 +114,8 @@ def judge_speed(boards: list[chess.Board], depth: int) -> float:
 def selfplay_speed(games: int, *, depth: int | None, movetime: float | None) -> float:
     started = time.perf_counter()
     if movetime is None:
-        play_range(find_engine(), 0, games, 0, depth, None)
+        for _ in self_play(games, depth=depth):
+            pass
     else:  # a time per move, as the issue measured it: python-chess's play with a time limit
         engine = chess.engine.SimpleEngine.popen_uci(find_engine())
         try:

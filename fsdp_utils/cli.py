@@ -67,14 +67,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _fail(message: str) -> int:
-    """A user mistake that every rank found (the arguments, the batch arithmetic): rank 0
-    prints it; every rank puts it in its torchrun error file, since torchrun's closing report
-    names the first rank to exit, whichever that is."""
+def _fail(message: str, *, code: int = EXIT_USAGE) -> int:
+    """A user mistake that every rank found (the arguments, the batch arithmetic), or an
+    outside failure every rank stopped for (`code` 1): rank 0 prints it; every rank puts it in
+    its torchrun error file, since torchrun's closing report names the first rank to exit,
+    whichever that is."""
     report_error(message, show=_rank() == 0)
     if _rank() != 0:  # not needed for the message (see above): rank 0's print reaches the log
         time.sleep(PEER_EXIT_DELAY_S)  # before torchrun stops it, on a quiet machine at least
-    return EXIT_USAGE
+    return code
 
 
 def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[str, Any]:
@@ -281,7 +282,7 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
     # answer in a second, not after the ~9 s of importing torch.distributed's tensor machinery.
     from fsdp_utils.parallel.distributed import PeerFailure, ReportedError
     from fsdp_utils.run.host_memory import fix_mmap_threshold
-    from fsdp_utils.train.step import TrainingDivergedError
+    from fsdp_utils.train.step import StepFailed, TrainingDivergedError
     from fsdp_utils.train.timelimit import EXIT_INTERRUPTED, INTERRUPT
 
     fix_mmap_threshold()  # freed activations go back to the system (run/host_memory.py)
@@ -311,5 +312,7 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
         return EXIT_USAGE if err.user_error else 1
     except (ValueError, TrainingDivergedError) as err:  # CheckpointError is a ValueError
         return _fail(str(err))
+    except StepFailed as err:  # an outside failure, after the save: said, exit 1 (not 2)
+        return _fail(str(err), code=1)
     # Ctrl-C's stop saved the run: 130 tells a script it was interrupted (no requeue under Slurm)
     return EXIT_INTERRUPTED if summary["reason"] == INTERRUPT else 0

@@ -67,7 +67,7 @@ def build_assets(folder: Path, games: int, *, engine: bool = False) -> dict[str,
 
     stamp = folder / "assets.json"
     source = "engine" if engine else "random"
-    wanted = {"games": games, "source": source, "version": 4, **DEMO_MODEL}
+    wanted = {"games": games, "source": source, "version": 5, **DEMO_MODEL}
     played = engine_games() if engine else None
     what = f"{len(played):,} engine self-play games" if played else f"{games:,} random legal games"
     if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
@@ -188,30 +188,51 @@ def chess_before_and_after(untrained: Path, run: Path) -> str:
         f"{strength_before_and_after(before, after)}"
         f"  before      {before['examples'][0].describe(width=40)}\n"
         f"  after       {after['examples'][0].describe(width=40)}\n"
-        f"  evaluate    python -m fsdp_utils.chess_eval {run / 'final'}"
+        f"  evaluate    python -m fsdp_utils.chess_eval {run / 'final'}\n"
+        f"  next        a model that plays (more data, SFT, GRPO, masked games against "
+        f"Stockfish, ~1 h on 2 cores): python bench/chess_recipe.py (docs/chess-eval.md)"
     )
 
 
 def strength_before_and_after(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """The engine judge's line of the summary (empty without an engine)."""
+    """The engine judge's lines of the summary (empty without an engine): the headline strength
+    over every judged move (an illegal one scored as the worst), then the legal moves' own, each
+    with its standard error and the moves and distinct positions it rests on."""
+    from fsdp_utils.chess_eval.judge import CP_CEILING
+
     if "engine" not in after:
         return ""
     if before.get("engine_error") or after.get("engine_error"):
         return f"  strength    the engine judge failed: {after.get('engine_error') or before.get('engine_error')}\n"
 
     def fig(m: dict[str, Any], key: str, fmt: str) -> str:
-        return "n/a" if m.get(key) is None else format(m[key], fmt)
+        if m.get(key) is None:
+            return "n/a"
+        se = m.get(f"{key}_se")
+        return format(m[key], fmt) + (f" ± {format(se, fmt)}" if se is not None else "")
+
+    def counts(m: dict[str, Any]) -> str:
+        return f"{m['engine_moves']} legal of {m['engine_moves'] + m['engine_illegal']}"
 
     return (
-        f"  strength    {after['engine']} at depth {after['engine_depth']}, the legal moves "
-        f"({before['engine_moves']} -> {after['engine_moves']} of "
-        f"{after['engine_positions']} positions; illegal ones counted beside): centipawn loss "
-        f"{fig(before, 'engine_centipawn_loss', '.0f')} -> "
+        f"  strength    {after['engine']} at depth {after['engine_depth']} on "
+        f"{after['engine_positions']} distinct held-out positions, every move counted (an "
+        f"illegal one as the worst, {CP_CEILING} cp): centipawn loss "
+        f"{fig(before, 'engine_all_centipawn_loss', '.0f')} -> "
+        f"{fig(after, 'engine_all_centipawn_loss', '.0f')}, accuracy "
+        f"{fig(before, 'engine_all_accuracy', '.0f')}% -> "
+        f"{fig(after, 'engine_all_accuracy', '.0f')}%\n"
+        f"  legal only  its legal moves alone ({counts(before)} -> {counts(after)}): centipawn "
+        f"loss {fig(before, 'engine_centipawn_loss', '.0f')} -> "
         f"{fig(after, 'engine_centipawn_loss', '.0f')}, accuracy "
         f"{fig(before, 'engine_accuracy', '.0f')}% -> {fig(after, 'engine_accuracy', '.0f')}%, "
-        f"best move {fig(before, 'engine_best_move_rate', '.0%')} -> "
-        f"{fig(after, 'engine_best_move_rate', '.0%')}\n"
+        f"best move {pct_of(before, 'engine_best_move_rate')} -> "
+        f"{pct_of(after, 'engine_best_move_rate')}\n"
     )
+
+
+def pct_of(m: dict[str, Any], key: str) -> str:
+    return "n/a" if m.get(key) is None else f"{100 * m[key]:.0f}%"
 
 
 if __name__ == "__main__":

@@ -115,6 +115,54 @@ def train_chess_tokenizer(texts: list[str], vocab_size: int = 512) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
 
 
+def uci_moves() -> list[str]:
+    """Every move UCI can write in standard chess (1,968: a queen's or a knight's move from
+    each square, and the pawns' promotions), in python-chess's square order."""
+    import chess
+
+    moves: set[str] = set()
+    for square in chess.SQUARES:
+        for piece in (chess.QUEEN, chess.KNIGHT):
+            board = chess.BaseBoard.empty()
+            board.set_piece_at(square, chess.Piece(piece, chess.WHITE))
+            moves.update(chess.Move(square, to).uci() for to in board.attacks(square))
+    for file in range(8):
+        for to_file in (file - 1, file, file + 1):
+            if not 0 <= to_file < 8:
+                continue
+            # White's seventh rank to the eighth, Black's second to the first.
+            for start, end in ((6, 7), (1, 0)):
+                for promotion in (chess.QUEEN, chess.ROOK, chess.BISHOP, chess.KNIGHT):
+                    from_square, to_square = chess.square(file, start), chess.square(to_file, end)
+                    moves.add(chess.Move(from_square, to_square, promotion).uci())
+    return sorted(moves, key=lambda m: (chess.parse_square(m[:2]), m))
+
+
+def uci_tokenizer(template: str = DEFAULT_TEMPLATE) -> Any:
+    """A word-level tokenizer with one token per UCI move (all 1,968 of them, `uci_moves`) and
+    per word of the template's header (`[Result`, `1-0]`, `[Termination`, `CHECKMATE]`, ...),
+    as a transformers `PreTrainedTokenizerFast` with <s>, </s>, <pad>, <unk>. Every move is one
+    token, so the model's next-token distribution is a distribution over moves: a masked move
+    (the most likely legal one) costs one forward pass, and a game of 90 plies is 90 tokens."""
+    import chess
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(SPECIAL_TOKENS.values())
+    for result in ("1-0", "0-1", "1/2-1/2", "*"):
+        for termination in [t.name for t in chess.Termination]:
+            rendered = template.split("{moves}", 1)[0].format(
+                result=result, termination=termination, moves=""
+            )
+            words.extend(w for w in rendered.split() if w not in words)
+    words.extend(uci_moves())
+    vocab = {word: i for i, word in enumerate(dict.fromkeys(words))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
 def canonical_ids(spec: str, *, suffix: str) -> str:
     """A trained BPE tokenizer (tokenizer.json's text) with its ids in an order that follows
     from its tokens and merges alone: the special tokens, the alphabet (plain characters, then

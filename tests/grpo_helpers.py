@@ -54,13 +54,41 @@ def wrong_length(completions, **kwargs):
 
 def nan_reward(completions, **kwargs):
     return [float("nan")] * len(completions)
+
+
+from fsdp_utils.chess_eval.rewards import EngineReward, positions
+
+
+class EngineThatDies(EngineReward):
+    """The engine's centipawn reward on `engine` beside this file (tests/fake_bin/
+    flaky-stockfish, linked), asked about every batch's first position: its engine dies once
+    in step 2 (restarted, the reward goes on), then at every search from step 3 on."""
+
+    def __call__(self, completions, trainer_state, **kwargs):
+        step = trainer_state.global_step
+        if step in (1, 2):
+            marker = "engine.die-once" if step == 1 else "engine.die"
+            Path(__file__).with_name(marker).touch()
+        self.judge.search_before(positions(kwargs)[0])
+        return super().__call__(completions, **kwargs)
+
+
+engine_dies = EngineThatDies(
+    depth=2, kind="centipawn", path=str(Path(__file__).with_name("engine")), name="engine_dies"
+)
 '''
 
 
+FLAKY_ENGINE = Path(__file__).parent / "fake_bin" / "flaky-stockfish"
+
+
 def write_rewards(folder: Path, stops: list[list[Any]] | None = None) -> Path:
-    """rewards.py in `folder` (its own: `scored` reads the stops.json beside it)."""
+    """rewards.py in `folder` (its own: `scored` reads the stops.json beside it), and `engine`,
+    a link to the flaky engine that `engine_dies_at_step_2` uses."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "rewards.py").write_text(REWARDS)
+    if not (folder / "engine").is_symlink():
+        (folder / "engine").symlink_to(FLAKY_ENGINE)
     if stops is not None:
         (folder / "stops.json").write_text(json.dumps(stops))
     return folder / "rewards.py"

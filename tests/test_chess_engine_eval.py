@@ -20,14 +20,17 @@ from transformers import AutoTokenizer
 
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
 from fsdp_utils.chess_eval.evaluator import ChessEvaluator, EngineSettings, format_table
+from fsdp_utils.chess_eval.games import PHASES
 from fsdp_utils.chess_eval.judge import EngineNotFound, find_engine
 from fsdp_utils.chess_eval.ladder import OPENINGS, elo_difference, wilson_interval
+from fsdp_utils.chess_eval.referee import board_after
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.prepare import held_out_games
 from tests.chess_players import ScriptedPlayer, board_from_prompt, fixed_writer
 
 DEPTH = 6
 GAMES = 8
+FLAKY = Path(__file__).parent / "fake_bin" / "flaky-stockfish"  # dies once a marker file exists
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,13 @@ def test_random_loses_more_than_skill_0_which_loses_more_than_full_strength(move
         name: {(x["position"], x["fen"]) for x in m["move_records"]} for name, m in r.items()
     }
     assert positions["random"] == positions["skill0"] == positions["full"]
-    assert r["full"]["engine_positions"] == 3 * GAMES + len(evaluator.balanced or [])
+    # Each distinct position once (the start position at most once), spread over the phases.
+    prefixes = [*evaluator.prefixes, *(evaluator.balanced or [])]
+    distinct = {board_after(p.moves).epd() for p in prefixes}
+    assert r["full"]["engine_positions"] == len(distinct) < len(prefixes)
+    fens = [x["fen"] for x in r["full"]["move_records"]]
+    assert len(fens) == len(set(fens)) and fens.count(chess.STARTING_FEN) <= 1
+    assert all(r["full"][f"engine_moves_{phase}"] >= GAMES // 2 for phase in PHASES)
     balanced = [x for x in r["full"]["move_records"] if x["phase"] == "balanced"]
     assert balanced and all(abs(x["cp_before"]) <= 100 for x in balanced)
     assert r["full"]["engine_moves"] == r["full"]["engine_positions"]  # all legal, none illegal
@@ -158,9 +167,10 @@ def _stockfish_children() -> list[int]:
     return pids
 
 
-def test_an_engine_killed_mid_run_is_an_error_beside_the_legal_move_figures(games, tokenizer):
-    """The judge's engine dies while the model is writing: the referee's figures stand, the
-    engine's are replaced by the error, and no engine process is left behind."""
+def test_an_engine_killed_mid_run_is_restarted_and_the_figures_stand(games, tokenizer, movers):
+    """The judge's engine dies (SIGKILL) while the model is writing: it is restarted and asked
+    again, the restart is counted and said, the figures are those of the run without, and no
+    engine process is left behind."""
     killed: list[int] = []
 
     def kill_then_move(prompt: str) -> tuple[str, bool]:
@@ -172,11 +182,33 @@ def test_an_engine_killed_mid_run_is_an_error_beside_the_legal_move_figures(game
 
     m = _evaluator(games, tokenizer).run(ScriptedPlayer(tokenizer, kill_then_move))
     assert killed, "the judge's engine was running during generation"
-    assert m["engine_error"] and "stopped answering" in m["engine_error"]
+    assert m["engine_error"] is None and m["engine_restarts"] == 1
+    assert "restarted" in m["engine_notes"][0] and "the process exited" in m["engine_notes"][0]
+    assert m["move_records"] == movers[1]["random"]["move_records"]
+    assert "engine restarts        1" in format_table(m, step=None)
+    assert not _stockfish_children()
+
+
+def test_an_engine_that_keeps_dying_is_an_error_beside_the_legal_move_figures(
+    games, tokenizer, tmp_path, monkeypatch
+):
+    """An engine that dies at every search: restarted twice on the first position, then given
+    up; the referee's figures stand, the engine's are replaced by the error naming it."""
+    marker = tmp_path / "die"
+    marker.touch()
+    monkeypatch.setenv("FLAKY_ENGINE_MARKER", str(marker))
+    settings = EngineSettings(path=str(FLAKY), depth=DEPTH)
+    evaluator = ChessEvaluator(
+        games, tokenizer, template=TrainConfig().template, plies=1, max_seq_length=512, seed=0,
+        batch_size=8, engine=settings,
+    )  # fmt: skip
+    m = evaluator.run(ScriptedPlayer(tokenizer, random_writer))
+    assert m["engine_error"] and "failed 3 times in a row" in m["engine_error"]
+    assert str(FLAKY) in m["engine_error"] and "the process exited" in m["engine_error"]
+    assert m["engine_restarts"] == 2
     assert m["legal_move_rate"] == 1.0 and m["continuations"] == 3 * GAMES
     assert "engine_centipawn_loss" not in m and m["move_records"] == []
     assert "FAILED" in format_table(m, step=None)
-    assert not _stockfish_children()
 
 
 # --- the ladder -------------------------------------------------------------------------
@@ -216,6 +248,41 @@ def test_ladder_games_alternate_colours_and_an_illegal_move_loses(games, tokeniz
     assert all(g["plies"] > 6 for g in legal["game_records"])
     pgn = chess.pgn.read_game(__import__("io").StringIO(legal["pgns"][0]))
     assert pgn is not None and pgn.headers["Opening"] == OPENINGS[0][0]
+
+
+def test_masked_games_play_only_legal_moves_and_are_reported_apart(tiny_assets, games, tokenizer):
+    """The untrained tiny model (its unmasked moves are almost never legal) plays both ways:
+    masked, every move is legal (the most likely legal one), the engine judges its moves in
+    the games, and the figures go to their own names beside the unmasked games'."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets["model"]).eval()
+    ev = _evaluator(games, tokenizer, ladder=("depth:1",), ladder_games=2, masking="both")
+    m = ev.run(model)
+    records = m["game_records"]
+    assert [(g["masked"], g["model_color"]) for g in records] == [
+        (False, "white"), (False, "black"), (True, "white"), (True, "black"),
+    ]  # fmt: skip
+    for g in records:
+        board = chess.Board()
+        for uci in g["moves"]:  # every move on the board was legal (push_uci checks)
+            board.push_uci(uci)
+        if not g["masked"]:
+            continue
+        assert not g["termination"].startswith("model ")  # no illegal move
+        model_moves = (
+            len(g["moves"]) - len(OPENINGS[g["game"] // 2][1]) + (g["model_color"] == "white")
+        ) // 2
+        assert len(g["legal_mass"]) == model_moves and all(0 < x <= 1 for x in g["legal_mass"])
+        assert len(g["judged"]) == min(16, model_moves)
+        assert all(0 <= j["cp_loss"] <= 1000 and 0 <= j["accuracy"] <= 100 for j in g["judged"])
+    assert m["ladder_masked_depth1_games"] == m["ladder_depth1_games"] == 2
+    assert m["ladder_masked_depth1_illegal_losses"] == 0
+    assert m["ladder_masked_moves_judged"] == sum(len(g["judged"]) for g in records if g["masked"])
+    assert m["ladder_masked_centipawn_loss"] is not None and "ladder_centipawn_loss" not in m
+    table = format_table(m, step=None)
+    assert "vs depth1 masked" in table and "masked games" in table
+    assert 'Event "fsdp_utils chess_eval ladder, masked"' in m["pgns"][2]
 
 
 # --- missing engine, the command and its preflight ----------------------------------------
@@ -338,28 +405,80 @@ def test_standalone_writes_records_beside_the_summary(tiny_assets, config, tmp_p
 # --- engine games as data -----------------------------------------------------------------
 
 
-def test_self_play_is_the_same_on_one_and_two_processes_and_remakes_the_shipped_games(tmp_path):
+def _ended_as_recorded(game: dict) -> None:
+    board = chess.Board()
+    for uci in game["Moves"]:
+        board.push_uci(uci)
+    outcome = board.outcome(claim_draw=True)
+    assert outcome is not None and outcome.result() == game["Result"]
+    assert outcome.termination.name == game["Termination"]
+
+
+def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_done_shards(
+    tmp_path, capsys
+):
+    """The array job's shards: two tasks (as `sbatch --array=0-1` runs them) and one task on
+    two processes write the same files, byte for byte, in laion/strategic_game_chess's schema;
+    the manifest says how and by which engine; a task run again plays only the missing shard."""
     import pyarrow.parquet as pq
 
     from fsdp_utils.chess_eval.judge import engine_version
     from fsdp_utils.chess_eval.selfplay import main as selfplay_main
+    from fsdp_utils.chess_eval.selfplay import read_games, self_play
+
+    mix = "selfplay:2,vs_random:1,random:1"
+    common = ["--games", "6", "--shard_games", "2", "--mix", mix, "--seed", "3"]  # all 3 kinds
+    two, one = tmp_path / "two", tmp_path / "one"
+    for task in range(2):  # task 0: shards 1 and 3 of 3; task 1: shard 2
+        assert (
+            selfplay_main([*common, "--output", str(two), "--task", str(task), "--tasks", "2"]) == 0
+        )
+    assert selfplay_main([*common, "--output", str(one), "--processes", "2"]) == 0
+    names = sorted(p.name for p in one.glob("*.parquet"))
+    assert names == [f"chess_game_{k:04d}.parquet" for k in range(1, 4)]
+    assert names == sorted(p.name for p in two.glob("*.parquet"))
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    games = read_games(one)
+    assert games == list(
+        self_play(6, seed=3, mix=(("selfplay", 2), ("vs_random", 1), ("random", 1)))
+    )
+    for game in games:
+        _ended_as_recorded(game)
+    assert pq.read_table(one / names[0]).column_names == ["Moves", "Termination", "Result"]
+    manifest = json.loads((one / "selfplay.json").read_text())
+    assert manifest == {**manifest, "games": 6, "seed": 3, "depth": 1, "shard_games": 2,
+                        "engine": engine_version(), "tasks": 1}  # fmt: skip
+    assert sum(manifest["games_by_kind"].values()) == 6 and len(manifest["games_by_kind"]) == 3
+    assert manifest["plies"] == sum(len(g["Moves"]) for g in games)
+    other = json.loads((two / "selfplay.json").read_text())
+    assert other["tasks"] == 2
+    assert [s["sha256"] for s in other["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    assert f"--mix {mix}" in manifest["command"]
+    # The data set is the folder: its manifest and the shards' notes are not data files.
+    from fsdp_utils.hub.resolve import resolve_dataset_files
+
+    assert [p.name for p in resolve_dataset_files(str(one))] == names
+
+    # A requeued task: the shards it wrote stay, the one it lost is played again.
+    (two / names[2]).unlink()
+    capsys.readouterr()
+    assert selfplay_main([*common, "--output", str(two), "--task", "0", "--tasks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of its 2 shards are done already" in out and "shard 3/3" in out
+    assert "shard 1/3" not in out
+    assert (two / names[2]).read_bytes() == (one / names[2]).read_bytes()
+    # Another data set in the same folder is refused.
+    assert selfplay_main(["--games", "7", "--shard_games", "2", "--output", str(two)]) == 2
+    assert "a shard of another data set" in capsys.readouterr().err
+
+
+def test_the_shipped_engine_games_are_what_their_command_makes():
+    from fsdp_utils.chess_eval.judge import engine_version
     from fsdp_utils.chess_eval.selfplay import self_play
     from fsdp_utils.demo import ENGINE_GAMES, engine_games
 
-    assert selfplay_main(["--games", "4", "--output", str(tmp_path / "one")]) == 0
-    one = pq.read_table(tmp_path / "one" / "chess_game_0001.parquet").to_pylist()
-    assert one == self_play(4, seed=0, depth=1, processes=2)
-    for game in one:  # laion/strategic_game_chess's schema, and games that really ended so
-        board = chess.Board()
-        for uci in game["Moves"]:
-            board.push_uci(uci)
-        outcome = board.outcome(claim_draw=True)
-        assert outcome is not None and outcome.result() == game["Result"]
-        assert outcome.termination.name == game["Termination"]
     made = json.loads((ENGINE_GAMES / "selfplay.json").read_text())
-    assert (
-        json.loads((tmp_path / "one" / "selfplay.json").read_text())["engine"] == engine_version()
-    )
+    assert len(engine_games()) == made["games"] == sum(made["games_by_kind"].values())
     if made["engine"] == engine_version():  # the engine that made the shipped file remakes it
-        assert engine_games()[:4] == one
-    assert len(engine_games()) == made["games"]
+        assert engine_games()[:3] == list(self_play(3, seed=made["seed"], depth=made["depth"]))

@@ -4,6 +4,7 @@ real decoding loop and tokenizer, sharding over ranks, the standalone CLI and it
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_utils.chess_eval import ChessEvaluator
 from fsdp_utils.chess_eval.cli import main as chess_eval_main
-from fsdp_utils.chess_eval.games import make_prefixes
+from fsdp_utils.chess_eval.games import OPENING_PLIES, make_prefixes
 from fsdp_utils.chess_eval.referee import board_after, judge
 from fsdp_utils.cli import main as finetune_main
 from fsdp_utils.config.train_config import TrainConfig
@@ -112,10 +113,12 @@ def test_prefixes_cover_opening_middlegame_and_ending(games, config):
         assert list(p.moves) == list(game["Moves"][: len(p.moves)])
         assert p.prompt.startswith(f"[Result {game['Result']}]") and p.prompt == p.prompt.rstrip()
         assert p.header_result == game["Result"]
-        if p.phase == "opening":
-            assert not p.moves
+        if p.phase == "opening":  # one of the first plies, seeded per game
+            assert len(p.moves) <= OPENING_PLIES
         if p.phase == "ending":
             assert len(p.moves) == len(game["Moves"]) - PLIES // 2
+    openings = [p.moves for p in prefixes if p.phase == "opening"]
+    assert len(set(openings)) > len(openings) // 2  # not every game's start position
     no_header = make_prefixes(games, "{moves}", plies=PLIES, seed=config.seed)
     assert len(no_header) == len(prefixes) and all(p.header_result is None for p in no_header)
 
@@ -199,6 +202,69 @@ def test_decoding_passes_the_kv_cache_as_transformers_names_it(tiny_assets, toke
             for _ in range(6):  # no cache: the whole sequence each time
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert got.tokens == ids[len(prompt) :]
+
+
+def test_a_masked_move_is_the_models_most_likely_legal_move(tiny_assets, tokenizer):
+    """`continuation_logprobs`, as masked games use it: each legal move's log-probability (the
+    sum over its tokens, several for some moves with this tokenizer) equals a plain forward's,
+    on prompts of different lengths in one left-padded batch, so the masked move is the most
+    likely legal one by the model's own probabilities."""
+    from fsdp_utils.parallel.generate import continuation_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets["model"]).eval()
+    texts = [
+        "[Result 1-0] [Termination CHECKMATE]",
+        "[Result 0-1] [Termination CHECKMATE] e2e4 e7e5 g1f3",
+    ]
+    boards = [chess.Board(), board_after(["e2e4", "e7e5", "g1f3"])]
+    prompts, candidates = [], []
+    for text, board in zip(texts, boards, strict=True):
+        ids = tokenizer(text)["input_ids"]
+        prompts.append(ids)
+        candidates.append(
+            [tokenizer(f"{text} {m.uci()}")["input_ids"][len(ids) :] for m in board.legal_moves]
+        )
+    assert any(len(c) > 1 for cands in candidates for c in cands)  # moves of several tokens
+    got = continuation_logprobs(
+        model, prompts, candidates, pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"),
+        batch_size=3,
+    )  # fmt: skip
+    for ids, cands, scores in zip(prompts, candidates, got, strict=True):
+        for cand, score in zip(cands, scores, strict=True):
+            with torch.no_grad():
+                logps = torch.log_softmax(model(torch.tensor([ids + cand])).logits[0].double(), -1)
+            want = sum(float(logps[len(ids) - 1 + j, t]) for j, t in enumerate(cand))
+            assert score == pytest.approx(want, abs=1e-4)
+        assert 0 < sum(math.exp(x) for x in scores) <= 1  # the probability on the legal moves
+
+
+def test_the_headline_figure_counts_an_illegal_move_as_the_worst():
+    """engine_metrics' arithmetic: every move (an illegal one at 1000 cp and accuracy 0) beside
+    the legal moves alone, each with its standard error, and the counts they rest on."""
+    from fsdp_utils.chess_eval.figures import engine_metrics
+
+    def legal(position, loss, accuracy, phase="opening"):
+        return {"position": position, "ply": 0, "phase": phase, "legal": True, "cp_loss": loss,
+                "accuracy": accuracy, "is_best": loss == 0, "judgement": None}  # fmt: skip
+
+    records = [
+        legal(0, 0, 100.0), legal(1, 100, 80.0, "middlegame"), legal(2, 200, 60.0, "ending"),
+        {"position": 3, "ply": 0, "phase": "ending", "legal": False, "failure": "illegal"},
+    ]  # fmt: skip
+    m = engine_metrics(records)
+    assert (m["engine_positions"], m["engine_moves"], m["engine_illegal"]) == (4, 3, 1)
+    assert m["engine_all_centipawn_loss"] == (0 + 100 + 200 + 1000) / 4
+    assert m["engine_all_accuracy"] == (100 + 80 + 60 + 0) / 4
+    every = [0, 100, 200, 1000]
+    sd = math.sqrt(sum((x - 325) ** 2 for x in every) / 3)
+    assert m["engine_all_centipawn_loss_se"] == pytest.approx(sd / 2)
+    assert m["engine_centipawn_loss"] == 100 and m["engine_accuracy"] == 80
+    assert m["engine_centipawn_loss_se"] == pytest.approx(100 / math.sqrt(3))
+    assert m["engine_accuracy_se"] == pytest.approx(20 / math.sqrt(3))
+    assert m["engine_best_move_rate"] == pytest.approx(1 / 3)
+    assert (m["engine_moves_ending"], m["engine_illegal_ending"]) == (1, 1)
+    one = engine_metrics(records[:1])
+    assert one["engine_centipawn_loss_se"] is None  # one move has no standard error
 
 
 def test_ranks_share_the_work_and_add_up(games, tokenizer, config):

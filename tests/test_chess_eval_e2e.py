@@ -26,9 +26,10 @@ MARGIN = 0.25
 EVAL_OPTIONS = {
     "chess_eval_games": 16, "chess_eval_plies": 10, "eval_examples": 20,
     # The engine judge (Stockfish, installed by `make setup-system`): shallow, and the two
-    # deterministic rungs, so that every process count plays the same games.
+    # deterministic rungs, so that every process count plays the same games, unmasked and
+    # masked (the model's most likely legal move).
     "chess_eval_engine": "on", "chess_eval_depth": 5, "chess_eval_ladder": "random,depth:1",
-    "chess_eval_ladder_games": 2,
+    "chess_eval_ladder_games": 2, "chess_eval_masking": "both",
 }  # fmt: skip
 RECORDS = ("moves.jsonl", "games.jsonl", "games.pgn")
 
@@ -68,7 +69,8 @@ def test_training_beats_the_untrained_models_legal_move_rate(trained_run, tiny_a
 def test_same_numbers_on_1_and_2_processes(trained_run, capsys):
     """The 2-process FSDP evaluation at the last step and one plain process on final/ (found
     through the run's config.json beside it) count exactly the same moves, and the engine
-    judges them into the same per-move records and the same games, byte for byte."""
+    judges them into the same per-move records and the same games, unmasked and masked, byte
+    for byte."""
     fsdp = read_metrics(trained_run, "chess_eval")[-1]
     single = _standalone(trained_run / "final", trained_run, capsys)
     # Every field but the timings, the log record's own (kind, message, step, time) and the
@@ -89,7 +91,9 @@ def test_same_numbers_on_1_and_2_processes(trained_run, capsys):
     )
     for name in RECORDS:
         assert (during / name).read_bytes() == (after / name).read_bytes(), name
-    assert (during / "games.pgn").read_text().count("[Event ") == 4
+    assert (during / "games.pgn").read_text().count("[Event ") == 8
+    assert counted["ladder_masked_depth1_games"] == 2 and counted["ladder_masked_moves_judged"] > 0
+    assert counted["ladder_masked_random_illegal_losses"] == 0
 
 
 def test_the_command_under_torchrun_shards_the_model_and_the_engine_work(trained_run, tmp_path):

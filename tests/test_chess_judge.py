@@ -166,15 +166,17 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_killed_or_hung_engine_raises_and_is_ended(engine_path):
+    """Without restarts (retries=0; the restarts themselves: test_grpo_units.py and
+    test_chess_engine_eval.py)."""
     board = chess.Board()
-    with J.EngineJudge(path=engine_path, depth=DEPTH) as j:
+    with J.EngineJudge(path=engine_path, depth=DEPTH, retries=0) as j:
         pid = j.engine.transport.get_pid()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(J.EngineFailed, match="stopped answering"):
             j.judge_move(board, chess.Move.from_uci("d2d4"))
     assert not _alive(pid)
 
-    j = J.EngineJudge(path=engine_path, depth=30, timeout_s=1.0)
+    j = J.EngineJudge(path=engine_path, depth=30, timeout_s=1.0, retries=0)
     pid = j.engine.transport.get_pid()
     os.kill(pid, signal.SIGSTOP)  # hangs mid-search: only the judge's timer can end it
     started = time.monotonic()

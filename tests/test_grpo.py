@@ -12,6 +12,8 @@ One torchrun runs them all (tests/finetune_runs.py), each run through chess_fine
               chess engine's reward beside it, weighted 0: Stockfish starts and is ended)
     learns    30 steps of a reward the model rarely meets at first, judged on held-out prompts
     raises    a reward function that raises on rank 1 only: rank 0 says so, exit 2
+    engine_dies  a chess engine reward whose engine dies once in step 2 (restarted, counted)
+              and at every search from step 3 on: the run saves and stops, exit 1
 
 and in this process, one step of `base` on one process: the same completions, rewards and
 first loss as on two.
@@ -102,6 +104,16 @@ def grpo(tiny_assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
             cache,
             reward_funcs=f"{base_rewards}:raises_on_rank_1",
             max_training_steps=1,
+        ),
+        # A chess engine that dies once in step 2 (restarted), then at every search.
+        "engine_dies": grpo_args(
+            model,
+            prompts,
+            root / "engine_dies",
+            cache,
+            reward_funcs=f"{write_rewards(root / 'engine_rewards')}:engine_dies",
+            max_training_steps=4,
+            max_completion_length=2,
         ),
     }
     results = run_finetunes(2, runs, root / "runs")
@@ -203,6 +215,31 @@ def test_a_reward_that_raises_on_one_rank_stops_every_rank_with_its_name(grpo):
     tail = outcome["output_tail"]
     assert "The reward function raises_on_rank_1 raised RuntimeError" in tail
     assert "the judge is out to lunch" in tail and "rewards.py:" in tail
+
+
+def test_a_dying_engine_is_restarted_and_one_that_keeps_dying_saves_and_stops_the_run(grpo):
+    """The reward's engine dies once in step 2: restarted, the step goes on, the restart is
+    counted in the step's metrics and said in the log. From step 3 on it dies at every search:
+    restarted twice on the same position, then the run saves step 3's rollout so far with step
+    2's weights and stops, exit 1, with a paragraph that names the engine and what it did (not
+    the reward function)."""
+    outcome = grpo["results"]["engine_dies"]
+    assert outcome["exit_code"] == 1, outcome["output_tail"]
+    run = grpo["root"] / "engine_dies"
+    first, second = read_metrics(run)
+    assert (first["step"], first["engine/restarts"]) == (1, 0)
+    assert second["step"] == 2 and second["engine/restarts"] >= 1  # each rank's engine may die
+    assert (
+        "step 2: chess engine" in outcome["output_tail"] and "restarted" in outcome["output_tail"]
+    )
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and status["reason"].startswith("StepFailed")
+    message = status["reason"]  # the paragraph the run ended with
+    assert f"error: {message.removeprefix('StepFailed: ')}" in outcome["output_tail"]
+    assert "The chess engine" in message and "engine_rewards/engine" in message
+    assert "failed 3 times in a row" in message and "the process exited" in message
+    assert "saved with step 2's weights" in message and "Fix the function" not in message
+    assert (run / "checkpoints" / "step_00000002").is_dir()
 
 
 def test_one_process_samples_scores_and_loses_what_two_do(grpo, tmp_path):

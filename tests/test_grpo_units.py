@@ -6,6 +6,8 @@ input ending in one paragraph with exit 2 (chess_finetune.py's main, in this pro
 from __future__ import annotations
 
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import chess
 import pytest
 import torch
 
+from fsdp_utils.chess_eval import rewards as chess_rewards
 from fsdp_utils.cli import main
 from fsdp_utils.methods.grpo import builtin_rewards
 from fsdp_utils.methods.grpo.rewards import (
@@ -147,6 +150,55 @@ def test_the_engine_reward_is_the_judges_accuracy_and_nothing_for_an_illegal_mov
     assert rewards[0] == 1.0  # the best move loses nothing
     assert 0.0 <= rewards[1] < 0.5  # throws the win away
     assert rewards[2] == 0.0  # not a move
+
+
+def test_the_centipawn_reward_is_dense_on_known_positions():
+    """chess_centipawn: 1 - cp_loss / 1000 for a legal move (the best 1.0, a thrown-away mate
+    0.0, a quiet slip in between, as the judge scores it), -1.0 for an illegal or unparseable
+    one: below every legal move."""
+    from fsdp_utils.chess_eval.judge import EngineJudge
+    from fsdp_utils.chess_eval.rewards import EngineReward
+
+    mate = ["e2e4", "e7e5", "d1h5", "b8c6", "f1c4", "g8f6"]  # Qxf7 is mate, a3 lets it go
+    rows = {"moves": [mate, mate, mate, mate, [], []]}
+    texts = [" h5f7", " a2a3", " h5h9", " Qxf7", " e2e4", " g1h3"]
+    with contextlib_closing(EngineReward(depth=6, kind="centipawn")) as engine:
+        rewards = engine(texts, **rows)
+    assert rewards[:4] == [1.0, 0.0, -1.0, -1.0]
+    with EngineJudge(depth=6) as judge:
+        start = chess.Board()
+        for text, reward in zip(texts[4:], rewards[4:], strict=True):
+            loss = judge.judge_move(start, chess.Move.from_uci(text.strip())).cp_loss
+            assert reward == 1.0 - loss / 1000
+    assert 0.0 < rewards[5] < 1.0 and rewards[5] < rewards[4]  # Nh3 is worse than e4
+    builtin = builtin_rewards.chess_centipawn([" h5f7", " h5h9"], moves=[mate, mate])
+    assert builtin == [1.0, -1.0]
+    chess_rewards.close_shared()
+
+
+def test_the_engine_reward_goes_on_through_a_killed_and_a_stopped_engine():
+    """A real Stockfish killed (SIGKILL) and another frozen (SIGSTOP) in the middle of a
+    reward: each is restarted and the position judged again, the reward is what a fresh
+    engine gives, and each restart is counted and said once."""
+    from fsdp_utils.chess_eval.rewards import EngineReward, take_restart_notes
+
+    take_restart_notes()  # the notes of earlier tests' engines
+    rows = [(["e2e4"], " e7e5"), (["d2d4"], " g8f6"), (["c2c4"], " e7e5")]
+    with contextlib_closing(EngineReward(depth=6, kind="centipawn")) as fresh:
+        want = [fresh([text], moves=[moves])[0] for moves, text in rows]
+    with contextlib_closing(EngineReward(depth=6, kind="centipawn", timeout_s=1.0)) as engine:
+        got = [engine([rows[0][1]], moves=[rows[0][0]])[0]]
+        os.kill(engine.judge.engine.transport.get_pid(), signal.SIGKILL)
+        got.append(engine([rows[1][1]], moves=[rows[1][0]])[0])
+        stopped = engine.judge.engine.transport.get_pid()
+        os.kill(stopped, signal.SIGSTOP)  # hangs: only the judge's timer ends it
+        got.append(engine([rows[2][1]], moves=[rows[2][0]])[0])
+        assert engine.restarts == 2
+    assert got == want
+    notes = take_restart_notes()
+    assert len(notes) == 2 and take_restart_notes() == []
+    assert "the process exited" in notes[0] and "no answer within 1 s" in notes[1]
+    assert "restarted" in notes[0] and "Stockfish" in notes[0]
 
 
 class contextlib_closing:  # a context manager named as contextlib's

@@ -32,10 +32,13 @@ Parsing rules (`referee.judge`):
 - Unparseable, illegal, after the end, no move: each is one illegal move.
 
 With Stockfish (`judge.py`; `--chess_engine auto|on|off|PATH`) the model's moves are also
-judged for quality: centipawn loss, Lichess's win% and accuracy, best-move rate and lila's
-inaccuracy/mistake/blunder rates (`figures.py`), with balanced positions beside the three
-phases, and the model plays games against a ladder of opponents (`ladder.py`). Engine
-self-play games in the data set's schema: `python -m fsdp_utils.chess_eval.selfplay`.
+judged for quality, each distinct position once: centipawn loss and Lichess's accuracy over every
+move (an illegal one scored as the worst) and over its legal moves alone, with standard errors,
+best-move rate and lila's inaccuracy/mistake/blunder rates (`figures.py`), with balanced
+positions beside the three phases, and the model plays games against a ladder of opponents,
+unmasked and with its moves masked to the legal ones (`ladder.py`). An engine that dies or hangs
+is restarted (`judge.EngineProcess`). Engine games as data, by shards and Slurm array tasks:
+`python -m fsdp_utils.chess_eval.selfplay`.
 
 Standalone: `python -m fsdp_utils.chess_eval MODEL` (one process, or sharded under torchrun);
 during training: `--chess_eval_every N` (every rank takes part under FSDP; see

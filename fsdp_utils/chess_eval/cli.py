@@ -17,8 +17,9 @@ run's model) rank 0 writes the per-move records (moves.jsonl), the games (games.
 games.pgn) and the summary (summary.json), all four or none.
 
 Exit status: 0; 2 for a user mistake (one paragraph naming the fix: a missing engine with
-`--engine on`, an engine path that is not a working UCI engine); 1 if the engine failed during
-the evaluation (the referee's figures are still printed; no records are written).
+`--engine on`, an engine path that is not a working UCI engine); 1 if an engine kept failing
+after its restarts (the referee's figures are still printed; no records are written, so the
+previous ones stay).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ EVAL_OPTIONS = {
     "judged_plies": "chess_eval_judged_plies",
     "ladder": "chess_eval_ladder",
     "ladder_games": "chess_eval_ladder_games",
+    "masking": "chess_eval_masking",
 }
 
 
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     for short, name in EVAL_OPTIONS.items():
         f = fields[name]
         extra: dict[str, Any] = {"type": kinds.get(name, int)}
+        if name == "chess_eval_masking":
+            extra = {"choices": ["off", "on", "both"]}
         parser.add_argument(
             f"--{short}", f"--{name}", dest=name, default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {f.default})", **extra,

@@ -10,11 +10,12 @@ all-reduce of the integer counts gives every rank the same totals, whatever the 
 The engine part (`engine`: `EngineSettings`, None without an engine) composes the referee
 (`referee.py`), the judge (`judge.py`, one Stockfish process per rank, started for the run and
 ended on every way out of it) and the games (`games.py`, `ladder.py`): each rank judges its
-own continuations and plays its share of the ladder's games, so the engine work is spread over
-the ranks' CPU cores; the per-move and per-game records are gathered and every figure is
-computed from them in one order (`figures.py`). An engine that fails (crash, hang) ends that
-part of this evaluation with its error in the metrics (`engine_error`); the referee's figures
-and the training run go on.
+own continuations and plays its share of the ladder's games (unmasked, or masked: the model's
+most likely legal move, `_masked_moves`), so the engine work is spread over the ranks' CPU
+cores; the per-move and per-game records are gathered and every figure is computed from them in
+one order (`figures.py`). An engine that crashes or hangs is restarted and asked again
+(`engine_restarts`); one that keeps failing ends that part of this evaluation with its error in
+the metrics (`engine_error`); the referee's figures and the training run go on.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fsdp_utils.atomic import folder_written_atomically, write_text_atomic
 from fsdp_utils.chess_eval.figures import (
     FIGURE_PHASES,
     Played,
+    distinct_positions,
     engine_metrics,
     judge_board_score,
     move_records,
@@ -52,8 +54,10 @@ from fsdp_utils.chess_eval.games import (
     require_games,
 )
 from fsdp_utils.chess_eval.judge import (
+    CP_CEILING,
     EngineFailed,
     EngineJudge,
+    EngineProcess,
     choose_engine,
     uci_engine_name,
 )
@@ -63,6 +67,7 @@ from fsdp_utils.chess_eval.ladder import (
     Opponent,
     check_opponents,
     ladder_line,
+    masked_totals,
     score_rungs,
 )
 from fsdp_utils.chess_eval.referee import FAILURES, Verdict, board_after, judge
@@ -70,12 +75,18 @@ from fsdp_utils.config.options.evaluation import engine_choice, ladder_rungs
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.data.render import render_row
 from fsdp_utils.parallel import distributed as dist_utils
-from fsdp_utils.parallel.generate import Sampling, continue_prompts, row_seed, top1_hits
+from fsdp_utils.parallel.generate import (
+    Sampling,
+    continuation_logprobs,
+    continue_prompts,
+    row_seed,
+    top1_hits,
+)
 from fsdp_utils.parallel.parallelize import no_grad_pass
 
 DEFAULT_BATCH_SIZE = 8
 # What a run returns beside its numbers: not metrics.jsonl material (`log_record` drops them).
-RECORDS = ("examples", "move_records", "game_records", "pgns")
+RECORDS = ("examples", "move_records", "game_records", "pgns", "engine_notes")
 
 # The integer counts every rank contributes; one all-reduce sums them.
 COUNTS = (
@@ -138,6 +149,7 @@ class EngineSettings:
     judged_plies: int = 1
     ladder: tuple[str, ...] = ()
     ladder_games: int = 8
+    masking: str = "off"  # the ladder's games: unmasked (off), masked (on), or both
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> tuple[EngineSettings | None, str]:
@@ -161,6 +173,7 @@ class EngineSettings:
             judged_plies=config.chess_eval_judged_plies,
             ladder=tuple(ladder_rungs(config.chess_eval_ladder)),
             ladder_games=config.chess_eval_ladder_games,
+            masking=config.chess_eval_masking,
         )
         return settings, settings.describe()
 
@@ -180,8 +193,14 @@ class EngineSettings:
         return version
 
     def describe(self) -> str:
-        ladder = f"; ladder {','.join(self.ladder)}, {self.ladder_games} games each"
+        ways = {"off": "", "on": ", masked", "both": ", unmasked and masked"}[self.masking]
+        ladder = f"; ladder {','.join(self.ladder)}, {self.ladder_games} games each{ways}"
         return f"engine judge: {self.path}, {self.limit_text}" + (ladder if self.ladder else "")
+
+    @property
+    def masked_modes(self) -> tuple[bool, ...]:
+        """The ladder's games against each rung: unmasked (False), masked (True)."""
+        return {"off": (False,), "on": (True,), "both": (False, True)}[self.masking]
 
     @property
     def limit_text(self) -> str:
@@ -196,6 +215,8 @@ class _EngineRun:
         self.error: str | None = None
         self.judge: EngineJudge | None = None
         self.name = "engine"
+        self.restarts = 0  # of engines ended already (the ladder's opponents)
+        self.notes: list[str] = []  # the restarts' log lines
         try:
             self.judge = EngineJudge(path=settings.path, depth=settings.depth, nodes=settings.nodes)
             self.name = self.judge.name
@@ -206,12 +227,22 @@ class _EngineRun:
         self.error = self.error or str(err)
         self.close()
 
+    def count(self, process: EngineProcess | None) -> None:
+        """Add a finished engine's restarts (and their log lines) to this run's."""
+        if process is not None:
+            self.restarts += process.restarts
+            self.notes.extend(process.take_notes())
+
+    def all_restarts(self) -> int:
+        return self.restarts + (self.judge.restarts if self.judge is not None else 0)
+
     @property
     def ok(self) -> bool:
         return self.error is None and self.judge is not None
 
     def close(self) -> None:
         if self.judge is not None:
+            self.notes.extend(self.judge.process.take_notes())
             self.judge.close()
 
 
@@ -369,7 +400,12 @@ class ChessEvaluator:
                 if engine is not None and self.engine is not None and self.engine.ladder:
                     ladder = self._ladder(model, engine, autocast)
             engine_started = time.perf_counter()
+            # Each distinct position once (every rank knows every prefix: the same choice).
+            judged = distinct_positions([*self.prefixes, *(self.balanced or [])])
+            played = [p for p in played if p.prefix.index in judged]
             moves = self._judge(engine, played) if engine is not None else []
+            if engine is not None:
+                self._judge_ladder(engine, ladder)
             engine_seconds = time.perf_counter() - engine_started
         counts = torch.tensor(
             [tally.counts[k] for k in COUNTS], dtype=torch.float64, device=self.device
@@ -517,25 +553,35 @@ class ChessEvaluator:
         failed = dist_utils.all_reduce_max(torch.tensor([0.0 if engine.ok else 1.0]))
         if failed.item() > 0:
             return []
-        schedule = [(rung, i) for rung in settings.ladder for i in range(settings.ladder_games)]
+        schedule = [
+            (rung, masked, i)
+            for rung in settings.ladder
+            for masked in settings.masked_modes
+            for i in range(settings.ladder_games)
+        ]
         games = [
-            LadderGame(i, rung, self.seed) for rung, i in schedule[self.rank :: self.world_size]
+            LadderGame(i, rung, self.seed, masked=masked)
+            for rung, masked, i in schedule[self.rank :: self.world_size]
         ]
         opponents: dict[str, Opponent] = {}
         try:
             while True:
                 self._opponents_move(games, opponents, engine)
-                todo = [g for g in games if g.model_to_move]
-                rounds = torch.tensor([float(math.ceil(len(todo) / self.batch_size))])
-                rounds_everywhere = int(dist_utils.all_reduce_max(rounds).item())
-                if rounds_everywhere == 0:
+                todo = [g for g in games if g.model_to_move and not g.masked]
+                masked = [g for g in games if g.model_to_move and g.masked]
+                work = torch.tensor([float(math.ceil(len(todo) / self.batch_size)), len(masked)])
+                rounds, masked_anywhere = dist_utils.all_reduce_max(work).tolist()
+                if rounds == 0 and masked_anywhere == 0:
                     break
-                for k in range(rounds_everywhere):
+                for k in range(int(rounds)):
                     self._model_moves(
                         model, todo[k * self.batch_size : (k + 1) * self.batch_size], autocast
                     )
+                if masked_anywhere:  # collective: every rank scores, its own games or none
+                    self._masked_moves(model, masked, autocast)
         finally:
             for opponent in opponents.values():
+                engine.count(opponent.process)
                 opponent.close()
         return games
 
@@ -596,6 +642,66 @@ class ChessEvaluator:
             game.board.push_uci(text.split()[0])
             game.check_end()
 
+    def _masked_moves(
+        self, model: nn.Module, games: list[LadderGame], autocast: Callable[[], Any] | None
+    ) -> None:
+        """Collective: the model's move in each of `games` (masked; may be none here), chosen
+        among the legal moves by the model's own probability of writing each one next (the
+        move's tokens after the game so far): the most likely (greedy), or drawn at
+        --chess_eval_temperature with a seed per game and ply."""
+        prompts, candidates, legal_moves = [], [], []
+        for game in games:
+            prompt = self._ladder_prompt(game)
+            ids = self._encode(prompt)
+            legal = sorted(game.board.legal_moves, key=lambda m: m.uci())
+            prompts.append(ids)
+            candidates.append(self._move_tokens(prompt, ids, [m.uci() for m in legal]))
+            legal_moves.append(legal)
+        scores = continuation_logprobs(
+            model, prompts, candidates, pad_token_id=self.pad, device=self.device,
+            batch_size=self.batch_size, autocast=autocast,
+        )  # fmt: skip
+        for game, legal, logps in zip(games, legal_moves, scores, strict=True):
+            values = torch.tensor(logps, dtype=torch.float64)
+            if self.temperature > 0:
+                seed = row_seed(self.seed, "masked", game.rung, game.index, game.board.ply())
+                weights = torch.softmax(values / self.temperature, dim=0)
+                pick = int(
+                    torch.multinomial(weights, 1, generator=torch.Generator().manual_seed(seed))
+                )
+            else:
+                pick = int(torch.argmax(values))  # the first of equals: moves in UCI order
+            # Rounded: a batch of another shape (another process count) moves the last digits.
+            game.legal_mass.append(round(float(values.exp().sum()), 4))
+            game.board.push(legal[pick])
+            game.check_end()
+
+    def _move_tokens(self, prompt: str, prompt_ids: list[int], moves: list[str]) -> list[list[int]]:
+        """The tokens the model writes for each of `moves` after `prompt`: as the prompt and
+        the move encode together, less the prompt's tokens (apart, where the tokenizer spells
+        the prompt differently then). One batched call of the tokenizer."""
+        encoded = self.tokenizer([f"{prompt} {move}" for move in moves], add_special_tokens=True)
+        tokens = []
+        for move, whole in zip(moves, encoded["input_ids"], strict=True):
+            if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
+                tokens.append(list(whole[len(prompt_ids) :]))
+            else:
+                apart = self.tokenizer(" " + move, add_special_tokens=False)["input_ids"]
+                tokens.append(list(apart))
+        return tokens
+
+    def _judge_ladder(self, engine: _EngineRun, games: list[LadderGame]) -> None:
+        """The engine judge on the model's moves in this rank's masked games."""
+        if not engine.ok:
+            return
+        assert engine.judge is not None
+        try:
+            for game in games:
+                if game.masked and game.over and game.result != "*":
+                    game.judge_moves(engine.judge)
+        except EngineFailed as err:
+            engine.fail(err)
+
     def _engine_results(
         self,
         engine: _EngineRun,
@@ -608,28 +714,36 @@ class ChessEvaluator:
         assert settings is not None
         games = [g for g in ladder if g.over and g.result != "*"]
         mine = (moves, [g.record() for g in games], [g.pgn(model_name="model") for g in games])
-        gathered = dist_utils.all_gather_objects((mine, engine.error, engine.name))
-        errors = [e for _, e, _ in gathered if e]
+        restarts = (engine.all_restarts(), engine.notes)
+        gathered = dist_utils.all_gather_objects((mine, engine.error, engine.name, restarts))
+        errors = [e for _, e, _, _ in gathered if e]
         moves = sorted(
-            (r for (m, _, _), _, _ in gathered for r in m), key=lambda r: (r["position"], r["ply"])
+            (r for (m, _, _), _, _, _ in gathered for r in m),
+            key=lambda r: (r["position"], r["ply"]),
         )
         order = {rung: k for k, rung in enumerate(settings.ladder)}
         paired = sorted(
-            ((r, p) for (_, g, pg), _, _ in gathered for r, p in zip(g, pg, strict=True)),
-            key=lambda rp: (order[rp[0]["rung"]], rp[0]["game"]),
+            ((r, p) for (_, g, pg), _, _, _ in gathered for r, p in zip(g, pg, strict=True)),
+            key=lambda rp: (order[rp[0]["rung"]], rp[0]["masked"], rp[0]["game"]),
         )
         results: dict[str, Any] = {
             "engine": gathered[0][2],
             "engine_depth": settings.depth,
             "engine_nodes": settings.nodes,
             "engine_error": errors[0] if errors else None,
+            # Engines that died or hung and were restarted (the judge's and the opponents'):
+            # the figures are the same as without, the notes say what happened.
+            "engine_restarts": sum(n for *_, (n, _) in gathered),
+            "engine_notes": [note for *_, (_, notes) in gathered for note in notes],
         }
         if errors:  # a failed engine: no figures from half the work
             return results | {"move_records": [], "game_records": [], "pgns": []}
         results.update(engine_metrics(moves))
         results["engine_seconds"] = seconds  # this rank's judging time
-        for rung in score_rungs([r for r, _ in paired], list(settings.ladder)):
+        rungs = score_rungs([r for r, _ in paired], list(settings.ladder))
+        for rung in rungs:
             results.update(rung.metrics())
+        results.update(masked_totals(rungs))
         results["move_records"] = moves
         results["game_records"] = [r for r, _ in paired]
         results["pgns"] = [p for _, p in paired]
@@ -759,20 +873,41 @@ def engine_lines(m: dict[str, Any]) -> list[str]:
     def num(value: float | None, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
 
+    def se(key: str, fmt: str) -> str:
+        return f"{num(m[key], fmt)} ± {num(m[key + '_se'], fmt)}"
+
+    judged = m["engine_moves"] + m["engine_illegal"]
+    spread = ", ".join(
+        f"{p} {m[f'engine_moves_{p}'] + m[f'engine_illegal_{p}']}"
+        for p in FIGURE_PHASES
+        if m[f"engine_moves_{p}"] + m[f"engine_illegal_{p}"]
+    )
     phases = ", ".join(
         f"{p} {num(m[f'engine_centipawn_loss_{p}'], '.0f')}"
         for p in FIGURE_PHASES
         if m[f"engine_moves_{p}"]
     )
     lines = [
-        f"  engine judge           {m['engine']}, {limit}: {m['engine_moves']} legal moves "
-        f"judged from {m['engine_positions']} positions, {m['engine_illegal']} illegal "
-        f"(counted beside, not averaged), {m['engine_seconds']:.1f}s",
-        f"  centipawn loss         {num(m['engine_centipawn_loss'], '7.1f')}  mean per move ({phases})",
-        f"  accuracy (Lichess)     {num(m['engine_accuracy'], '6.1f')}%  best move "
-        f"{pct(m['engine_best_move_rate'])}; inaccuracies {pct(m['engine_inaccuracy_rate'])}, "
-        f"mistakes {pct(m['engine_mistake_rate'])}, blunders {pct(m['engine_blunder_rate'])}",
+        f"  engine judge           {m['engine']}, {limit}: {judged} moves from "
+        f"{m['engine_positions']} distinct positions ({spread}), {m['engine_seconds']:.1f}s",
+        f"  strength, every move   centipawn loss {se('engine_all_centipawn_loss', '.0f')}, "
+        f"accuracy {se('engine_all_accuracy', '.1f')}%: {judged} moves, the "
+        f"{m['engine_illegal']} illegal ones scored as the worst move ({CP_CEILING} cp, "
+        "accuracy 0)",
+        f"  legal moves only       centipawn loss {se('engine_centipawn_loss', '.0f')}, "
+        f"accuracy {se('engine_accuracy', '.1f')}%: {m['engine_moves']} moves"
+        + (f" ({phases})" if phases else ""),
+        f"                         best move {pct(m['engine_best_move_rate'])}; inaccuracies "
+        f"{pct(m['engine_inaccuracy_rate'])}, mistakes {pct(m['engine_mistake_rate'])}, "
+        f"blunders {pct(m['engine_blunder_rate'])}",
     ]
+    if m.get("engine_restarts"):
+        notes = m.get("engine_notes") or []
+        lines.append(
+            f"  engine restarts        {m['engine_restarts']} (an engine died or hung, was "
+            "restarted and asked again: the figures are as without)"
+            + (f"; the first: {notes[0]}" if notes else "")
+        )
     rungs = [
         k.removesuffix("_games").removeprefix("ladder_")
         for k in m
@@ -780,6 +915,15 @@ def engine_lines(m: dict[str, Any]) -> list[str]:
     ]
     for record_rung in rungs:
         lines.append(ladder_line(m, record_rung))
+    if m.get("ladder_masked_moves_judged"):
+        lines.append(
+            f"  masked games           its moves: centipawn loss "
+            f"{se('ladder_masked_centipawn_loss', '.0f')}, accuracy "
+            f"{se('ladder_masked_accuracy', '.1f')}% ({m['ladder_masked_moves_judged']} moves "
+            f"judged); the model's probability on the legal moves "
+            f"{pct(m['ladder_masked_legal_mass'])} (unmasked results stay in the rows above "
+            "without 'masked')"
+        )
     return lines
 
 

@@ -1,6 +1,7 @@
 """Held-out games -> the prefixes the model continues, rendered with the run's own template.
 
-Every game gives three prefixes (the phases): its opening (no moves yet), a middlegame ply
+Every game gives three prefixes (the phases): its opening (after 0 to 8 of its plies, drawn
+from (seed, game): the start position is one of them, not every game's), a middlegame ply
 drawn from (seed, game), and its ending (K/2 plies before the game's last move, so a model
 that plays on well can end the game and meet the `[Result ...]` header). The prompt is the
 template up to `{moves}`, then the prefix's moves, with trailing whitespace removed: the model
@@ -23,6 +24,7 @@ PHASES = ("opening", "middlegame", "ending")
 BALANCED = "balanced"
 BALANCED_CP = 100
 BALANCED_CANDIDATES = 6
+OPENING_PLIES = 8  # a game's opening prefix: after 0 to 8 of its plies (seeded per game)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,14 @@ def moves_offset(template: str, game: Mapping[str, Any]) -> int:
 
 def phase_plies(num_moves: int, plies: int, rng: random.Random) -> dict[str, int]:
     middle = rng.randint(1, num_moves - 1) if num_moves > 1 else 0
-    return {"opening": 0, "middlegame": middle, "ending": max(0, num_moves - max(1, plies // 2))}
+    # The start position once per game would be the same position 32 times over: each game's
+    # opening is one of its first OPENING_PLIES plies instead (the start among them).
+    opening = rng.randint(0, min(OPENING_PLIES, max(0, num_moves - 1)))
+    return {
+        "opening": opening,
+        "middlegame": middle,
+        "ending": max(0, num_moves - max(1, plies // 2)),
+    }
 
 
 def make_prefixes(

@@ -32,9 +32,11 @@ A move is judged from its position's side to move (the mover):
 
 The engine is found by `find_engine` (a path given > $FSDP_UTILS_STOCKFISH > `stockfish` on
 PATH > Debian's /usr/games/stockfish); `choose_engine` reads `--chess_engine auto|on|off|PATH`
-(a path given must be a working UCI engine). An engine that dies or hangs raises `EngineFailed`;
-every exit path ends the process (`close()`, the context manager, and a finalizer at exit;
-an engine whose parent was killed sees its stdin close and exits by itself).
+(a path given must be a working UCI engine). An engine that dies or hangs is restarted and the
+search run again (`EngineProcess`: at most `RETRIES` restarts in a row, each counted and
+logged); one that keeps failing raises `EngineGaveUp` (an `EngineFailed`). Every exit path ends
+the process (`close()`, the context manager, and a finalizer at exit; an engine whose parent was
+killed sees its stdin close and exits by itself).
 """
 
 from __future__ import annotations
@@ -42,14 +44,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import math
 import os
 import shutil
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
 
 import chess
 import chess.engine
@@ -77,6 +82,10 @@ DEFAULT_TIMEOUT_S = 60.0  # one search of a judged position; depth 10 takes ~0.1
 # shared file system, and not what `timeout_s` bounds.
 START_TIMEOUT_S = 120.0
 QUIT_TIMEOUT_S = 5.0
+# Restarts of a crashed or hung engine before the same call gives up (EngineProcess).
+RETRIES = 2
+LOG = logging.getLogger("fsdp_utils.chess_eval")
+T = TypeVar("T")
 
 
 class EngineNotFound(ValueError):
@@ -85,6 +94,11 @@ class EngineNotFound(ValueError):
 
 class EngineFailed(RuntimeError):
     """The engine died, hung past its timeout, or would not start."""
+
+
+class EngineGaveUp(EngineFailed):
+    """The engine failed on the same call `RETRIES + 1` times in a row, restarted after each
+    failure but the last (`EngineProcess`): not a fault of the caller's code or data."""
 
 
 def install_hint() -> str:
@@ -292,6 +306,7 @@ class EngineJudge:
         hash_mb: int = 16,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cache_size: int = 4096,
+        retries: int = RETRIES,
     ) -> None:
         if (depth is None) == (nodes is None):
             raise ValueError("The engine judge needs exactly one of a depth or a node limit.")
@@ -308,9 +323,17 @@ class EngineJudge:
         # group of moves from one position, and a search depends on nothing else.
         self._cache: OrderedDict[tuple[str, tuple[str, ...]], Search] = OrderedDict()
         self._cache_size = cache_size
-        self.engine = open_engine(self.path, self.options)
-        self.name = str(self.engine.id.get("name", "engine"))
-        self._finalizer = weakref.finalize(self, close_engine, self.engine)
+        self.process = EngineProcess(self.path, self.options, timeout_s=timeout_s, retries=retries)
+        self.name = self.process.name
+
+    @property
+    def engine(self) -> chess.engine.SimpleEngine:
+        """The engine process now (another one after a restart)."""
+        return self.process.engine
+
+    @property
+    def restarts(self) -> int:
+        return self.process.restarts
 
     def __enter__(self) -> EngineJudge:
         return self
@@ -320,23 +343,22 @@ class EngineJudge:
 
     def close(self) -> None:
         """Ends the engine process (idempotent)."""
-        self._finalizer()
+        self.process.close()
 
     @property
     def limit_text(self) -> str:
         return f"depth {self.depth}" if self.depth is not None else f"{self.nodes} nodes"
 
     def _search(self, board: chess.Board, move: chess.Move | None = None) -> Search:
-        info = guarded(
-            self.engine,
-            self.timeout_s,
-            lambda: self.engine.analyse(
-                board,
-                self.limit,
-                root_moves=[move] if move is not None else None,
-                game=object(),  # a new game: python-chess sends ucinewgame, the hash is cleared
+        # A new game each search: python-chess sends ucinewgame and the hash is cleared, so a
+        # search retried on a restarted engine gives what the first would have.
+        info = self.process.call(
+            lambda engine: engine.analyse(
+                board, self.limit, root_moves=[move] if move is not None else None,
+                game=object(),
             ),
-        )
+            f"the position {board.fen()}" + (f" (the move {move.uci()})" if move else ""),
+        )  # fmt: skip
         pv = info.get("pv") or []
         score = info.get("score")
         if not pv or score is None:
@@ -386,6 +408,102 @@ class EngineJudge:
 
 
 # --- the engine process ------------------------------------------------------------------
+
+
+class EngineProcess:
+    """One UCI engine process that is restarted when it dies or hangs.
+
+    An engine is an external program: a crash (the process exited) or a hang (no answer
+    within `timeout_s`: killed) of one search is not the caller's mistake. `call` restarts the
+    engine and runs the same call again, at most `retries` times in a row; each restart is
+    counted (`restarts`), kept as a line for the caller's log (`take_notes`) and logged to the
+    `fsdp_utils.chess_eval` logger. Only when the call fails `retries + 1` times in a row does
+    it raise `EngineGaveUp`, naming the engine, what it was asked and what it did. A call must
+    not depend on the engine's earlier state (the judge clears the hash for every search), so
+    that a retried call gives what the first would have."""
+
+    def __init__(
+        self,
+        path: str,
+        options: dict[str, Any],
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = RETRIES,
+    ) -> None:
+        self.path, self.options = path, dict(options)
+        self.timeout_s, self.retries = timeout_s, retries
+        self.restarts = 0
+        self._notes: list[str] = []
+        # The process now, in a box: the finalizer ends whichever process is current.
+        self._box = [open_engine(path, self.options)]
+        self.name = str(self.engine.id.get("name", "engine"))
+        self._finalizer = weakref.finalize(self, _close_boxed, self._box)
+
+    @property
+    def engine(self) -> chess.engine.SimpleEngine:
+        return self._box[0]
+
+    def close(self) -> None:
+        """Ends the engine process (idempotent)."""
+        self._finalizer()
+
+    def cpu_seconds(self) -> float:
+        """The engine process's CPU time so far (Linux's /proc; 0 where it cannot be read)."""
+        try:
+            pid = self.engine.transport.get_pid()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return 0.0
+
+    def take_notes(self) -> list[str]:
+        """The restarts' log lines since the last call."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def call(
+        self, fn: Callable[[chess.engine.SimpleEngine], T], what: str, *, guard: bool = True
+    ) -> T:
+        """`fn(engine)` under the hang guard (`guard` False: `fn` guards its own calls, as a
+        whole game's moves do); restarted and retried as the class says."""
+        failures: list[str] = []
+        while True:
+            try:
+                return self._call_once(fn, guard=guard)
+            except EngineFailed as err:
+                failures.append(str(err))
+                if len(failures) > self.retries:
+                    n = len(failures)
+                    times = "once" if n == 1 else f"{n} times in a row"
+                    restarted = ", restarted after each failure but the last" if n > 1 else ""
+                    raise EngineGaveUp(
+                        f"The chess engine {self.path} ({self.name}) failed {times} on {what}"
+                        f"{restarted}: {failures[-1]}"
+                    ) from err
+            self._restart(what, failures[-1])
+
+    def _call_once(self, fn: Callable[[chess.engine.SimpleEngine], T], *, guard: bool) -> T:
+        engine = self.engine
+        if not guard:
+            return fn(engine)
+        return cast(T, guarded(engine, self.timeout_s, lambda: fn(engine)))
+
+    def _restart(self, what: str, why: str) -> None:
+        close_engine(self.engine, polite=False)
+        self.restarts += 1
+        note = (
+            f"chess engine {self.path} ({self.name}) restarted (its restart {self.restarts}) on "
+            f"{what}: {why}"
+        )
+        self._notes.append(note)
+        LOG.warning(note)
+        # Not started: the next try of the call fails on the dead engine, and counts.
+        with contextlib.suppress(EngineFailed):
+            self._box[0] = open_engine(self.path, self.options)
+
+
+def _close_boxed(box: list[chess.engine.SimpleEngine]) -> None:
+    close_engine(box[0])
 
 
 def open_engine(path: str, options: dict[str, Any]) -> chess.engine.SimpleEngine:

@@ -26,6 +26,12 @@ The games (the model's side is played by `evaluator.py`, which owns the model):
   the calibration Stockfish 15 carries): at 10 ms a move it is a weaker opponent, not a rating.
   The Elo differences below are differences to these opponents as they played here.
 
+Masked games (`--chess_eval_masking on|both`): the model's move is the legal move it gives the
+highest probability (DeepMind's searchless-chess evaluation), chosen by `evaluator.py`; a masked
+game is never lost to an illegal move. Masked and unmasked games are scored apart, never mixed
+(`ladder_<rung>_*` and `ladder_masked_<rung>_*`), and the engine judges up to `JUDGED_MOVES` of the
+model's moves in each masked game (`LadderGame.judge_moves`).
+
 Scores: the model's points (win 1, draw 1/2) over the games against a rung, with a 95% Wilson
 score interval (it stays inside [0, 1] for 0 or 8 points of 8); the Elo difference
 -400 * log10(1 / score - 1) and its interval from the interval's ends (infinite at 0 and 1:
@@ -43,20 +49,21 @@ import chess
 import chess.engine
 import chess.pgn
 
+from fsdp_utils.chess_eval.figures import mean, standard_error
 from fsdp_utils.chess_eval.judge import (
     DEFAULT_TIMEOUT_S,
     EngineFailed,
     EngineJudge,
+    EngineProcess,
     ceiled_cp,
-    close_engine,
     find_engine,
-    guarded,
-    open_engine,
 )
 from fsdp_utils.config.options.evaluation import LADDER_RUNG, ladder_rungs
 
 MOVETIME_S = 0.01  # Skill Level and UCI_Elo rungs: a time per move (they are random anyway)
 MAX_PLIES = 200
+# Masked games: the model's moves the engine judges per game, evenly spread over the game.
+JUDGED_MOVES = 16
 ADJUDICATE_CP = 300
 Z95 = 1.959963984540054
 
@@ -89,7 +96,7 @@ class Opponent:
         self.kind, value = match.group(1), match.group(2)
         self.value = int(value) if value is not None else None
         self.timeout_s = timeout_s
-        self.engine: chess.engine.SimpleEngine | None = None
+        self.process: EngineProcess | None = None
         if self.kind is None:  # random
             return
         options: dict[str, Any] = {"Threads": 1, "Hash": 16}
@@ -101,7 +108,9 @@ class Opponent:
             "depth": chess.engine.Limit(depth=self.value),
             "nodes": chess.engine.Limit(nodes=self.value),
         }.get(self.kind, chess.engine.Limit(time=MOVETIME_S))
-        self.engine = open_engine(find_engine(path), options)
+        # Restarted when it dies or hangs (each move is a new game: a retried move is the
+        # same move at depth and node limits).
+        self.process = EngineProcess(find_engine(path), options, timeout_s=timeout_s)
 
     def __enter__(self) -> Opponent:
         return self
@@ -109,17 +118,20 @@ class Opponent:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def restarts(self) -> int:
+        return self.process.restarts if self.process is not None else 0
+
     def close(self) -> None:
-        if self.engine is not None:
-            close_engine(self.engine)
-            self.engine = None
+        if self.process is not None:
+            self.process.close()
 
     def move(self, board: chess.Board, rng: random.Random) -> chess.Move:
-        if self.engine is None:
+        if self.process is None:
             return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
-        engine = self.engine
-        result = guarded(
-            engine, self.timeout_s, lambda: engine.play(board, self.limit, game=object())
+        result = self.process.call(
+            lambda engine: engine.play(board, self.limit, game=object()),
+            f"a move of {self.rung} in {board.fen()}",
         )
         assert result.move is not None
         return result.move
@@ -147,19 +159,56 @@ class LadderGame:
     index: int  # the game's number against its rung (the opening and colour follow from it)
     rung: str
     seed: int
+    # The model's moves chosen among the legal moves by its own probabilities (DeepMind's
+    # searchless-chess evaluation) instead of read from what it writes: never illegal.
+    masked: bool = False
     board: chess.Board = field(init=False)
     opening: str = field(init=False)
     result: str | None = None  # "1-0", "0-1", "1/2-1/2" once over
     termination: str | None = None
     model_wrote: str | None = None  # the text of the model's illegal move
     rng: random.Random = field(init=False)
+    # Masked games: the probability the model put on the legal moves, at each of its moves.
+    legal_mass: list[float] = field(default_factory=list)
+    judged: list[dict[str, Any]] = field(default_factory=list)  # the engine on its moves
 
     def __post_init__(self) -> None:
         self.opening, moves = OPENINGS[(self.index // 2) % len(OPENINGS)]
         self.board = chess.Board()
         for uci in moves:
             self.board.push_uci(uci)
-        self.rng = random.Random(f"{self.seed}/{self.rung}/{self.index}")
+        self.rng = random.Random(
+            f"{self.seed}/{self.rung}/{self.index}" + ("/masked" if self.masked else "")
+        )
+
+    @property
+    def kind(self) -> str:
+        """The rung as the metrics name it: `skill0`, `masked_skill0`."""
+        name = self.rung.replace(":", "")
+        return f"masked_{name}" if self.masked else name
+
+    def model_plies(self) -> list[int]:
+        """The plies of the game at which the model moved (after the opening)."""
+        first = len(OPENINGS[(self.index // 2) % len(OPENINGS)][1])
+        mine = 0 if self.model_color == chess.WHITE else 1
+        return [p for p in range(first, self.board.ply()) if p % 2 == mine]
+
+    def judge_moves(self, judge: EngineJudge, most: int = JUDGED_MOVES) -> None:
+        """The engine judge on (at most `most`, evenly spread) moves the model played."""
+        plies = self.model_plies()
+        if len(plies) > most:
+            plies = [plies[round(k * (len(plies) - 1) / (most - 1))] for k in range(most)]
+        board = chess.Board()
+        stack = list(self.board.move_stack)
+        for ply, move in enumerate(stack):
+            if ply in plies:
+                verdict = judge.judge_move(board, move)
+                self.judged.append(
+                    {"ply": ply, "move": verdict.move, "best_move": verdict.best_move,
+                     "cp_loss": verdict.cp_loss, "accuracy": verdict.accuracy,
+                     "is_best": verdict.is_best, "judgement": verdict.judgement}
+                )  # fmt: skip
+            board.push(move)
 
     @property
     def model_color(self) -> chess.Color:
@@ -206,9 +255,11 @@ class LadderGame:
 
     def pgn(self, *, model_name: str) -> str:
         game = chess.pgn.Game.from_board(self.board)
+        model_name += " (masked)" if self.masked else ""
         white, black = (model_name, self.rung) if self.model_color else (self.rung, model_name)
+        event = "fsdp_utils chess_eval ladder" + (", masked" if self.masked else "")
         game.headers.update(
-            Event="fsdp_utils chess_eval ladder", Round=str(self.index + 1), White=white,
+            Event=event, Round=str(self.index + 1), White=white,
             Black=black, Result=self.result or "*", Termination=self.termination or "",
             Opening=self.opening,
         )  # fmt: skip
@@ -217,12 +268,16 @@ class LadderGame:
         return str(game)
 
     def record(self) -> dict[str, Any]:
-        return {
-            "rung": self.rung, "game": self.index, "opening": self.opening,
-            "model_color": "white" if self.model_color else "black", "result": self.result,
-            "termination": self.termination, "points": self.points(),
+        record = {
+            "rung": self.rung, "game": self.index, "masked": self.masked,
+            "opening": self.opening, "model_color": "white" if self.model_color else "black",
+            "result": self.result, "termination": self.termination, "points": self.points(),
             "plies": self.board.ply(), "moves": [m.uci() for m in self.board.move_stack],
         }  # fmt: skip
+        if self.masked:
+            record["legal_mass"] = self.legal_mass
+            record["judged"] = self.judged
+        return record
 
 
 # --- scores ------------------------------------------------------------------------------
@@ -254,6 +309,9 @@ class RungScore:
     draws: int
     losses: int
     illegal_losses: int
+    masked: bool = False
+    judged: tuple[dict[str, Any], ...] = ()  # the engine on the model's moves (masked games)
+    legal_mass: tuple[float, ...] = ()
 
     @property
     def score(self) -> float:
@@ -267,8 +325,9 @@ class RungScore:
         return elo_difference(self.score), elo_difference(low), elo_difference(high)
 
     def metrics(self) -> dict[str, Any]:
-        """Flat numbers for metrics.jsonl (None for an infinite Elo difference)."""
-        name = self.rung.replace(":", "")
+        """Flat numbers for metrics.jsonl (None for an infinite Elo difference); a masked
+        rung's names begin `ladder_masked_` and add the engine's figures on its moves."""
+        name = ("masked_" if self.masked else "") + self.rung.replace(":", "")
         low, high = self.interval()
 
         def finite(x: float) -> float | None:
@@ -287,41 +346,86 @@ class RungScore:
             f"ladder_{name}_elo_diff_low": finite(elo_low),
             f"ladder_{name}_elo_diff_high": finite(elo_high),
             f"ladder_{name}_illegal_losses": self.illegal_losses,
+        } | (self.masked_figures(f"ladder_{name}_") if self.masked else {})
+
+    def masked_figures(self, prefix: str) -> dict[str, Any]:
+        return {
+            prefix + "moves_judged": len(self.judged),
+            prefix + "centipawn_loss": mean([j["cp_loss"] for j in self.judged]),
+            prefix + "centipawn_loss_se": standard_error([j["cp_loss"] for j in self.judged]),
+            prefix + "accuracy": mean([j["accuracy"] for j in self.judged]),
+            prefix + "accuracy_se": standard_error([j["accuracy"] for j in self.judged]),
+            prefix + "legal_mass": mean(list(self.legal_mass)),
         }
 
 
 def score_rungs(records: list[dict[str, Any]], rungs: list[str]) -> list[RungScore]:
+    """Each rung's score, its unmasked games and its masked ones apart (never mixed)."""
     scores = []
     for rung in rungs:
-        mine = [r for r in records if r["rung"] == rung]
-        if not mine:
-            continue
-        scores.append(
-            RungScore(
-                rung=rung,
-                games=len(mine),
-                wins=sum(r["points"] == 1.0 for r in mine),
-                draws=sum(r["points"] == 0.5 for r in mine),
-                losses=sum(r["points"] == 0.0 for r in mine),
-                illegal_losses=sum(str(r["termination"]).startswith("model ") for r in mine),
+        for masked in (False, True):
+            mine = [r for r in records if r["rung"] == rung and r.get("masked", False) == masked]
+            if not mine:
+                continue
+            scores.append(
+                RungScore(
+                    rung=rung,
+                    games=len(mine),
+                    wins=sum(r["points"] == 1.0 for r in mine),
+                    draws=sum(r["points"] == 0.5 for r in mine),
+                    losses=sum(r["points"] == 0.0 for r in mine),
+                    illegal_losses=sum(str(r["termination"]).startswith("model ") for r in mine),
+                    masked=masked,
+                    judged=tuple(j for r in mine for j in r.get("judged", [])),
+                    legal_mass=tuple(x for r in mine for x in r.get("legal_mass", [])),
+                )
             )
-        )
     return scores
 
 
+def masked_totals(scores: list[RungScore]) -> dict[str, Any]:
+    """The engine's figures on the model's moves over every masked game (all rungs)."""
+    masked = [s for s in scores if s.masked]
+    if not masked:
+        return {}
+    everything = RungScore(
+        "all", sum(s.games for s in masked), 0, 0, 0, 0, True,
+        tuple(j for s in masked for j in s.judged), tuple(x for s in masked for x in s.legal_mass),
+    )  # fmt: skip
+    return everything.masked_figures("ladder_masked_")
+
+
 def ladder_line(m: dict[str, Any], name: str) -> str:
-    """One rung's line of the table, from the flat metrics (`RungScore.metrics`)."""
+    """One rung's line of the table, from the flat metrics (`RungScore.metrics`); `name` is
+    the rung's metric name (`skill0`, or `masked_skill0` for its masked games)."""
 
     def elo(value: float | None, sign: int) -> str:
         return f"{value:+.0f}" if value is not None else ("+inf" if sign > 0 else "-inf")
 
     k = f"ladder_{name}_"
     score = m[k + "score"]
+    masked = name.startswith("masked_")
+    shown = name.removeprefix("masked_") + (" masked" if masked else "")
+    how = (
+        f"model's legal probability {_pct(m.get(k + 'legal_mass'))}"
+        if masked
+        else f"{m[k + 'illegal_losses']} by an illegal move"
+    )
     # An infinite end is -inf below a score of 1/2 and +inf above it.
-    return (
-        f"  vs {name:<12} {m[k + 'wins']}W {m[k + 'draws']}D {m[k + 'losses']}L "
-        f"({m[k + 'illegal_losses']} by an illegal move)  score {score:.2f} "
+    line = (
+        f"  vs {shown:<15} {m[k + 'wins']}W {m[k + 'draws']}D {m[k + 'losses']}L "
+        f"({how})  score {score:.2f} "
         f"[{m[k + 'score_low']:.2f}, {m[k + 'score_high']:.2f}]  Elo difference "
         f"{elo(m[k + 'elo_diff'], 1 if score >= 0.5 else -1)} "
         f"[{elo(m[k + 'elo_diff_low'], -1)}, {elo(m[k + 'elo_diff_high'], 1)}]"
     )
+    if masked and m.get(k + "moves_judged"):
+        line += (
+            f"; its moves: centipawn loss {m[k + 'centipawn_loss']:.0f}, accuracy "
+            f"{m[k + 'accuracy']:.1f}% ({m[k + 'moves_judged']} judged)"
+        )
+    return line
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"

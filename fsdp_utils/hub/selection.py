@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")
 # Side files that end in .json but hold no rows: dataset cards', and `save_to_disk`'s.
-_DATASET_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json")
+_DATASET_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "selfplay.json")
 
 WEIGHT_SUFFIXES = (
     ".safetensors",

@@ -153,22 +153,26 @@ CHESS_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("chess eval: next-move accuracy", "teacher-forced top-1", ("next_move_accuracy",)),
     ("chess eval: plies to the first illegal move", "mean plies", ("mean_legal_plies",)),
     ("chess eval: full-length continuations", "share of continuations", ("full_length_share",)),
-    # The engine judge's (docs/chess-eval.md): over the legal moves it judged.
+    # The engine judge's (docs/chess-eval.md): over every judged move, an illegal one as the
+    # worst (engine_all_*: the headline), and over the legal moves alone.
     ("chess eval: centipawn loss (engine)", "mean centipawns lost per move",
-     ("engine_centipawn_loss", "engine_centipawn_loss_balanced")),
+     ("engine_all_centipawn_loss", "engine_centipawn_loss", "engine_centipawn_loss_balanced")),
     ("chess eval: accuracy (engine, Lichess)", "mean move accuracy, %",
-     ("engine_accuracy", "engine_accuracy_balanced")),
+     ("engine_all_accuracy", "engine_accuracy", "engine_accuracy_balanced")),
     ("chess eval: best move, blunders (engine)", "share of judged moves",
      ("engine_best_move_rate", "engine_blunder_rate")),
 )  # fmt: skip
 CHESS_STYLES = ("-", "--", ":", "-.")
 # What each line of a panel with several is, in its legend (a field's last word would call the
-# best-move and the blunder rates both "rate").
+# best-move and the blunder rates both "rate"). The engine's headline figures count every move
+# (an illegal one as the worst); its others the legal moves alone.
 SERIES_LABELS = {
     "legal_move_rate": "all", "legal_move_rate_opening": "opening",
     "legal_move_rate_middlegame": "middlegame", "legal_move_rate_ending": "ending",
-    "engine_centipawn_loss": "judged moves", "engine_centipawn_loss_balanced": "balanced positions",
-    "engine_accuracy": "judged moves", "engine_accuracy_balanced": "balanced positions",
+    "engine_all_centipawn_loss": "every move (illegal = 1000)",
+    "engine_centipawn_loss": "legal moves", "engine_centipawn_loss_balanced": "balanced positions",
+    "engine_all_accuracy": "every move (illegal = 0)",
+    "engine_accuracy": "legal moves", "engine_accuracy_balanced": "balanced positions",
     "engine_best_move_rate": "best move", "engine_blunder_rate": "blunders",
     # GRPO: the train reward is the mean of the sampled completions'; its evaluation samples
     # the held-out prompts (eval_reward) and decodes them greedily (eval_greedy_reward).

@@ -246,6 +246,86 @@ def top1_hits(
     return [[False, *row[: len(seq) - 1]] for row, seq in zip(match, sequences, strict=True)]
 
 
+@torch.no_grad()
+def continuation_logprobs(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    candidates: Sequence[Sequence[Sequence[int]]],
+    *,
+    pad_token_id: int,
+    device: torch.device,
+    batch_size: int,
+    autocast: Callable[[], Any] | None = None,
+) -> list[list[float]]:
+    """log p(candidate | prompt), summed over the candidate's tokens, for each prompt's
+    candidates (e.g. every legal move after a game's moves): the model's own probabilities of
+    writing exactly those tokens next. Teacher-forced: one row per prompt and distinct longest
+    prefix a candidate needs (candidates of one token all read the prompt's own row, so a
+    tokenizer that spells every move as one token needs one row per prompt), left-padded in
+    chunks of `batch_size` rows, only the last positions' logits kept. Collective under FSDP:
+    every rank runs as many forwards as the rank with the most rows (padding with a dummy
+    row), whatever its own share, even none."""
+    rows: list[list[int]] = []  # prompt + the candidates' tokens but their last
+    where: list[list[tuple[int, int]]] = []  # per candidate: (row, its first token's position)
+    extras: list[int] = []  # per row: its tokens after the prompt
+    for prompt, cands in zip(prompts, candidates, strict=True):
+        needs = sorted({tuple(c[:-1]) for c in cands}, key=len, reverse=True)
+        own: list[tuple[int, ...]] = []
+        for need in needs:  # a prefix of a longer row reads that row
+            if not any(r[: len(need)] == need for r in own):
+                own.append(need)
+        first = len(rows)
+        rows.extend([*prompt, *r] for r in own)
+        extras.extend(len(r) for r in own)
+        placed = []
+        for c in cands:
+            assert len(c) >= 1, "a candidate has at least one token"
+            k = next(j for j, r in enumerate(own) if r[: len(c) - 1] == tuple(c[:-1]))
+            placed.append((first + k, len(prompt) - 1))
+        where.append(placed)
+    chunks = [
+        list(range(i, min(i + batch_size, len(rows)))) for i in range(0, len(rows), batch_size)
+    ]
+    count = torch.tensor([float(len(chunks))], device=device)
+    total = int(dist_utils.all_reduce_max(count).item())
+    logps: list[torch.Tensor] = []  # per row: [positions, vocab] log-probabilities
+    keeps: list[int] = []  # per row: how many of its last positions those are
+    context = autocast or contextlib.nullcontext
+    for n in range(total):
+        chunk = [rows[r] for r in chunks[n]] if n < len(chunks) else [[pad_token_id]]
+        length = max(len(r) for r in chunk)
+        ids = torch.full((len(chunk), length), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), length), dtype=torch.long)
+        for b, row in enumerate(chunk):  # left padding: every row ends at the last column
+            ids[b, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[b, length - len(row) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # The candidates' tokens sit in the last positions: keep only those logits (a large
+        # vocabulary over whole prompts would not fit).
+        keep = 1 + max((extras[r] for r in chunks[n]), default=0) if n < len(chunks) else 1
+        extra = {"logits_to_keep": keep} if _accepts(model, "logits_to_keep") else {}
+        with context():
+            out = model(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                position_ids=positions.to(device), use_cache=False, **extra,
+            )  # fmt: skip
+        logits = out.logits[:, -keep:].double().cpu()
+        if n < len(chunks):
+            for b in range(len(chunk)):
+                logps.append(torch.log_softmax(logits[b], dim=-1))
+                keeps.append(keep)
+    results: list[list[float]] = []
+    for cands, placed in zip(candidates, where, strict=True):
+        scores = []
+        for c, (r, start) in zip(cands, placed, strict=True):
+            # Row r's token at position start + j is predicted by the logits at start + j; the
+            # kept window starts at len(row) - keep (left padding ends every row there).
+            offset = len(rows[r]) - keeps[r]
+            scores.append(float(sum(logps[r][start + j - offset, t] for j, t in enumerate(c))))
+        results.append(scores)
+    return results
+
+
 # --- rollouts: completions sampled by the policy, for methods that learn from them ---------
 
 

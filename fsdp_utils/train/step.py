@@ -71,6 +71,20 @@ class StepInterrupted(Exception):
         self.during = during
 
 
+class StepFailed(StepInterrupted):
+    """Something outside the run that a step needs failed for good (a reward's chess engine
+    that kept dying after its restarts): the trainer saves what the step did, as for a stop,
+    then the run ends with `message` (one paragraph naming what failed; exit 1, not a user
+    mistake's 2), and the same command resumes once the outside thing works again."""
+
+    def __init__(self, message: str, during: str) -> None:
+        super().__init__("an outside failure", during)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def model_forward(
     model: nn.Module,
     batch: Batch,

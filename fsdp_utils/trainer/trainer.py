@@ -63,7 +63,13 @@ from fsdp_utils.startup import resume_collector
 from fsdp_utils.train.optim import optimizer_note
 from fsdp_utils.train.router_loss import RouterLoss
 from fsdp_utils.train.samples import SamplePrompts
-from fsdp_utils.train.step import Batch, StepInterrupted, TrainStep, describe_sync_free
+from fsdp_utils.train.step import (
+    Batch,
+    StepFailed,
+    StepInterrupted,
+    TrainStep,
+    describe_sync_free,
+)
 from fsdp_utils.train.timelimit import (
     LegEnd,
     StopController,
@@ -327,6 +333,8 @@ class Trainer:
                     )
             except StepInterrupted as stopped:  # before its update: the weights are unchanged
                 self._stop_inside_step(stopped)
+                if isinstance(stopped, StepFailed):  # saved: now the run ends with its message
+                    raise
                 return _summary("interrupted", stopped.reason, last, None, started)
             if log_now:  # --sync_free_steps: the step's values read here, its update queued
                 metrics = self.train_step.read_pending(metrics)

@@ -23,6 +23,8 @@ EVAL_SCORING_FIELDS = (
 
 EngineUse = Literal["auto", "on", "off"]
 
+Masking = Literal["off", "on", "both"]
+
 
 def engine_choice(options: EvaluationOptions) -> str:
     """What `--chess_engine` asks for, with its old spelling folded in: "auto", "on", "off" or
@@ -218,6 +220,16 @@ class EvaluationOptions:
     chess_eval_ladder_games: int = field(
         default=8,
         metadata=_opt("Games against each rung of --chess_eval_ladder (colours alternate)."),
+    )
+    chess_eval_masking: Masking = field(
+        default="off",
+        metadata=_opt(
+            "The ladder's games with the model's moves masked to the legal ones (each move "
+            "chosen among the legal moves by the model's own probabilities, as DeepMind's "
+            "searchless-chess evaluation plays): off (unmasked only: an illegal move loses), on "
+            "(masked only), both (each rung's games played both ways, reported apart: "
+            "ladder_<rung>_* and ladder_masked_<rung>_*)."
+        ),
     )
     sample_prompts: str | None = field(
         default=None,

@@ -11,6 +11,8 @@
     chess_engine   the engine judge's accuracy of that move in [0, 1] (Lichess's formula,
                    fsdp_utils/chess_eval/judge.py, Stockfish at depth 8); 0.0 for an illegal
                    or unparseable one
+    chess_centipawn  dense, in centipawns: 1 - (the move's centipawn loss) / 1000 in [0, 1] for
+                   a legal move (the engine's best 1.0), -1.0 for an illegal or unparseable one
 
 The chess rewards judge only the first move of a completion (the next move of the prompt's
 position), with python-chess as referee; `python -m fsdp_utils.chess_eval.prompt_set` writes
@@ -116,5 +118,11 @@ def chess_legal(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 def chess_engine(completions: list[Any], **kwargs: Any) -> list[float | None]:
     positions = chess_rewards.positions(kwargs)
-    judge = chess_rewards.shared_judge()
+    judge = chess_rewards.shared_judge("accuracy")
+    return [judge.reward(p, _text(c)) for p, c in zip(positions, completions, strict=True)]
+
+
+def chess_centipawn(completions: list[Any], **kwargs: Any) -> list[float | None]:
+    positions = chess_rewards.positions(kwargs)
+    judge = chess_rewards.shared_judge("centipawn")
     return [judge.reward(p, _text(c)) for p, c in zip(positions, completions, strict=True)]

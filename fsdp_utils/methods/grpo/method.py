@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fsdp_utils.chess_eval.judge import EngineGaveUp
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.options.method import reward_names, reward_weights
 from fsdp_utils.config.train_config import TrainConfig
@@ -240,12 +241,20 @@ class GRPO(Method):
             for which, engine in enumerate((sampled_engine, greedy_engine)):
                 with engine.rollout_phase():
                     rollout = engine.generate(ids, seeds)
-                error, scores = None, None
+                error, gave_up, scores = None, None, None
                 try:
                     scores = self._score_eval(examples, indices, rollout)
                 except RewardError as err:
                     error = str(err)
-                dist_utils.raise_from_any_rank(error)
+                except EngineGaveUp as err:  # the engine's fault: this evaluation is skipped
+                    gave_up = str(err)
+                outcomes = dist_utils.all_gather_objects((error, gave_up))
+                if any(e for e, _ in outcomes):
+                    dist_utils.raise_from_any_rank(error)
+                failed = next((g for _, g in outcomes if g), None)
+                if failed is not None:
+                    self.context.log(f"evaluation skipped (training goes on): {failed}")
+                    return None
                 assert scores is not None
                 combined = combine_rewards(scores, torch.tensor(self.weights))
                 sums[which] += float(torch.nansum(combined))

@@ -16,7 +16,9 @@ may be `async def`. So a TRL user's reward functions run unchanged.
 
 A function that raises, returns the wrong number of rewards, or a NaN or infinite one stops the
 run with a `RewardError` (a ValueError: exit 2) naming the function and the sample; nothing
-saved before is touched.
+saved before is touched. A chess engine that keeps failing after its restarts
+(`fsdp_utils.chess_eval.judge.EngineGaveUp`) is not the function's fault: it passes through
+unwrapped, and the rollout saves what it did and stops the run (rollouts.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fsdp_utils.chess_eval.judge import EngineGaveUp
 from fsdp_utils.data.custom import import_function
 
 from . import builtin_rewards
@@ -47,6 +50,7 @@ BUILTINS: dict[str, Callable[..., list[float | None]]] = {
     "chess_format": builtin_rewards.chess_format,
     "chess_legal": builtin_rewards.chess_legal,
     "chess_engine": builtin_rewards.chess_engine,
+    "chess_centipawn": builtin_rewards.chess_centipawn,
 }
 
 
@@ -60,9 +64,8 @@ class RewardFunction:
         """It calls the chess engine (the built-in, or an `EngineReward` of one's own)."""
         from fsdp_utils.chess_eval.rewards import EngineReward
 
-        return self.function is builtin_rewards.chess_engine or isinstance(
-            self.function, EngineReward
-        )
+        engines = (builtin_rewards.chess_engine, builtin_rewards.chess_centipawn)
+        return self.function in engines or isinstance(self.function, EngineReward)
 
 
 def load_reward_function(spec: str) -> RewardFunction:
@@ -146,6 +149,8 @@ def score(
             )  # fmt: skip
             if inspect.isawaitable(values):
                 values = asyncio.run(_awaited(values))
+        except EngineGaveUp:  # an external program's fault, not the function's: the caller
+            raise  # saves and stops (rollouts.py)
         except Exception as err:
             raise RewardError(
                 f"The reward function {reward.name} raised {type(err).__name__}: {err}"

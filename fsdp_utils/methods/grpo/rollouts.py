@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from fsdp_utils.chess_eval.judge import EngineGaveUp
+from fsdp_utils.chess_eval.rewards import take_restart_notes
 from fsdp_utils.data.prompts import PROMPT_COLUMN, PROMPT_INDEX, PromptSet, is_messages
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.generate import Rollout, RolloutEngine, row_seed
-from fsdp_utils.train.step import Batch, StepInterrupted
+from fsdp_utils.train.step import Batch, StepFailed, StepInterrupted
 
 from .loss import GrpoSettings, combine_rewards, group_advantages, nanstd
 from .rewards import RewardError, RewardFunction, RewardLog, TrainerState, score
@@ -101,6 +103,9 @@ class RolloutStats:
     truncated: torch.Tensor  # [completions]
     seconds: float  # the rollout phase (sampling and rewards); 0 when nothing was sampled
     reward_log: dict[str, float]
+    # The rewards' chess engines restarted in this rollout (died or hung: each a log line).
+    engine_notes: list[str] = field(default_factory=list)
+    has_engine: bool = False
 
     def as_metrics(self, names: Sequence[str]) -> dict[str, float]:
         metrics: dict[str, float] = {
@@ -124,6 +129,8 @@ class RolloutStats:
             metrics["rollout/seconds"] = self.seconds
             metrics["rollout/tokens_per_s"] = float(lengths.sum()) / self.seconds
         metrics.update({f"reward_log/{k}": v for k, v in self.reward_log.items()})
+        if self.has_engine:
+            metrics["engine/restarts"] = float(len(self.engine_notes))
         return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
@@ -162,6 +169,8 @@ class Rollouts:
         self.stop = stop
         self.buffer: RolloutBuffer | None = None
         self.reward_log = RewardLog()  # what the reward functions logged in this step's rollout
+        self.engine_notes: list[str] = []  # this step's restarts of the rewards' chess engines
+        self.has_engine = any(r.needs_engine for r in self.rewards)
         self.last_texts: list[dict[str, Any]] = []  # this rank's first completions, for the log
 
     @property
@@ -186,6 +195,7 @@ class Rollouts:
             self.buffer = RolloutBuffer(batch)
         buffer = self.buffer
         self.reward_log = RewardLog()
+        self.engine_notes = []
         self.last_texts = []
         missing = [[i for i in indices if i not in buffer.prompts] for indices in micro]
         counts = dist_utils.all_reduce_host_sum([float(len(m)) for m in missing])
@@ -213,14 +223,28 @@ class Rollouts:
             [ids for ids in prompt_ids for _ in range(g)],
             [s for i in indices for s in self.seeds(batch, i)],
         )
-        error = None
+        error, gave_up = None, None
         scores = None
         if keep:
             try:
                 scores = self._score(step, indices, rollout)
             except RewardError as err:
                 error = str(err)
-        dist_utils.raise_from_any_rank(error)
+            except EngineGaveUp as err:
+                gave_up = str(err)
+            self.engine_notes.extend(take_restart_notes())
+        outcomes = dist_utils.all_gather_objects((error, gave_up))
+        if any(e for e, _ in outcomes):
+            dist_utils.raise_from_any_rank(error)  # a user's mistake: exit 2
+        failed = next((g for _, g in outcomes if g), None)
+        if failed is not None:  # the engine's fault: what is sampled stays, the run stops
+            raise StepFailed(
+                f"{failed}. The run stops: the rollout of step {step} so far is saved with step "
+                f"{step - 1}'s weights, as at a time limit, and the same command goes on from "
+                "there once the engine runs again (by hand it should answer `uci` with "
+                "`uciok`; $FSDP_UTILS_STOCKFISH points the rewards at another one).",
+                f"the rollout of step {step}",
+            )
         if not keep:
             return
         assert scores is not None
@@ -284,7 +308,8 @@ class Rollouts:
         )
         g = self.settings.num_generations
         by_prompt = {i: advantages[k * g : (k + 1) * g].tolist() for k, i in enumerate(order)}
-        logged = dist_utils.all_gather_objects(self.reward_log.metrics)
+        gathered_logs = dist_utils.all_gather_objects((self.reward_log.metrics, self.engine_notes))
+        logged = [metrics for metrics, _ in gathered_logs]
         reward_log = {}
         for name in sorted({n for part in logged for n in part}):
             values = [v for part in logged for v in part.get(name, [])]
@@ -297,6 +322,8 @@ class Rollouts:
             truncated=torch.tensor([t for i in order for t in gathered[i][2]]),
             seconds=seconds,
             reward_log=reward_log,
+            engine_notes=[note for _, notes in gathered_logs for note in notes],
+            has_engine=self.has_engine,
         )
         return stats, {i: by_prompt[i] for i in mine}
 

@@ -163,6 +163,8 @@ class GrpoStep(GrpoUpdate):
         if first and (reason := self.rollouts.stop()) is not None:
             raise StepInterrupted(reason, f"step {step}, between its rollout and its update")
         stats, advantages = self.rollouts.statistics(micro, seconds)
+        for note in stats.engine_notes:  # every rank's restarts, said once
+            self.log(f"step {step}: {note}")
         logps_started = time.perf_counter()
         self._fill_logps(micro, advantages)
         batches = self.rollouts.training_batches(micro, advantages)
