@@ -253,7 +253,8 @@ def test_every_legend_tells_its_series_apart(tmp_path: Path) -> None:
                             "eval_greedy_reward": 0.25 * step, "eval_prompts": 16})  # fmt: skip
             records.append({"kind": "chess_eval", "step": step, "legal_move_rate": 0.5,
                             "engine_best_move_rate": 0.1 * step, "engine_blunder_rate": 0.05,
-                            "engine_accuracy": 70.0, "engine_accuracy_balanced": 60.0})  # fmt: skip
+                            "engine_all_accuracy": 50.0, "engine_accuracy": 70.0,
+                            "engine_accuracy_balanced": 60.0})  # fmt: skip
     _write(run, records)
     fig, drawn = plot.plot_runs([plot.RunCurves.load(run, "grpo")])
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
@@ -263,7 +264,7 @@ def test_every_legend_tells_its_series_apart(tmp_path: Path) -> None:
 
     assert legend("chess eval: best move, blunders (engine)") == ["best move", "blunders"]
     assert legend("chess eval: accuracy (engine, Lichess)") == [
-        "judged moves", "balanced positions"]  # fmt: skip
+        "every move (illegal = 0)", "legal moves", "balanced positions"]  # fmt: skip
     assert legend("GRPO reward") == ["sampled (train)", "sampled (eval)", "greedy (eval)"]
     lines = {d.series: d.line for d in drawn if d.panel == "GRPO reward"}
     sampled, greedy = lines["eval_reward"], lines["eval_greedy_reward"]
