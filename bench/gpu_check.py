@@ -24,7 +24,7 @@ on a cluster's GPU node:
    on the CPU beside the runs) are written into the results; then the row runs: tokens/s per GPU
    and MFU (the last 15 of 25 steps timed, or medians), peak allocated and reserved CUDA memory
    and the peak nvidia-smi memory.used, each against its prediction. `--budget` seconds in all
-   (520 by default): a row starts only when it and the more important rows after it still fit
+   (535 by default): a row starts only when it and the more important rows after it still fit
    by their estimates, else it is skipped and says so; each row has a time limit of its own.
 4. Writes into `--output` after every row: gpu_check.json (everything), gpu_check.md (the
    tables), gpu_check.log (this output), versions.txt (the versions found, the wheels installed),
@@ -115,7 +115,7 @@ __all__ = [  # what the tests and bench/speed_rows.py read from the kit
 
 EXIT_NO_GPU = 2
 GIB = 1024**3
-DEFAULT_BUDGET_S = 530.0  # of the 9.5 minutes the prepared device call may take (timeout_s 570)
+DEFAULT_BUDGET_S = 535.0  # of the 9.5 minutes the prepared device call may take (timeout_s 570)
 STARTED_ENV = "GPU_CHECK_STARTED"  # the first start's clock, kept across the re-run with wheels
 EVAL_TASK = "arc_easy"
 EVAL_DOCUMENTS = 400  # 1,600 requests (four answers each) on a GPU
@@ -123,7 +123,7 @@ PLANNED_KINDS = ("train", "best", "grpo", "distill")  # the planner's prediction
 MEASURED_KINDS = (*PLANNED_KINDS, "auto")  # tokens/s against a prediction
 PLAN_WAIT_S = 120.0  # the longest a row waits for its prediction (a 1.1B plan: 9-14 s)
 # What a device call brings back: 8 files of at most 16 MiB; the five result files and one
-# trace per profiled row (three rows).
+# trace per profiled row (two rows).
 TRACE_MAX_BYTES = 15 * 1024**2
 # The bare matrix product the profile's are measured against (KINDS.md: 769-798 TFLOP/s for
 # bf16 8192^3 on the lent H200s); a CPU's: fp32 1024^3.
@@ -417,7 +417,7 @@ def profile_entry(
     than a device call brings back)."""
     from fsdp_utils.metrics.step_profile import breakdown, describe, read_trace, trim
 
-    traces = sorted((run_dir / "profile").glob("rank0.*.pt.trace.json*"))
+    traces = sorted((run_dir / "profile").glob("rank0.*.pt.trace.json"))
     if not traces:
         return {"error": "no trace written"}
     trace = read_trace(traces[-1])
@@ -430,8 +430,8 @@ def profile_entry(
         "table": describe(result, bare_tflops=tflops),
     }
     target = output / f"profile-{row_name}.trace.json.gz"
-    with gzip.open(target, "wt", compresslevel=6) as file:
-        json.dump(trace, file)
+    with traces[-1].open("rb") as source, gzip.open(target, "wb", compresslevel=4) as file:
+        shutil.copyfileobj(source, file)  # the trace as torch wrote it (not gzipped: the trainer's)
     if target.stat().st_size > TRACE_MAX_BYTES:
         with gzip.open(target, "wt", compresslevel=9) as file:
             json.dump(trim(trace), file)
@@ -1607,7 +1607,7 @@ def run_rows(
         entry["finished_at"] = time.time()
         if "prediction" in entry:
             if entry["prediction"].get("peak_gib") is None and row.kind in PLANNED_KINDS:
-                # no plan in time: its memory still compared, said to come after the run
+                # no plan in time: the one that came later kept apart, never as the prediction
                 late = prediction_of(kit.planned(row.name, timeout=60))
                 entry["plan_after_run"] = {k: late.get(k) for k in ("peak_gib", "required_gib")}
             entry.update(against_prediction(entry))

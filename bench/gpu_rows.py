@@ -100,7 +100,9 @@ DISTILL = ("--method", "distill", "--teacher_quantize", "nf4")
 START_S = 24.0
 LARGE_START_S = 31.0
 COMPILE_S = {"": 0.0, "warm": 6.0, "cold": 16.0, "float8": 20.0, "model": 60.0, "large": 22.0}
-PROFILE_S = 6.0  # one step's trace written and the CUDA memory snapshot dumped
+# One step's trace written and the CUDA memory snapshot dumped in the run, then read back and
+# compressed by the kit (a guess: torch's trace export takes seconds for a 1.1B step).
+PROFILE_S = 12.0
 # Seconds per step on the H100: measured (1.1B eager 0.245, checkpointed 0.31, compiled 0.20;
 # 8B LoRA checkpointed 0.61), or scaled from those by the tokens per step (micro-batch 8 and
 # 16) and by the checkpointing's measured 24% (the 8B without it).
@@ -209,11 +211,10 @@ ROWS: tuple[Row, ...] = (
         timed_steps=AB_TIMED, profile_step=PROFILED_STEP),
     Row("1b-bf16-ac", "train", "small", 2048, 4, AB_STEPS, (*BF16, *AC),
         train_s(AB_STEPS, STEP_S["ac"]), priority=2, log_every=AB_LOG, timed_steps=AB_TIMED),
-    # 3. issue 60's A/B rows, against the compiled row (profiled too: what compile leaves)
+    # 3. issue 60's A/B rows, against the compiled row
     Row(BASE, "train", "small", 2048, 4, AB_STEPS, BASE_FLAGS,
-        train_s(AB_STEPS, _COMPILED, compile="cold", profile=True), quick=True, priority=1,
-        log_every=AB_LOG, timed_steps=AB_TIMED, profile_step=PROFILED_STEP,
-        lever="micro-batch"),
+        train_s(AB_STEPS, _COMPILED, compile="cold"), quick=True, priority=1,
+        log_every=AB_LOG, timed_steps=AB_TIMED, lever="micro-batch"),
     ab_row("1b-mb8-compile", (), train_s(AB_STEPS, STEP_S["mb8"], compile="cold"),
            lever="micro-batch", batch=8),
     ab_row("1b-mb16-compile", (), train_s(AB_STEPS, STEP_S["mb16"], compile="cold"),
@@ -488,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="")
-    parser.add_argument("--budget", type=float, default=530.0)
+    parser.add_argument("--budget", type=float, default=535.0)
     args = parser.parse_args(argv)
     rows = select_rows(ROWS, quick=args.quick, only=args.only)
     print("| # | row | priority | estimate s | starts at s | |")
