@@ -714,9 +714,10 @@ class Kit:
             "PYTHONPATH": os.pathsep.join(
                 p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
             ),
-            # Every run's measured row goes to a site folder of the kit's own (logs.tar.gz), not
-            # the one the plans read: each prediction rests on the shipped rows alone, never on
-            # a row this call measured before it (docs/plan.md, "--calibrate and the site files").
+            # A run that adds its measurement to the site's rows (fsdp_utils/run/speed.py) adds
+            # it to a folder of the kit's own (logs.tar.gz), not the one the plans read: each
+            # prediction rests on the shipped rows alone, never on a row this call measured
+            # before it (docs/plan.md, "--calibrate and the site files").
             "FSDP_UTILS_SITE_DIR": str(work / "site-runs"),
             # One compile cache for every row: a row whose graphs an earlier one compiled
             # finds them there (inductor's FX graph and AOTAutograd caches).
