@@ -1,32 +1,39 @@
 """GPU validation kit (`make gpu-check`): run the CUDA paths for real and measure them.
 
-On one lent H100 from a fresh copy of the tree (docs/gpu-check.md has the exact device call), or
+On one lent GPU from a fresh copy of the tree (docs/gpu-check.md has the exact device call), or
 on a cluster's GPU node:
 
-    python3 bench/gpu_check.py --wheels .whl --output $OUT          # the prepared call, < 6 min
-    python3 bench/gpu_check.py --wheels .whl --output $OUT --quick  # a second try: the 1B rows
-    python3 bench/gpu_check.py --only 8b-lora-4k,8b-lora-32k --output DIR   # chosen rows
+    python3 bench/gpu_check.py --wheels .whl --output $OUT          # the prepared call, ~9 min
+    python3 bench/gpu_check.py --wheels .whl --output $OUT --quick  # the 5 most promising levers
+    python3 bench/gpu_check.py --only 8b-lora-4k,8b-lora-auto --output DIR   # chosen rows
     python bench/gpu_check.py                                       # make gpu-check (cluster node)
     python bench/gpu_check.py --allow-cpu --shapes tiny --budget 0 --output DIR   # CPU dry run
+    python bench/gpu_check.py --predict h200 --output DIR           # the predictions alone, here
 
 1. `--wheels DIR`: installs the carried wheels this Python lacks into `--site` (bench/device_stack.py
    decides which), then runs again with them first on PYTHONPATH; then checks the versions with
    the toolkit's own check (`python -m fsdp_utils.versions`) and stops there if it fails.
 2. Builds Llama-architecture models with random weights (safetensors, a chess tokenizer, a few
-   thousand random legal games): the 1.1B shape (TinyLlama's) and the 8B one (Llama 3's).
-3. Runs ROWS in order, each a real command of the toolkit (`chess_finetune.py` under torchrun,
-   `python -m fsdp_utils.evaluate`) or a probe, few steps each: tokens/s per GPU, MFU, peak
-   allocated and reserved CUDA memory and the peak nvidia-smi memory.used, each against the
-   memory planner's prediction for the same configuration (planned on the CPU beside the runs),
-   checkpoint save/load/export times, document masking's losses, evaluation requests/s.
-   `--budget` seconds in all (330 by default): a row whose estimate would pass it is skipped and
-   says so; each row has a time limit of its own.
+   thousand random legal games): the 1.1B shape (TinyLlama's) and the 8B one (Llama 3's); times
+   a bare matrix product on the GPU (what the profile's matrix products are measured against).
+3. Runs the rows of bench/gpu_rows.py in order (issue 63's: the quick rows, the 1.1B step
+   profiled, issue 60's A/B rows, the best combination, `--auto`'s choices, GRPO and
+   distillation, the first call's rows), each a real command of the toolkit (`chess_finetune.py`,
+   `python -m fsdp_utils.evaluate`) or a probe. Before a training row starts, the memory
+   planner's peak and the step-time model's tokens/s for exactly that configuration (planned
+   on the CPU beside the runs) are written into the results; then the row runs: tokens/s per GPU
+   and MFU (the last 15 of 25 steps timed, or medians), peak allocated and reserved CUDA memory
+   and the peak nvidia-smi memory.used, each against its prediction. `--budget` seconds in all
+   (535 by default): a row starts only when it and the more important rows after it still fit
+   by their estimates, else it is skipped and says so; each row has a time limit of its own.
 4. Writes into `--output` after every row: gpu_check.json (everything), gpu_check.md (the
-   table), gpu_check.log (this output), versions.txt (the versions found, the wheels installed)
-   and logs.tar.gz (each run's log, metrics.jsonl and plan).
+   tables), gpu_check.log (this output), versions.txt (the versions found, the wheels installed),
+   logs.tar.gz (each run's log, metrics.jsonl and plan) and the profiled rows' Chrome traces
+   (profile-<row>.trace.json.gz): at most 8 files, what a device call brings back.
 
 Without a CUDA device it prints one line and exits 2. `--allow-cpu --shapes tiny` runs the same
-rows on CPU (gloo) with a tiny model and short sequences: that is how its logic is tested.
+rows on CPU (gloo) with a tiny model and short sequences, every lever in its CPU form (float8 in
+torchao's emulation, compile through aot_eager): that is how its logic is tested.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import gzip
 import io
 import itertools
 import json
@@ -57,143 +65,69 @@ for _path in (str(REPO), str(BENCH)):  # the device runs the checkout, not an in
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import gpu_rows  # noqa: E402
+from gpu_rows import (  # noqa: E402  (the rows: what to measure, what it costs, what first)
+    AC,
+    BF16,
+    GRPO,
+    GRPO_COMPLETION,
+    LORA,
+    NF4_ELEMENTS,
+    QLORA,
+    ROWS,
+    SHAPES,
+    TINY_SEQ_DIVISOR,
+    Budget,
+    Row,
+    Shape,
+    best_combination,
+    estimate_s,
+    gain,
+    nf4_holds,
+    scaled,
+    select_rows,
+    static_skip,
+)
+
+__all__ = [  # what the tests and bench/speed_rows.py read from the kit
+    "AC",
+    "BF16",
+    "GRPO",
+    "GRPO_COMPLETION",
+    "LORA",
+    "NF4_ELEMENTS",
+    "QLORA",
+    "ROWS",
+    "SHAPES",
+    "TINY_SEQ_DIVISOR",
+    "Budget",
+    "Row",
+    "Shape",
+    "best_combination",
+    "estimate_s",
+    "gain",
+    "gpu_rows",
+    "nf4_holds",
+    "scaled",
+    "select_rows",
+    "static_skip",
+]  # fmt: skip
+
 EXIT_NO_GPU = 2
 GIB = 1024**3
-DEFAULT_BUDGET_S = 460.0  # of the 9 minutes a prepared device call may take
+DEFAULT_BUDGET_S = 535.0  # of the 9.5 minutes the prepared device call may take (timeout_s 570)
 STARTED_ENV = "GPU_CHECK_STARTED"  # the first start's clock, kept across the re-run with wheels
 EVAL_TASK = "arc_easy"
 EVAL_DOCUMENTS = 400  # 1,600 requests (four answers each) on a GPU
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A Llama-architecture shape (vocabulary 32,000 as Llama 2 / TinyLlama)."""
-
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int = 32000
-
-    def parameters(self) -> int:
-        head_dim = self.hidden // self.heads
-        attention = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        per_layer = attention + mlp + 2 * self.hidden
-        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
-
-
-SHAPES = {
-    # 256 wide: the smallest whose every decoder linear NF4 can hold (nf4_holds), so that the CPU
-    # dry run runs the QLoRA row too (1.4M parameters)
-    "tiny": Shape("tiny", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=512),
-    "1b": Shape("1b", hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),  # TinyLlama
-    "3b": Shape("3b", hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192),
-    "8b": Shape("8b", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
-    "13b": Shape("13b", hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824),
-}
-TINY_SEQ_DIVISOR = 32  # --shapes tiny: 2,048 tokens -> 64, 32k -> 1,024
-
-BF16 = ("--precision", "bf16-mixed")
-AC = ("--gradient_checkpointing",)
-LORA = ("--lora",)
-# The QLoRA row's flags (issue 40).
-QLORA = ("--lora", "--quantize", "nf4")
-# GRPO (issue 50): G = 8 completions of up to GRPO_COMPLETION tokens per prompt, the chess
-# legality reward (no file, no engine), on prompts made from the kit's games.
-GRPO_COMPLETION = 128
-GRPO = ("--method", "grpo", "--reward_funcs", "chess_legal", "--num_generations", "8",
-        "--log_completions_every", "0")  # fmt: skip
-# torchao's NF4 quantizes in blocks of 64 weights with one 8-bit scale per 256 blocks: a weight it
-# can hold has a multiple of this many elements (one process: FSDP2 splits nothing).
-NF4_ELEMENTS = 16_384
-
-
-def nf4_holds(shape: Shape) -> bool:
-    """Whether every linear weight of the shape's decoder layers can be stored as NF4."""
-    head_dim = shape.hidden // shape.heads
-    sizes = (
-        shape.hidden * shape.heads * head_dim,  # q_proj, o_proj
-        shape.hidden * shape.kv_heads * head_dim,  # k_proj, v_proj
-        shape.hidden * shape.intermediate,  # gate, up, down
-    )
-    return all(size % NF4_ELEMENTS == 0 for size in sizes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One measurement. `kind`: train (one chess_finetune.py run), checkpoint (save at half
-    way, resume, export), masking (the probe), evaluate (python -m fsdp_utils.evaluate on the
-    checkpoint row's export). `role`: the small (1B) or large (8B) shape. `estimate_s`: its
-    wall time on one H100, start-up included, for the budget."""
-
-    name: str
-    kind: str
-    role: str
-    seq: int
-    batch: int
-    steps: int
-    flags: tuple[str, ...] = ()
-    estimate_s: float = 30.0
-    quick: bool = False
-    needs_cuda: bool = False
-    tiny_seq: int = 64  # the shortest sequence with --shapes tiny (masking: several games a row)
-
-
-# In order of value: what the first GPU measurement needs most comes first (issue 43); the last
-# three (QLoRA, fp16, compiled: measured on the first H100 call) run when the rows before them
-# beat their estimates, else a second call runs them: --only 8b-qlora-4k,1b-fp16,1b-bf16-compile
-# (docs/gpu-check.md). GRPO's row (issue 50) runs before them: it has never run on a GPU. The
-# estimates are the first H100 call's wall times (2026-11-27, one H100 80GB HBM3), rounded up;
-# GRPO's is its own guess.
-ROWS: tuple[Row, ...] = (
-    Row("1b-bf16", "train", "small", 2048, 4, 12, BF16, 32, quick=True),
-    Row("1b-bf16-ac", "train", "small", 2048, 4, 12, (*BF16, *AC), 28, quick=True),
-    Row("1b-checkpoint", "checkpoint", "small", 2048, 4, 4, BF16, 92, quick=True),
-    Row("1b-masking", "masking", "small", 2048, 2, 1, (), 24, quick=True, tiny_seq=1024),
-    Row("8b-lora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *LORA), 36),
-    Row("8b-lora-32k", "train", "large", 32768, 1, 2, (*BF16, *AC, *LORA), 42),
-    Row("1b-evaluate", "evaluate", "small", 2048, 0, 0, (), 36, quick=True),
-    Row("1b-bf16-offload", "train", "small", 2048, 4, 4, (*BF16, "--cpu_offload"), 45,
-        needs_cuda=True),
-    Row("1b-grpo", "grpo", "small", 1024, 2, 5, (*BF16, *GRPO), 45),
-    Row("8b-qlora-4k", "train", "large", 4096, 1, 6, (*BF16, *AC, *QLORA), 40),
-    Row("1b-fp16", "train", "small", 2048, 4, 12, ("--precision", "fp16-mixed"), 32),
-    # torch.compile per decoder layer: what MFU the eager 1b-bf16 row leaves on the table.
-    Row("1b-bf16-compile", "train", "small", 2048, 4, 12, (*BF16, "--compile"), 75),
-)  # fmt: skip
-# Before the rows: the wheels installed, the random games and tokenizer, the 1B shape's weights
-# (2.2 GB; 19 s on the first H100 call); before the first 8B row, its weights (15 GB written
-# through the page cache: 31-36 s).
-SETUP_S = 40.0
-LARGE_WEIGHTS_S = 36.0
-
-
-def estimate_s(rows: list[Row]) -> float:
-    """The rows' planned seconds on one H100, the setup and the 8B weights included."""
-    large = any(r.role == "large" for r in rows)
-    return SETUP_S + sum(r.estimate_s for r in rows) + (LARGE_WEIGHTS_S if large else 0.0)
-
-
-def select_rows(rows: tuple[Row, ...], *, quick: bool = False, only: str = "") -> list[Row]:
-    """The rows to run: all, the --quick ones, or those --only names (in ROWS' order)."""
-    chosen = [r for r in rows if r.quick] if quick else list(rows)
-    if only:
-        wanted = [n.strip() for n in only.split(",") if n.strip()]
-        unknown = sorted(set(wanted) - {r.name for r in rows})
-        if unknown:
-            raise ValueError(f"unknown row(s) {unknown}; the rows: {[r.name for r in rows]}")
-        chosen = [r for r in rows if r.name in wanted]
-    return chosen
-
-
-def scaled(row: Row, shapes: dict[str, str]) -> Row:
-    """The row for the shapes in use: --shapes tiny divides the sequence lengths too."""
-    if shapes["small"] != "tiny":
-        return row
-    return dataclasses.replace(row, seq=max(row.tiny_seq, row.seq // TINY_SEQ_DIVISOR))
+PLANNED_KINDS = ("train", "best", "grpo", "distill")  # the planner's prediction before each
+MEASURED_KINDS = (*PLANNED_KINDS, "auto")  # tokens/s against a prediction
+PLAN_WAIT_S = 120.0  # the longest a row waits for its prediction (a 1.1B plan: 9-14 s)
+# What a device call brings back: 8 files of at most 16 MiB; the five result files and one
+# trace per profiled row (two rows).
+TRACE_MAX_BYTES = 15 * 1024**2
+# The bare matrix product the profile's are measured against (KINDS.md: 769-798 TFLOP/s for
+# bf16 8192^3 on the lent H200s); a CPU's: fp32 1024^3.
+BARE_MATMUL = {"cuda": (8192, "bfloat16"), "cpu": (1024, "float32")}
 
 
 def model_config(shape: Shape, tokenizer: Any, seq_length: int) -> Any:
@@ -327,10 +261,16 @@ def run_records(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-def summarize(records: list[dict[str, Any]], *, warmup: int = 3) -> dict[str, Any]:
-    """Throughput and memory of a run from its metrics.jsonl: medians over the steps after
-    `warmup` (compilation, allocator growth and the first all-gathers are not the steady
-    state), peaks over all steps (memory_snapshot resets the CUDA peak at every log)."""
+def summarize(
+    records: list[dict[str, Any]], *, warmup: int = 3, timed_steps: int = 0, gpus: int = 1
+) -> dict[str, Any]:
+    """Throughput and memory of a run from its metrics.jsonl. With `timed_steps`, tokens/s over
+    the last that many steps, from the log records' wall-clock `time` and `tokens_seen` at both
+    ends (what a step costs, read-backs of the logged steps included; compilation and the
+    profiled step fall before it), MFU at the same rate, and the tokens/s of each log interval
+    inside (`interval_tokens_per_s`: the spread); otherwise medians over the steps after
+    `warmup` (the first call's rule). Peaks over all steps (memory_snapshot resets the CUDA
+    peak at every log)."""
     train = [r for r in records if r.get("kind") == "train"]
     steady = train[warmup:] or train
     out: dict[str, Any] = {"steps_logged": len(train)}
@@ -346,6 +286,23 @@ def summarize(records: list[dict[str, Any]], *, warmup: int = 3) -> dict[str, An
     out["tokens_per_s_per_gpu"] = median("tokens_per_s_per_device")
     out["mfu_pct"] = median("mfu_pct")
     out["step_time_s"] = median("step_time_s")
+    window = _timed_window(train, timed_steps)
+    if window:
+        first, last = window[0], window[-1]
+        seconds = last["time"] - first["time"]
+        per_gpu = (last["tokens_seen"] - first["tokens_seen"]) / seconds / gpus
+        rates = [r for r in train if r.get("mfu_pct") and r.get("tokens_per_s_per_device")]
+        out["timed"] = {"from_step": first["step"], "to_step": last["step"], "seconds": seconds}
+        out["tokens_per_s_per_gpu"] = per_gpu
+        out["mfu_pct"] = (
+            per_gpu * rates[0]["mfu_pct"] / rates[0]["tokens_per_s_per_device"] if rates else None
+        )
+        out["step_time_s"] = seconds / (last["step"] - first["step"])
+        out["interval_tokens_per_s"] = [
+            (b["tokens_seen"] - a["tokens_seen"]) / (b["time"] - a["time"]) / gpus
+            for a, b in itertools.pairwise(window)
+            if b["time"] > a["time"]
+        ]
     out["peak_allocated_gib"] = peak("cuda_peak_allocated_gib")
     out["peak_reserved_gib"] = peak("cuda_peak_reserved_gib")
     out["final_loss"] = train[-1]["loss"] if train else None
@@ -356,7 +313,148 @@ def summarize(records: list[dict[str, Any]], *, warmup: int = 3) -> dict[str, An
     finals = [r for r in records if r.get("kind") == "final_model"]
     out["final_model"] = finals[-1].get("path") if finals else None
     out["export_s"] = finals[-1].get("seconds") if finals else None
+    kernels = [r for r in records if r.get("kind") == "attention_kernels"]
+    if kernels:  # the SDPA kernel(s) torch ran (fsdp_utils/metrics/profile.py)
+        out["attention_kernels"] = sorted(kernels[-1].get("kernels", {}))
+    compiles = [r for r in records if r.get("kind") == "compile"]
+    if compiles:  # graphs, graph breaks, recompiles (--compile's log)
+        keep = ("graphs", "graph_breaks", "eager_frames", "recompiles", "scope")
+        out["compile"] = {k: compiles[-1].get(k) for k in keep}
     return out
+
+
+def _timed_window(train: list[dict[str, Any]], timed_steps: int) -> list[dict[str, Any]]:
+    """The log records from the one that ends the step before the last `timed_steps` to the
+    last ([] when the run logged too few, or without times)."""
+    if not timed_steps or not train:
+        return []
+    start = train[-1]["step"] - timed_steps
+    window = [r for r in train if r["step"] >= start]
+    if len(window) < 2 or window[0]["step"] != start:
+        return []
+    if any(r.get("time") is None or r.get("tokens_seen") is None for r in window):
+        return []
+    return window if window[-1]["time"] > window[0]["time"] else []
+
+
+def prediction_of(plan: dict[str, Any] | None) -> dict[str, Any]:
+    """The planner's answer for a row, as the results keep it: the peak and what the run needs
+    with its margin (GiB), and the step-time model's tokens/s per GPU, step and MFU; or the
+    reason there is none."""
+    if plan is None:
+        return {"error": f"the planner had not answered in {PLAN_WAIT_S:.0f} s"}
+    if "error" in plan:
+        return {"error": plan["error"]}
+    step = plan.get("step_time") or {}
+    mfu = step.get("mfu")
+    return {
+        "peak_gib": plan["peak_bytes"] / GIB,
+        "required_gib": plan["required_bytes"] / GIB,
+        "fits": plan.get("fits"),
+        "tokens_per_s_per_gpu": step.get("tokens_per_s_per_gpu"),
+        "step_s": step.get("step_seconds"),
+        "mfu_pct": 100.0 * mfu if mfu is not None else None,
+        "terms_s": step.get("terms"),
+        "speed_basis": plan.get("speed_basis")
+        or "no step-time prediction (a GPU kind the model has no figures for)",
+    }
+
+
+def auto_prediction(answer: dict[str, Any] | None) -> dict[str, Any]:
+    """An `*-auto` row's prediction: --auto's choice (its flags, predicted tokens/s, step and
+    peak), and the planner's plan of exactly the chosen configuration (its peak)."""
+    if answer is None:
+        return {"error": f"--auto had not answered in {PLAN_WAIT_S:.0f} s"}
+    choice = answer.get("choice") or {}
+    if "error" in choice or not choice.get("flags"):
+        return {"error": f"--auto: {choice.get('error', 'no choice')}"}
+    predicted = choice["predicted"]
+    planned = prediction_of(answer.get("plan"))
+    return {
+        **planned,
+        "flags": choice["flags"],
+        "tokens_per_s_per_gpu": predicted["tokens_per_s_per_gpu"],
+        "step_s": predicted["step_seconds"],
+        "mfu_pct": 100.0 * predicted["mfu"],
+        "auto_peak_gib": predicted["peak_bytes"] / GIB,
+        "auto_required_gib": predicted["required_bytes"] / GIB,
+        "terms_s": predicted.get("terms"),
+    }
+
+
+def against_prediction(entry: dict[str, Any]) -> dict[str, float | None]:
+    """The measurement over the prediction: tokens/s (less one: the prediction's error) and
+    the memory ratios of the first call's table."""
+    predicted = entry.get("prediction") or {}
+    planned = predicted.get("peak_gib")
+    required = predicted.get("required_gib")
+    tokens = ratio(entry.get("tokens_per_s_per_gpu"), predicted.get("tokens_per_s_per_gpu"))
+    return {
+        "planned_peak_gib": planned,
+        "planned_required_gib": required,
+        "predicted_tokens_error": tokens - 1.0 if tokens is not None else None,
+        "allocated_over_plan": ratio(entry.get("peak_allocated_gib"), planned),
+        "reserved_over_plan": ratio(entry.get("peak_reserved_gib"), planned),
+        "used_over_required": ratio(entry.get("smi_peak_gib"), required),
+    }
+
+
+def exact_plan(flags: list[str]) -> bool:
+    """Whether the planner traces what the row runs: it plans --compile, liger-kernel and float8
+    as the eager layers and the direct path as FSDP2 (fsdp_utils/plan/estimate.py), the safe
+    side; the allocator's share is refitted on the exact rows only."""
+    inexact = {"--compile", "--liger_kernels", "--float8", "direct"}
+    return not inexact & set(flags)
+
+
+def profile_entry(
+    run_dir: Path, row_name: str, bare: dict[str, Any] | None, output: Path
+) -> dict[str, Any]:
+    """The profiled step of a run (`--profile_steps`): device time by bucket, idle time, host
+    syncs and reads, the matrix products' TFLOP/s against the bare product
+    (fsdp_utils/metrics/step_profile.py, as bench/profile_step.py --buckets prints it), and its
+    Chrome trace copied into the results (gzipped; cut to the step's events if still larger
+    than a device call brings back)."""
+    from fsdp_utils.metrics.step_profile import breakdown, describe, read_trace, trim
+
+    traces = sorted((run_dir / "profile").glob("rank0.*.pt.trace.json"))
+    if not traces:
+        return {"error": "no trace written"}
+    trace = read_trace(traces[-1])
+    result = breakdown(trace)
+    tflops = (bare or {}).get("tflops")
+    out: dict[str, Any] = {
+        **result.to_dict(),
+        "bare_matmul": bare,
+        "matmul_of_bare": ratio(result.matmul_tflops, tflops),
+        "table": describe(result, bare_tflops=tflops),
+    }
+    target = output / f"profile-{row_name}.trace.json.gz"
+    with traces[-1].open("rb") as source, gzip.open(target, "wb", compresslevel=4) as file:
+        shutil.copyfileobj(source, file)  # the trace as torch wrote it (not gzipped: the trainer's)
+    if target.stat().st_size > TRACE_MAX_BYTES:
+        with gzip.open(target, "wt", compresslevel=9) as file:
+            json.dump(trim(trace), file)
+        out["trace_trimmed"] = True
+    if target.stat().st_size > TRACE_MAX_BYTES:
+        target.unlink()
+        out["trace"] = None
+        out["trace_note"] = "over the 15 MiB a device call brings back, even cut to the step"
+    else:
+        out["trace"] = target.name
+    return out
+
+
+def bare_matmul(device: str) -> dict[str, Any]:
+    """TFLOP/s of a bare matrix product on `device` (bench/profile_step.py's, 3 warm-ups)."""
+    from profile_step import bare_matmul_tflops
+
+    size, dtype = BARE_MATMUL[device]
+    return {
+        "size": size,
+        "dtype": dtype,
+        "tflops": bare_matmul_tflops(device, dtype, size, repeats=20, warmups=3),
+    }
 
 
 def resume_seconds(log_text: str) -> float | None:
@@ -418,38 +516,50 @@ def parameters(count: float) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
 def render_table(result: dict[str, Any]) -> str:
-    """The markdown to paste into docs/gpu-check.md: the training rows against the planner, then
-    one line for each other row."""
-
-    def fmt(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
+    """The markdown to paste into docs/gpu-check.md: the training rows, each measured against
+    the prediction written before it ran; the A/B rows against their references; the best
+    combination and --auto's choices; the profiled steps; one line for each other row; the
+    planner's margin refitted."""
+    fmt = _fmt
     env = result.get("environment", {})
     lines = [
         f"GPU: {result['gpu']} x {result['gpus']}, driver {env.get('driver', '-')}; torch "
         f"{result['torch']}, transformers {env.get('transformers', '-')}; "
         f"{result.get('seconds', 0):.0f} s in all",
         "",
-        "| row | model | seq x batch | tokens/s/GPU | MFU % | peak alloc GiB | peak reserved GiB "
-        "| nvidia-smi GiB | planner peak GiB | alloc/plan | reserved/plan | used/required |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | model | seq x batch | tokens/s/GPU | predicted | error | MFU % | peak alloc GiB "
+        "| peak reserved GiB | nvidia-smi GiB | planner peak GiB | alloc/plan | reserved/plan "
+        "| used/required |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    others = []
-    for row in result["rows"]:
+    others, levers, rows = [], [], result["rows"]
+    by_name = {r["name"]: r for r in rows}
+    for row in rows:
         status = row.get("status", "ok")
         if status != "ok":
             others.append(
                 f"- {row['name']}: {status}{': ' + row['reason'] if row.get('reason') else ''}"
             )
             continue
-        if row["kind"] != "train":
+        if row["kind"] not in MEASURED_KINDS:
             others.append(f"- {row['name']}: {row.get('summary', 'ok')}")
             continue
+        predicted = (row.get("prediction") or {}).get("tokens_per_s_per_gpu")
+        batch = (
+            row["batch"]
+            if row.get("total", row["batch"]) == row["batch"]
+            else (f"{row['batch']} (of {row['total']})")
+        )
         lines.append(
             f"| {row['name']} | {row['shape']} ({parameters(row['parameters'])}) "
-            f"| {row['seq']} x {row['batch']} "
-            f"| {fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(row.get('mfu_pct'), '.1f')} "
+            f"| {row['seq']} x {batch} "
+            f"| {fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(predicted, ',.0f')} "
+            f"| {_pct(row.get('predicted_tokens_error'))} | {fmt(row.get('mfu_pct'), '.1f')} "
             f"| {fmt(row.get('peak_allocated_gib'), '.2f')} "
             f"| {fmt(row.get('peak_reserved_gib'), '.2f')} "
             f"| {fmt(row.get('smi_peak_gib'), '.2f')} | {fmt(row.get('planned_peak_gib'), '.2f')} "
@@ -457,6 +567,30 @@ def render_table(result: dict[str, Any]) -> str:
             f"| {fmt(row.get('reserved_over_plan'), '.3f')} "
             f"| {fmt(row.get('used_over_required'), '.3f')} |"
         )
+        if row.get("summary"):
+            others.append(f"- {row['name']}: {row['summary']}")
+        if row.get("ref") and row.get("lever") and by_name.get(row["ref"]):
+            spread = row.get("interval_tokens_per_s") or []
+            levers.append(
+                f"| {row['name']} | {row['lever']} | {' '.join(row.get('adds', [])) or '-'} "
+                f"| {row['ref']} | {fmt(by_name[row['ref']].get('tokens_per_s_per_gpu'), ',.0f')} "
+                f"| {fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} | {_pct(row.get('gain'))} "
+                f"| {', '.join(f'{v:,.0f}' for v in spread) or '-'} |"
+            )
+    if levers:
+        lines += [
+            "",
+            "| A/B row | lever | flags changed | against | its tokens/s | tokens/s | gain "
+            "| per log interval |",
+            "|---|---|---|---|---:|---:|---:|---|",
+            *levers,
+        ]
+    lines += _choices(result, by_name)
+    for row in rows:
+        profile = row.get("profile")
+        if row.get("status") == "ok" and profile and "table" in profile:
+            trace = profile.get("trace") or profile.get("trace_note", "no trace")
+            lines += ["", f"Profiled step of {row['name']} (trace: {trace}):", "", profile["table"]]
     lines += ["", *others]
     margin = result.get("margin_suggestion")
     if margin:
@@ -473,6 +607,34 @@ def render_table(result: dict[str, Any]) -> str:
                 f"{margin['fitted_error']:.1%} of each)"
             )
     return "\n".join(lines) + "\n"
+
+
+def _choices(result: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> list[str]:
+    """The best combination and --auto's choices, against the goals of issue 63."""
+    lines: list[str] = []
+    best = by_name.get("1b-best")
+    if best and best.get("combination"):
+        lines += ["", f"Best combination ({best.get('status', '-')}): `{' '.join(best['flags'])}` "
+                  f"at micro-batch {best['batch']}"]  # fmt: skip
+        lines += [f"- {note}" for note in best["combination"]]
+        if best.get("status") == "ok":
+            mfu = best.get("mfu_pct")
+            goal = "met" if mfu is not None and mfu >= 40 else "not met"
+            lines.append(f"- MFU {_fmt(mfu, '.1f')}% (goal 40%: {goal})")
+    for row in by_name.values():
+        if row.get("kind") != "auto" or row.get("status") != "ok":
+            continue
+        flags = (row.get("prediction") or {}).get("flags", "-")
+        against = result.get("auto_against", {}).get(row["name"], {})
+        lines += [
+            "",
+            f"{row['name']}: --auto chose `{flags}`: {_fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} "
+            f"tokens/s per GPU, predicted {_fmt(row['prediction'].get('tokens_per_s_per_gpu'), ',.0f')} "
+            f"({_pct(row.get('predicted_tokens_error'))}); the best hand row "
+            f"{against.get('best_hand', '-')}: {_fmt(against.get('best_hand_tokens_per_s'), ',.0f')} "
+            f"({_pct(against.get('auto_over_best_hand'))}: goal at least as fast)",
+        ]
+    return lines
 
 
 class Tee(io.TextIOBase):
@@ -512,23 +674,36 @@ def run_process(
         process = subprocess.Popen(
             command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
         )
+        LIVE.add(process)
         try:
             return process.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            stop_group(process)
             return 124
+        finally:
+            LIVE.discard(process)
+
+
+LIVE: set[subprocess.Popen[bytes]] = set()  # run_process's commands still running
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 class Kit:
     """The rows' commands, run one after another on the GPU(s), the planner beside them."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, device: str, gpus: int) -> None:
+    def __init__(
+        self, args: argparse.Namespace, work: Path, device: str, gpus: int, gpu_memory: str
+    ) -> None:
         self.args = args
         self.work = work
         self.device = device
         self.gpus = gpus
+        self.gpu_memory = gpu_memory  # the planner's --gpu_memory: the GPU's kind where known
         self.env = {
             **os.environ,
             "OMP_NUM_THREADS": "4",
@@ -539,35 +714,74 @@ class Kit:
             "PYTHONPATH": os.pathsep.join(
                 p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
             ),
+            # A run that adds its measurement to the site's rows (fsdp_utils/run/speed.py) adds
+            # it to a folder of the kit's own (logs.tar.gz), not the one the plans read: each
+            # prediction rests on the shipped rows alone, never on a row this call measured
+            # before it (docs/plan.md, "--calibrate and the site files").
+            "FSDP_UTILS_SITE_DIR": str(work / "site-runs"),
+            # One compile cache for every row: a row whose graphs an earlier one compiled
+            # finds them there (inductor's FX graph and AOTAutograd caches).
+            "TORCHINDUCTOR_CACHE_DIR": str(work / "compile-cache"),
         }
+        # Each process caches the bytecode of what it imports (the carried wheels come without).
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)
+        if device == "cpu":  # the levers' CPU forms (docs/levers.md, "Tested here")
+            self.env.setdefault("FSDP_UTILS_COMPILE_BACKEND", "aot_eager")
+            self.env.setdefault("FSDP_UTILS_FLOAT8_EMULATE", "1")
+        # The planner on the CPU: the GPU stays the runs' (CUDA_VISIBLE_DEVICES empty).
+        self.plan_env = {
+            **self.env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2",
+            "FSDP_UTILS_SITE_DIR": str(work / "site-plan"),
+        }  # fmt: skip
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=3)
-        self.plans: dict[str, concurrent.futures.Future[dict[str, Any] | None]] = {}
+        self.urgent = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # planned at run time
+        self.plans: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
         self.final_model: Path | None = None
         self.data = work / "data"  # build_data writes it
         self.prompts = work / "prompts.jsonl"  # build_prompts writes it (the GRPO row)
+        self.bare: dict[str, Any] | None = None  # the bare matrix product (with the weights)
+
+    def shutdown(self) -> None:
+        """No plan left to start, and the ones running stopped: the call ends when its rows
+        do (the interpreter would wait for the planner's threads at exit)."""
+        for pool in (self.planner, self.urgent):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for process in list(LIVE):
+            stop_group(process)
 
     # --- commands -----------------------------------------------------------------------------
 
-    def common_flags(self, model: Path, data: Path, out: Path, row: Row) -> list[str]:
+    def common_flags(
+        self, model: Path, out: Path, row: Row, *, teacher: Path | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> list[str]:  # fmt: skip
+        """The row's training command line (the planner's and --auto's too)."""
+        data = self.data
         if row.kind == "grpo":  # its prompts, a completion's share of the sequence
             completion = min(GRPO_COMPLETION, row.seq // 4)
             data = self.prompts
             row = dataclasses.replace(
                 row, flags=(*row.flags, "--max_completion_length", str(completion))
             )
-        return [
+        flags = [
             "--model", str(model), "--dataset", str(data), "--dataset_include", "",
             "--data_cache_dir", str(self.work / "prepared"), "--output_dir", str(out),
             "--max_seq_length", str(row.seq),
-            "--batch_size_per_device", str(row.batch),
-            "--total_batch_size", str(row.batch * self.gpus),
+            "--total_batch_size", str(row.total_batch * self.gpus),
             "--max_training_steps", str(row.steps), "--learning_rate", "1e-4",
             "--warmup_steps", "0", "--eval_every", "0", "--eval_examples", "0",
-            "--save_every_minutes", "0", "--log_every", "1", "--device", self.device,
-            *row.flags,
+            "--save_every_minutes", "0", "--log_every", str(row.log_every),
+            "--device", self.device,
         ]  # fmt: skip
+        if row.batch:  # an *-auto row leaves it to the choice
+            flags += ["--batch_size_per_device", str(row.batch)]
+        if row.profile_step:
+            flags += ["--profile_steps", f"{row.profile_step}:{row.profile_step}"]
+        if teacher is not None:
+            flags += ["--teacher", str(teacher)]
+        return [*flags, *row.flags, *extra]
 
     def run(self, command: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
         """A command (`run_process`), its output into `log`; (exit code, output, seconds)."""
@@ -576,35 +790,67 @@ class Kit:
         return code, log.read_text(errors="replace"), time.perf_counter() - started
 
     def write_weights(
-        self, folder: Path, shape: str, tokenizer_dir: Path, seq: int, timeout: float
-    ) -> tuple[int, str]:
-        """A model's random weights, written by a process of its own (see parse_args)."""
+        self, folder: Path, shape: str, tokenizer_dir: Path, seq: int, timeout: float,
+        bare: Path | None = None,
+    ) -> tuple[int, str]:  # fmt: skip
+        """A model's random weights, written by a process of its own (see parse_args); with
+        `bare`, that process (which holds the GPU already) also times the bare product."""
         command = [sys.executable, str(Path(__file__).resolve()), "--probe-write", str(folder)]
         command += ["--probe-shape", shape, "--probe-data", str(tokenizer_dir)]
         command += ["--probe-seq", str(seq), "--probe-device", self.device]
+        if bare is not None:
+            command += ["--probe-bare", str(bare)]
         code, log, _ = self.run(command, self.logs / f"{folder.name}-weights.log", timeout)
         return code, log
 
-    def plan(self, model: Path, data: Path, row: Row) -> dict[str, Any] | None:
-        """The planner's prediction for exactly this configuration, on the CPU (the GPU stays the
-        run's alone: CUDA_VISIBLE_DEVICES is empty). None if it cannot plan."""
-        flags = self.common_flags(model, data, self.work / "plan-unused", row)
+    # --- the predictions, before each row -----------------------------------------------------
+
+    def plan(
+        self, name: str, model: Path, row: Row, *, teacher: Path | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> dict[str, Any]:  # fmt: skip
+        """The planner's prediction for exactly this configuration, on the CPU: its JSON (peak,
+        required, the step-time model's step), or {"error": why}."""
+        flags = self.common_flags(
+            model, self.work / "plan-unused", row, teacher=teacher, extra=extra
+        )
         command = [sys.executable, "-m", "fsdp_utils.plan", *flags, "--json"]
         command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
-        command += ["--gpu_memory", self.args.gpu_memory]
-        env = {**self.env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
-        out, err = self.logs / f"{row.name}.plan.json", self.logs / f"{row.name}.plan.log"
-        run_process(command, env=env, timeout=600, log=out, errors=err)
+        command += ["--gpu_memory", self.gpu_memory]
+        out, err = self.logs / f"{name}.plan.json", self.logs / f"{name}.plan.log"
+        code = run_process(command, env=self.plan_env, timeout=600, log=out, errors=err)
         try:
-            return json.loads(out.read_text())
+            return dict(json.loads(out.read_text()))
         except json.JSONDecodeError:
-            return None
+            lines = err.read_text(errors="replace").strip().splitlines() or ["no output"]
+            return {"error": f"the planner exited {code}: {lines[-1]}"}
 
-    def plan_later(self, model: Path, data: Path, row: Row) -> None:
-        self.plans[row.name] = self.planner.submit(self.plan, model, data, row)
+    def auto(self, model: Path, row: Row, *, teacher: Path | None = None) -> dict[str, Any]:
+        """--auto's choice for the row's command (fsdp_utils.plan.cli.auto_choice, in a process
+        of its own on the CPU), then the plan of exactly the chosen configuration."""
+        argv = self.common_flags(model, self.work / "plan-unused", row, teacher=teacher)
+        argv += ["--gpus_per_node", str(self.gpus), "--gpu_memory", self.gpu_memory]
+        out = self.logs / f"{row.name}.auto.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--probe-auto", str(out)]
+        command += ["--probe-argv", json.dumps(argv)]
+        log = self.logs / f"{row.name}.auto.log"
+        code = run_process(command, env=self.plan_env, timeout=900, log=log)
+        try:
+            choice = json.loads(out.read_text())
+        except (OSError, json.JSONDecodeError):
+            tail = log.read_text(errors="replace").strip().splitlines() or ["no output"]
+            return {"choice": {"error": f"exit {code}: {tail[-1]}"}}
+        if "error" in choice or not choice.get("flags"):
+            return {"choice": choice}
+        flags = tuple(choice["flags"].split())
+        return {"choice": choice, "plan": self.plan(row.name, model, row, extra=flags)}
 
-    def planned(self, row: Row, timeout: float) -> dict[str, Any] | None:
-        future = self.plans.get(row.name)
+    def plan_later(self, key: str, task: Any, *args: Any, urgent: bool = False, **kw: Any) -> None:
+        pool = self.urgent if urgent else self.planner
+        self.plans[key] = pool.submit(task, *args, **kw)
+
+    def planned(self, key: str, timeout: float) -> dict[str, Any] | None:
+        future = self.plans.get(key)
         if future is None:
             return None
         try:
@@ -612,50 +858,61 @@ class Kit:
         except (concurrent.futures.TimeoutError, subprocess.TimeoutExpired):
             return None
 
+    # --- runs ---------------------------------------------------------------------------------
+
     def train(
-        self, model: Path, data: Path, out: Path, row: Row, *extra: str, timeout: float
-    ) -> tuple[int, str, dict[int, float], float]:
-        torchrun = str(Path(sys.executable).with_name("torchrun"))
-        if not Path(torchrun).exists():
-            torchrun = shutil.which("torchrun") or torchrun
-        command = [torchrun, "--standalone", f"--nproc_per_node={self.gpus}"]
-        command += [str(REPO / "chess_finetune.py"), *self.common_flags(model, data, out, row)]
+        self, model: Path, out: Path, row: Row, *extra: str, timeout: float,
+        teacher: Path | None = None, chosen: tuple[str, ...] = (),
+    ) -> tuple[int, str, dict[int, float], float]:  # fmt: skip
+        """chess_finetune.py on the row's flags: one process as `python chess_finetune.py` (no
+        torchrun agent to start; the run makes its own process group of one), several under
+        torchrun."""
+        script = [str(REPO / "chess_finetune.py")]
+        if self.gpus == 1:
+            command = [sys.executable, *script]
+        else:
+            torchrun = str(Path(sys.executable).with_name("torchrun"))
+            if not Path(torchrun).exists():
+                torchrun = shutil.which("torchrun") or torchrun
+            command = [torchrun, "--standalone", f"--nproc_per_node={self.gpus}", *script]
+        command += self.common_flags(model, out, row, teacher=teacher, extra=chosen)
         command += list(extra)
         log = self.logs / f"{out.name}.log"
         with MemoryWatch() as watch:
             code, text, seconds = self.run(command, log, timeout)
         return code, text, watch.peak_mib, seconds
 
-    # --- rows ---------------------------------------------------------------------------------
-
-    def train_row(self, model: Path, data: Path, row: Row, timeout: float) -> dict[str, Any]:
+    def train_row(
+        self, model: Path, row: Row, timeout: float, *, teacher: Path | None = None,
+        chosen: tuple[str, ...] = (),
+    ) -> dict[str, Any]:  # fmt: skip
+        """One training run: its measurement (summarize), nvidia-smi's peak, the profiled
+        step's breakdown when it has one."""
         out = self.work / "runs" / row.name
         code, log, smi, seconds = self.train(
-            model, data, out, row, "--no_final_save", "--resume", "never", timeout=timeout
-        )
+            model, out, row, "--no_final_save", "--resume", "never", timeout=timeout,
+            teacher=teacher, chosen=chosen,
+        )  # fmt: skip
         result: dict[str, Any] = {"wall_s": seconds}
         if code != 0:
             return {**result, **failure(code, log)}
-        result.update(summarize(run_records(out)))
+        records = run_records(out)
+        result.update(summarize(records, timed_steps=row.timed_steps, gpus=self.gpus))
         (self.logs / f"{row.name}.metrics.jsonl").write_bytes(
             (out / "metrics.jsonl").read_bytes() if (out / "metrics.jsonl").is_file() else b""
         )
-        plan = self.planned(row, timeout=60)
-        planned = plan["peak_bytes"] / GIB if plan else None
-        required = plan["required_bytes"] / GIB if plan else None
-        result["planned_peak_gib"] = planned
-        result["planned_required_gib"] = required
-        result["planner_fits"] = plan.get("fits") if plan else None
         result["smi_peak_gib"] = max(smi.values()) / 1024 if smi else None
-        result["allocated_over_plan"] = ratio(result["peak_allocated_gib"], planned)
-        result["reserved_over_plan"] = ratio(result["peak_reserved_gib"], planned)
-        result["used_over_required"] = ratio(result["smi_peak_gib"], required)
+        if row.profile_step:
+            try:
+                result["profile"] = profile_entry(out, row.name, self.bare, self.args.output)
+            except (OSError, ValueError, KeyError) as error:  # the row's figures still count
+                result["profile"] = {"error": f"{type(error).__name__}: {error}"}
         return result
 
     def grpo_row(self, model: Path, row: Row, timeout: float) -> dict[str, Any]:
         """GRPO: rollout and update tokens/s (medians after the first step, metrics.jsonl's
         rollout/* and update/*) and the peak memory against the plan of both phases."""
-        result = self.train_row(model, self.data, row, timeout)
+        result = self.train_row(model, row, timeout)
         if result.get("status") == "failed" or "reason" in result:
             return result
         train = [r for r in run_records(self.work / "runs" / row.name) if r.get("kind") == "train"]
@@ -665,7 +922,7 @@ class Kit:
             values = [r[key] for r in steady if r.get(key) is not None]
             return statistics.median(values) if values else None
 
-        plan = self.planned(row, timeout=60) or {}
+        plan = self.planned(row.name, timeout=60) or {}
         rollout = plan.get("rollout") or {}
         result.update(
             rollout_tokens_per_s=median("rollout/tokens_per_s"),
@@ -673,7 +930,9 @@ class Kit:
             rollout_s=median("rollout/seconds"),
             update_s=median("update/seconds"),
             planned_rollout_gib=rollout["total"] / GIB if rollout else None,
-            planned_update_gib=plan["update_peak_bytes"] / GIB if plan else None,
+            planned_update_gib=plan["update_peak_bytes"] / GIB
+            if "update_peak_bytes" in plan
+            else None,
             dominating_phase=plan.get("dominating_phase"),
         )
         result["summary"] = (
@@ -681,25 +940,22 @@ class Kit:
             f"({_fmt(result['rollout_s'], '.2f')} s), update "
             f"{_fmt(result['update_tokens_per_s'], ',.0f')} tokens/s ({_fmt(result['update_s'], '.2f')} s); "
             f"peak alloc {_fmt(result.get('peak_allocated_gib'), '.2f')} GiB against the plan's "
-            f"{_fmt(result.get('planned_peak_gib'), '.2f')} (rollout "
-            f"{_fmt(result['planned_rollout_gib'], '.2f')}, update "
-            f"{_fmt(result['planned_update_gib'], '.2f')}: the {result['dominating_phase']} dominates)"
+            f"rollout {_fmt(result['planned_rollout_gib'], '.2f')}, update "
+            f"{_fmt(result['planned_update_gib'], '.2f')} (the {result['dominating_phase']} dominates)"
         )
         return result
 
-    def checkpoint_row(self, model: Path, data: Path, row: Row, timeout: float) -> dict[str, Any]:
+    def checkpoint_row(self, model: Path, row: Row, timeout: float) -> dict[str, Any]:
         """Save at half way (stop as if the time limit came), resume, finish, export."""
         out = self.work / "runs" / row.name
         half = max(1, row.steps // 2)
         stop = ("--save_every_steps", str(half), "--stop_after_steps", str(half))
         started = time.perf_counter()
-        code1, log1, _, _ = self.train(
-            model, data, out, row, *stop, "--resume", "never", timeout=timeout
-        )
+        code1, log1, _, _ = self.train(model, out, row, *stop, "--resume", "never", timeout=timeout)
         if code1 != 0:
             return failure(code1, log1, "first leg")
         left = timeout - (time.perf_counter() - started)
-        code2, log2, _, _ = self.train(model, data, out, row, "--resume", "auto", timeout=left)
+        code2, log2, _, _ = self.train(model, out, row, "--resume", "auto", timeout=left)
         if code2 != 0:
             return failure(code2, log2, "resumed leg")
         summary = summarize(run_records(out))
@@ -909,9 +1165,13 @@ class Report:
         self.result["seconds"] = time.time() - started
         (self.output / "gpu_check.json").write_text(json.dumps(self.result, indent=2))
         (self.output / "gpu_check.md").write_text(render_table(self.result))
+        # the runs' own rows for the step-time model (FSDP_UTILS_SITE_DIR: Kit's environment)
+        runs = self.logs.parent / "site-runs" / "runs.jsonl"
         with tarfile.open(self.output / "logs.tar.gz", "w:gz") as archive:
             for path in sorted(self.logs.glob("*")):
                 archive.add(path, arcname=f"logs/{path.name}")
+            if runs.is_file():
+                archive.add(runs, arcname="logs/site-runs.jsonl")
 
 
 def install_wheels(args: argparse.Namespace) -> None:
@@ -978,6 +1238,18 @@ def environment(device: str) -> dict[str, Any]:
     return info
 
 
+def gpu_kind(name: str, memory: str) -> str:
+    """The planner's --gpu_memory for this GPU: its kind (h200, h100-80gb, ...) where the
+    step-time model has figures for it, so that every plan predicts tokens/s too; else its size."""
+    from fsdp_utils.plan.hardware import Gpu, parse_size, spec_key
+
+    try:
+        size = parse_size(memory, "--gpu-memory")
+    except ValueError:
+        return memory
+    return spec_key(Gpu(name, size)) or memory
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -986,7 +1258,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: temp)")
     parser.add_argument("--wheels", type=Path, help="carried wheels to install first (.whl)")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where they go")
-    parser.add_argument("--quick", action="store_true", help="the short subset (the 1B rows)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the A/B base, the 5 most promising levers, their best combination")  # fmt: skip
     parser.add_argument("--only", default="", help="comma-separated row names (see ROWS)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                         help="seconds in all, from the first start (0: no limit)")  # fmt: skip
@@ -998,21 +1271,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu-memory", default=None, help="for the planner (default: detected)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (tests only)")
-    # The probes' own processes (the masking check; writing a model's random weights): whatever
-    # they hold on the GPU goes with them, so nvidia-smi sees each run's memory alone.
-    for name in ("masking", "write", "shape", "model", "data", "seq", "device"):
+    parser.add_argument(
+        "--predict",
+        metavar="KIND",
+        help="no runs: the predictions for a GPU kind (h200, h100-80gb, ...) of every row that "
+        "has one, on this machine's CPU, into --output (predictions.json, predictions.md)",
+    )
+    # The probes' own processes (the masking check; writing a model's random weights and timing
+    # the bare product; --auto's choice): whatever they hold on the GPU goes with them, so
+    # nvidia-smi sees each run's memory alone, and the kit's own process never starts CUDA.
+    for name in ("masking", "write", "bare", "auto", "argv", "shape", "model", "data", "seq",
+                 "device"):  # fmt: skip
         parser.add_argument(f"--probe-{name}", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def probe(args: argparse.Namespace) -> int | None:
+    """The probes' processes (parse_args); None when this is not one."""
     if args.probe_masking:
-        probe = masking_probe(
+        found = masking_probe(
             Path(args.probe_model), Path(args.probe_data), args.work, int(args.probe_seq),
             args.probe_device,
         )  # fmt: skip
-        Path(args.probe_masking).write_text(json.dumps(probe, indent=2))
+        Path(args.probe_masking).write_text(json.dumps(found, indent=2))
         return 0
     if args.probe_write:
         from transformers import AutoTokenizer
@@ -1022,7 +1303,26 @@ def main(argv: list[str] | None = None) -> int:
         write_model(
             Path(args.probe_write), shape, tokenizer, int(args.probe_seq), args.probe_device
         )
+        if args.probe_bare:
+            Path(args.probe_bare).write_text(json.dumps(bare_matmul(args.probe_device)))
         return 0
+    if args.probe_auto:
+        from fsdp_utils.plan.cli import auto_choice
+
+        try:
+            record = auto_choice(json.loads(args.probe_argv))
+        except ValueError as error:
+            record = {"error": str(error)}
+        Path(args.probe_auto).write_text(json.dumps(record, indent=2))
+        return 0
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    probed = probe(args)
+    if probed is not None:
+        return probed
     if args.wheels:
         install_wheels(args)  # does not return: runs this script again
     started = float(os.environ.get(STARTED_ENV, time.time()))
@@ -1036,12 +1336,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: --shapes takes one or two of {sorted(SHAPES)}", file=sys.stderr)
         return 2
     shapes = {"small": names[0], "large": names[-1]}
+    if args.predict:
+        return predict_only(args, rows, shapes)
 
     import torch
 
     if torch.cuda.is_available():
         device, gpus, gpu_name, memory = "cuda", *cuda_devices()
-        args.gpu_memory = args.gpu_memory or memory
+        args.gpu_memory = args.gpu_memory or gpu_kind(gpu_name, memory)
     elif args.allow_cpu:
         device, gpus, gpu_name = "cpu", 1, "cpu"
         args.gpu_memory = args.gpu_memory or "80GiB"
@@ -1056,7 +1358,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = Tee(sys.stdout, args.output / "gpu_check.log")  # type: ignore[assignment]
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    kit = Kit(args, work, device, gpus)
+    kit = Kit(args, work, device, gpus, args.gpu_memory)
     code, versions = check_versions(args.output, kit.env)
     print(versions, end="", flush=True)
     result: dict[str, Any] = {
@@ -1065,6 +1367,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "environment": environment(device),
         "budget_s": args.budget,
+        "planned_for": args.gpu_memory,
         "rows": [],
     }
     report = Report(args.output, kit.logs, result)
@@ -1076,108 +1379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_rows(kit, rows, shapes, report, started)
     finally:
-        kit.planner.shutdown(wait=False, cancel_futures=True)
-
-
-def run_rows(
-    kit: Kit, rows: list[Row], shapes: dict[str, str], report: Report, started: float
-) -> int:
-    args, device = kit.args, kit.device
-    budget = args.budget or float("inf")
-
-    def elapsed() -> float:
-        return time.time() - started
-
-    runnable = [
-        r for r in rows if not skip_reason(r, device=device, left=float("inf"), shapes=shapes)
-    ]
-    print(
-        f"gpu-check: {len(rows)} rows ({len(runnable)} runnable here), about "
-        f"{estimate_s(runnable):.0f} s on one H100; budget {args.budget or 'none'}",
-        flush=True,
-    )
-    t = time.perf_counter()
-    kit.data, tokenizer = build_data(kit.work, args.games)
-    build_prompts(kit.data, kit.prompts)
-    print(f"gpu-check: {kit.gpus} x {report.result['gpu']}; data ({time.perf_counter() - t:.0f}s)")
-    rows = [scaled(r, shapes) for r in rows]
-    longest = {role: max((r.seq for r in rows if r.role == role), default=2048) for role in shapes}
-    configs = {
-        role: write_config_only(kit.work / f"config-{role}", SHAPES[name], tokenizer, longest[role])
-        for role, name in shapes.items()
-    }
-    for row in rows:
-        if row.kind in ("train", "grpo") and row.name in {r.name for r in runnable}:
-            kit.plan_later(configs[row.role], kit.data, row)
-    models: dict[str, Path] = {}
-    unwritten: set[str] = set()
-    for row in rows:
-        entry: dict[str, Any] = {
-            "name": row.name,
-            "kind": row.kind,
-            "shape": shapes[row.role],
-            "parameters": SHAPES[shapes[row.role]].parameters(),
-            "seq": row.seq,
-            "batch": row.batch,
-            "steps": row.steps,
-            "flags": list(row.flags),
-        }
-        report.result["rows"].append(entry)
-        weights_s = LARGE_WEIGHTS_S if row.role not in models and row.role == "large" else 0.0
-        skip = skip_reason(
-            row, device=device, left=budget - elapsed(), extra_s=weights_s, shapes=shapes
-        )
-        if row.role in unwritten:
-            skip = f"the {shapes[row.role]} shape's weights could not be written (above)"
-        if skip:
-            entry.update(status="skipped", reason=skip)
-            print(f"gpu-check: {row.name}: skipped ({skip})", flush=True)
-            report.write(started)
-            continue
-        print(
-            f"gpu-check: {row.name} ({row.kind}, {entry['shape']}, seq {row.seq}) ...", flush=True
-        )
-        if row.role not in models:
-            t = time.perf_counter()
-            folder = kit.work / f"model-{row.role}"
-            code, log = kit.write_weights(
-                folder, shapes[row.role], configs[row.role], longest[row.role],
-                timeout=min(600.0, budget - elapsed()),
-            )  # fmt: skip
-            entry["weights_written_s"] = time.perf_counter() - t
-            if code != 0:
-                entry.update(failure(code, log, "writing the weights"))
-                unwritten.add(row.role)
-                print(f"  {describe_row(entry)}", flush=True)
-                report.write(started)
-                continue
-            models[row.role] = folder
-        # Three times its estimate on a GPU, within the budget; without a budget (--budget 0, the
-        # CPU dry run on a loaded machine) only a stop for a hung command.
-        timeout = min(max(3 * row.estimate_s, 60.0), budget - elapsed()) if args.budget else 1800.0
-        model = models[row.role]
-        if row.kind == "train":
-            outcome = kit.train_row(model, kit.data, row, timeout)
-        elif row.kind == "checkpoint":
-            outcome = kit.checkpoint_row(model, kit.data, row, timeout)
-        elif row.kind == "grpo":
-            outcome = kit.grpo_row(model, row, timeout)
-        elif row.kind == "masking":
-            outcome = kit.masking_row(model, row, timeout)
-        else:
-            outcome = kit.evaluate_row(row, timeout)
-        entry.update(outcome)
-        entry.setdefault("status", "ok")
-        print(f"  {describe_row(entry)}", flush=True)
-        report.write(started)
-    train_rows = [r for r in report.result["rows"] if r["kind"] == "train" and r["status"] == "ok"]
-    report.result["margin_suggestion"] = margin_suggestion(train_rows)
-    report.write(started)
-    print("\n" + render_table(report.result), flush=True)
-    failed = [r["name"] for r in report.result["rows"] if r["status"] == "failed"]
-    if failed:
-        print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+        kit.shutdown()
 
 
 def skip_reason(
@@ -1188,15 +1390,11 @@ def skip_reason(
     extra_s: float = 0.0,
     shapes: dict[str, str] | None = None,
 ) -> str | None:
-    """Why a row does not run here ('' or None: it runs). `shapes`: the shape of each role."""
-    if row.needs_cuda and device != "cuda":
-        return "needs a CUDA device (pinned host memory for the offloaded state)"
-    shape = SHAPES.get((shapes or {}).get(row.role, ""))
-    if "--quantize" in row.flags and shape is not None and not nf4_holds(shape):
-        return (
-            f"the {shape.name} shape has a decoder weight NF4 cannot hold (not a multiple of "
-            f"{NF4_ELEMENTS:,} elements)"
-        )
+    """Why a row does not run here with `left` seconds (its own estimate and `extra_s` for
+    its weights; what it leaves to the rows after it is the Budget's)."""
+    reason = static_skip(row, device=device, shapes=shapes)
+    if reason:
+        return reason
     if row.estimate_s + extra_s > left:
         return (
             f"the budget: {left:.0f} s left, the row takes about {row.estimate_s + extra_s:.0f} s"
@@ -1204,18 +1402,285 @@ def skip_reason(
     return None
 
 
+def prepare(
+    kit: Kit, rows: list[Row], shapes: dict[str, str], *, runnable: set[str]
+) -> tuple[dict[str, Path], dict[str, int]]:
+    """The data, the prompts and the config-only models; every runnable row's plan (and the
+    *-auto rows' choices) started on the CPU at once, in the rows' order. The config folders
+    and each shape's longest sequence, by role."""
+    t = time.perf_counter()
+    kit.data, tokenizer = build_data(kit.work, kit.args.games)
+    build_prompts(kit.data, kit.prompts)
+    print(f"gpu-check: data ({time.perf_counter() - t:.0f}s)", flush=True)
+    longest = {role: max((r.seq for r in rows if r.role == role), default=2048) for role in shapes}
+    configs = {
+        role: write_config_only(kit.work / f"config-{role}", SHAPES[name], tokenizer, longest[role])
+        for role, name in shapes.items()
+    }
+    for row in rows:
+        if row.name not in runnable:
+            continue
+        teacher = configs["large"] if row.kind == "distill" else None
+        if row.kind in ("train", "grpo", "distill"):
+            kit.plan_later(row.name, kit.plan, row.name, configs[row.role], row, teacher=teacher)
+        elif row.kind == "auto":
+            kit.plan_later(row.name, kit.auto, configs[row.role], row)
+    return configs, longest
+
+
+def predict_only(args: argparse.Namespace, rows: list[Row], shapes: dict[str, str]) -> int:
+    """--predict KIND: every row's prediction for that GPU kind (its memory plan and step-time
+    model, --auto's choices), on this machine, as the device call will compute them before each
+    row; nothing runs. The best combination is chosen from measurements: not predicted here."""
+    args.output.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-predict-"))
+    kit = Kit(args, work, "cuda", 1, args.predict)
+    rows = [scaled(r, shapes) for r in rows]
+    started = time.time()
+    try:
+        prepare(kit, rows, shapes, runnable={r.name for r in rows})
+        predictions = []
+        for row in rows:
+            if row.kind == "auto":
+                found = auto_prediction(kit.planned(row.name, timeout=1800))
+            elif row.kind in ("train", "grpo", "distill"):
+                found = prediction_of(kit.planned(row.name, timeout=1800))
+            else:
+                continue
+            predictions.append({"name": row.name, "flags": list(row.flags), **found})
+            print(f"gpu-check: {row.name}: {describe_prediction(found)}", flush=True)
+    finally:
+        kit.shutdown()
+    record = {"gpu_kind": args.predict, "seconds": time.time() - started, "rows": predictions}
+    (args.output / "predictions.json").write_text(json.dumps(record, indent=2))
+    lines = [
+        f"Predictions for one {args.predict} (python bench/gpu_check.py --predict {args.predict})",
+        "",
+        "| row | planner peak GiB | needs GiB | tokens/s/GPU | MFU % | step s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for found in predictions:
+        lines.append(
+            f"| {found['name']} | {_fmt(found.get('peak_gib'), '.2f')} "
+            f"| {_fmt(found.get('required_gib'), '.2f')} "
+            f"| {_fmt(found.get('tokens_per_s_per_gpu'), ',.0f')} "
+            f"| {_fmt(found.get('mfu_pct'), '.1f')} | {_fmt(found.get('step_s'), '.3f')} |"
+        )
+    (args.output / "predictions.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def describe_prediction(found: dict[str, Any]) -> str:
+    if "error" in found and found.get("peak_gib") is None:
+        return f"no prediction ({found['error']})"
+    text = (
+        f"planned peak {_fmt(found.get('peak_gib'), '.2f')} GiB, predicted "
+        f"{_fmt(found.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU (MFU "
+        f"{_fmt(found.get('mfu_pct'), '.1f')}%)"
+    )
+    return text + (f"; --auto: {found['flags']}" if found.get("flags") else "")
+
+
+def run_rows(
+    kit: Kit, rows: list[Row], shapes: dict[str, str], report: Report, started: float
+) -> int:
+    args, device = kit.args, kit.device
+    budget = Budget(args.budget)
+
+    def elapsed() -> float:
+        return time.time() - started
+
+    statics = {r.name: static_skip(r, device=device, shapes=shapes) for r in rows}
+    runnable = [r for r in rows if not statics[r.name]]
+    print(
+        f"gpu-check: {len(rows)} rows ({len(runnable)} runnable here), about "
+        f"{estimate_s(runnable):.0f} s on one H100; budget {args.budget or 'none'}; "
+        f"planned for {kit.gpu_memory}",
+        flush=True,
+    )
+    print(f"gpu-check: {kit.gpus} x {report.result['gpu']}", flush=True)
+    rows = [scaled(r, shapes) for r in rows]
+    configs, longest = prepare(kit, rows, shapes, runnable={r.name for r in runnable})
+    models: dict[str, Path] = {}
+    unwritten: set[str] = set()
+    measured: dict[str, dict[str, Any]] = {}
+    for index, row in enumerate(rows):
+        entry: dict[str, Any] = {
+            "name": row.name, "kind": row.kind, "shape": shapes[row.role],
+            "parameters": SHAPES[shapes[row.role]].parameters(), "seq": row.seq,
+            "batch": row.batch, "total": row.total_batch, "steps": row.steps,
+            "flags": list(row.flags), "priority": row.priority,
+            "estimate_s": round(row.estimate_s * budget.scale),
+        }  # fmt: skip
+        if row.ref:
+            entry.update(ref=row.ref, lever=row.lever, adds=list(row.adds), drops=list(row.drops))
+        report.result["rows"].append(entry)
+        measured[row.name] = entry
+        later = [r for r in rows[index + 1 :] if not statics[r.name]]
+        skip = statics[row.name] or budget.skip_reason(
+            row, later, elapsed=elapsed(), written=set(models)
+        )
+        if not skip and set(row.roles) & unwritten:
+            skip = "a shape's weights could not be written (above)"
+        if not skip and row.skip_if_auto:
+            ran = measured.get(row.ref, {}).get("attention_kernels")
+            if ran == [row.skip_if_auto]:
+                skip = f"{row.ref} ran {row.skip_if_auto} under --sdpa_backend auto: it is this row"
+        if skip:
+            entry.update(status="skipped", reason=skip)
+            print(f"gpu-check: {row.name}: skipped ({skip})", flush=True)
+            report.write(started)
+            continue
+        print(
+            f"gpu-check: {row.name} ({row.kind}, {entry['shape']}, seq {row.seq}) ...", flush=True
+        )
+        for role in row.roles:
+            if role in models:
+                continue
+            t = time.perf_counter()
+            folder = kit.work / f"model-{role}"
+            bare = kit.work / "bare_matmul.json" if kit.bare is None else None
+            code, log = kit.write_weights(
+                folder, shapes[role], configs[role], longest[role],
+                timeout=min(600.0, budget.seconds - elapsed()), bare=bare,
+            )  # fmt: skip
+            entry[f"weights_written_s_{role}"] = time.perf_counter() - t
+            if code != 0:
+                entry.update(failure(code, log, f"writing the {shapes[role]} weights"))
+                unwritten.add(role)
+                break
+            models[role] = folder
+            if bare is not None and bare.is_file():
+                kit.bare = json.loads(bare.read_text())
+                report.result["bare_matmul"] = kit.bare
+        if entry.get("status") == "failed":
+            print(f"  {describe_row(entry)}", flush=True)
+            report.write(started)
+            continue
+        teacher = models.get("large") if row.kind == "distill" else None
+        chosen: tuple[str, ...] = ()
+        # The prediction, on disk before the row starts: it can never be written after.
+        if row.kind == "best":
+            combination = best_combination(rows, measured)
+            row = dataclasses.replace(row, batch=combination.batch, flags=combination.flags)
+            entry.update(
+                batch=row.batch, total=row.total_batch, flags=list(row.flags),
+                combination=list(combination.notes),
+            )  # fmt: skip
+            kit.plan_later(row.name, kit.plan, row.name, configs[row.role], row, urgent=True)
+        if row.kind == "auto":
+            entry["prediction"] = auto_prediction(kit.planned(row.name, timeout=PLAN_WAIT_S))
+            chosen = tuple(entry["prediction"].get("flags", "").split())
+            if not chosen:
+                entry.update(status="failed", reason=entry["prediction"]["error"])
+                print(f"  {describe_row(entry)}", flush=True)
+                report.write(started)
+                continue
+            batch = chosen[chosen.index("--batch_size_per_device") + 1]
+            entry.update(batch=int(batch), flags=[*row.flags, *chosen])
+        elif row.kind in PLANNED_KINDS:
+            entry["prediction"] = prediction_of(kit.planned(row.name, timeout=PLAN_WAIT_S))
+        if "prediction" in entry:
+            entry["prediction"]["written_at"] = time.time()
+            print(f"  predicted: {describe_prediction(entry['prediction'])}", flush=True)
+        report.write(started)
+        entry["started_at"] = time.time()
+        # Three times its estimate on a GPU, within the budget; without a budget (--budget 0, the
+        # CPU dry run on a loaded machine) only a stop for a hung command.
+        if args.budget:
+            timeout = min(max(3 * row.estimate_s * budget.scale, 60.0), budget.seconds - elapsed())
+        else:
+            timeout = 1800.0
+        model = models[row.role]
+        if row.kind in ("train", "best", "auto", "distill"):
+            outcome = kit.train_row(model, row, timeout, teacher=teacher, chosen=chosen)
+        elif row.kind == "checkpoint":
+            outcome = kit.checkpoint_row(model, row, timeout)
+        elif row.kind == "grpo":
+            outcome = kit.grpo_row(model, row, timeout)
+        elif row.kind == "masking":
+            outcome = kit.masking_row(model, row, timeout)
+        else:
+            outcome = kit.evaluate_row(row, timeout)
+        entry.update(outcome)
+        entry.setdefault("status", "ok")
+        entry["finished_at"] = time.time()
+        if "prediction" in entry:
+            if entry["prediction"].get("peak_gib") is None and row.kind in PLANNED_KINDS:
+                # no plan in time: the one that came later kept apart, never as the prediction
+                late = prediction_of(kit.planned(row.name, timeout=60))
+                entry["plan_after_run"] = {k: late.get(k) for k in ("peak_gib", "required_gib")}
+            entry.update(against_prediction(entry))
+        if entry["status"] == "ok":
+            budget.ran(row, entry.get("wall_s"))
+            if row.ref:
+                entry["gain"] = gain(row, measured)
+        print(f"  {describe_row(entry)}", flush=True)
+        report.write(started)
+    finish(report.result)
+    report.write(started)
+    print("\n" + render_table(report.result), flush=True)
+    failed = [r["name"] for r in report.result["rows"] if r["status"] == "failed"]
+    if failed:
+        print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def finish(result: dict[str, Any]) -> None:
+    """What the rows say together: the planner's margin refitted on the rows it plans exactly,
+    the prediction errors, and each *-auto row against the fastest hand row of its shape."""
+    rows = [r for r in result["rows"] if r.get("status") == "ok"]
+    train = [r for r in rows if r["kind"] in MEASURED_KINDS]
+    result["margin_suggestion"] = margin_suggestion(
+        [r for r in train if r["kind"] == "train" and exact_plan(r["flags"])]
+    )
+    errors = [abs(r["predicted_tokens_error"]) for r in train if r.get("predicted_tokens_error")]
+    if errors:
+        result["prediction_error"] = {
+            "rows": len(errors), "median_abs": statistics.median(errors), "max_abs": max(errors)
+        }  # fmt: skip
+    against: dict[str, dict[str, Any]] = {}
+    for auto in (r for r in train if r["kind"] == "auto"):
+
+        def same(r: dict[str, Any], auto: dict[str, Any] = auto) -> bool:  # the same training
+            keys = ("--lora", "--quantize")
+            return (r["shape"], r["seq"]) == (auto["shape"], auto["seq"]) and all(
+                (k in r["flags"]) == (k in auto["flags"]) for k in keys
+            )
+
+        hand = [r for r in train if r["kind"] in ("train", "best") and same(r)]
+        best = max(hand, key=lambda r: r.get("tokens_per_s_per_gpu") or 0.0, default=None)
+        if best is not None and best.get("tokens_per_s_per_gpu"):
+            over = ratio(auto.get("tokens_per_s_per_gpu"), best["tokens_per_s_per_gpu"])
+            against[auto["name"]] = {
+                "best_hand": best["name"],
+                "best_hand_tokens_per_s": best["tokens_per_s_per_gpu"],
+                "auto_over_best_hand": over - 1.0 if over is not None else None,
+            }
+    result["auto_against"] = against
+
+
 def describe_row(entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         tail = entry.get("log_tail", "")
         return f"{entry['status'].upper()}: {entry.get('reason', '')}\n{tail}"
-    if entry["kind"] == "train":
-        return (
-            f"{_fmt(entry.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU, MFU "
+    if entry["kind"] in MEASURED_KINDS:
+        line = (
+            f"{_fmt(entry.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU (predicted "
+            f"{_fmt((entry.get('prediction') or {}).get('tokens_per_s_per_gpu'), ',.0f')}), MFU "
             f"{_fmt(entry.get('mfu_pct'), '.1f')}%, peak alloc "
             f"{_fmt(entry.get('peak_allocated_gib'), '.2f')} GiB, reserved "
             f"{_fmt(entry.get('peak_reserved_gib'), '.2f')} GiB, planned "
             f"{_fmt(entry.get('planned_peak_gib'), '.2f')} GiB ({entry['wall_s']:.0f} s)"
         )
+        if entry.get("gain") is not None:
+            line += f"; {entry['gain']:+.1%} against {entry['ref']}"
+        if entry.get("summary"):
+            line += f"\n  {entry['summary']}"
+        if (entry.get("profile") or {}).get("table"):
+            line += "\n" + entry["profile"]["table"]
+        return line
     return f"{entry.get('summary', 'ok')} ({entry.get('wall_s', 0):.0f} s)"
 
 

@@ -175,15 +175,19 @@ def _profile_bare(args: argparse.Namespace) -> dict[str, Any] | None:
     return _summarise(pstats.Stats(profiler), args.steps, cpu["seconds"]) if rank == 0 else None
 
 
-def bare_matmul_tflops(device: str, dtype_name: str, size: int, repeats: int = 10) -> float:
-    """TFLOP/s of `size`^3 products of random matrices on `device` (after one warm-up): what
-    the device's matrix products reach with nothing around them."""
+def bare_matmul_tflops(
+    device: str, dtype_name: str, size: int, repeats: int = 10, *, warmups: int = 1
+) -> float:
+    """TFLOP/s of `size`^3 products of random matrices on `device` (after `warmups` untimed
+    ones, which also bring a GPU's clocks up): what the device's matrix products reach with
+    nothing around them."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.mm(a, b)
+    for _ in range(warmups):
+        torch.mm(a, b)
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()

@@ -4,10 +4,13 @@ leave-one-out error of each (docs/plan.md, "Choosing a configuration").
     python bench/speed_rows.py            # print the rows and their leave-one-out errors
     python bench/speed_rows.py --write    # (re)write fsdp_utils/plan/measured.py from them
 
-Every training row of `docs/gpu-check-results/*/call*-gpu_check.json` that ran: its command's
-shape and flags (bench/gpu_check.py's SHAPES and ROWS), its model's counts from a meta build
-of that shape (`fsdp_utils.plan.workload.facts_from_meta`: LoRA, NF4 as the run had them), and
-its measured step time: the median of `step_time_s` over its steps after the third (after the
+Every training row of `docs/gpu-check-results/*/call*-gpu_check.json` that ran (a plain row, the
+best combination, an `*-auto` row; not GRPO's or distillation's, whose rollout and teacher the
+model does not time): its command's shape and flags (bench/gpu_check.py's SHAPES and the flags
+the row ran with), its model's counts from a meta build of that shape
+(`fsdp_utils.plan.workload.facts_from_meta`: LoRA, NF4 as the run had them), the GPU kind it was
+planned for, and its measured step time: the kit's timed window where the row has one (the last
+15 of 25 steps), else the median of `step_time_s` over its steps after the third (after the
 first when it ran fewer than six), from the call's `logs.tar.gz` metrics.jsonl. Tokens/s here
 are sequence positions per second (the step's compute), not the kit's real-token count, which
 leaves out a block's padding (the 32k row's second step was half padding).
@@ -17,6 +20,7 @@ tests/test_speed_model.py checks that fsdp_utils/plan/measured.py holds what thi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -28,6 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "gpu-check-results"
 MEASURED = REPO / "fsdp_utils" / "plan" / "measured.py"
+TIMED_KINDS = ("train", "best", "auto")
 
 
 def _kit() -> Any:
@@ -66,12 +71,16 @@ def collect() -> list[dict[str, Any]]:
     from fsdp_utils.plan.workload import facts_from_meta, run_shape
 
     kit = _kit()
+    switches = {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)}
     out = []
     for result in sorted(RESULTS.glob("*/call*-gpu_check.json")):
         call = json.loads(result.read_text())
         archive = result.with_name(result.name.replace("gpu_check.json", "logs.tar.gz"))
+        # the kind the call planned for (the H100 calls predate the field: one H100 80GB)
+        gpu = call.get("planned_for", "h100-80gb")
+        assert gpu in GPU_SPECS, f"{result}: planned for {gpu}, a size: no GPU kind to fit to"
         for measured in call["rows"]:
-            if measured.get("kind") != "train" or measured.get("status") != "ok":
+            if measured.get("kind") not in TIMED_KINDS or measured.get("status") != "ok":
                 continue
             shape = kit.SHAPES[measured["shape"]]
             hf_config = LlamaConfig(
@@ -85,12 +94,12 @@ def collect() -> list[dict[str, Any]]:
                 "model": f"{shape.name} (bench/gpu_check.py)",
                 "max_seq_length": measured["seq"],
                 "batch_size_per_device": measured["batch"],
-                "total_batch_size": measured["batch"],
+                "total_batch_size": measured.get("total", measured["batch"]),
                 "precision": "bf16-mixed",
             }
             while flags:
                 flag = flags.pop(0).removeprefix("--")
-                if flag in ("gradient_checkpointing", "lora", "cpu_offload", "compile"):
+                if flag in switches:
                     values[flag] = True
                 else:
                     values[flag] = flags.pop(0)
@@ -98,11 +107,10 @@ def collect() -> list[dict[str, Any]]:
             meta = transform_model(build_meta_model(hf_config, config.precision), config)
             facts = facts_from_meta(meta, hf_config, config, name=shape.name)
             batch = plan_batch(config, 1)
-            gpu = "h100-80gb"
-            assert GPU_SPECS[gpu].kind.upper() in call["gpu"].upper().replace(" ", "-") or (
-                "H100" in call["gpu"]
-            )
-            step = steady_step_seconds(_metrics(archive, measured["name"]))
+            if measured.get("timed"):  # the kit's window: the last steps, from the records
+                step = measured["step_time_s"]
+            else:
+                step = steady_step_seconds(_metrics(archive, measured["name"]))
             call_name = result.name.split("-")[0]
             out.append(
                 {

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from unittest import mock
@@ -71,30 +72,165 @@ def test_the_rows_are_the_measurements_issue_43_asks_for() -> None:
     assert (long.role, long.seq) == ("large", 32768)
     qlora = rows["8b-qlora-4k"]
     assert qlora.flags[-3:] == kit.QLORA and qlora.seq == 4096
-    assert {r.kind for r in rows.values()} == {"train", "checkpoint", "masking", "evaluate", "grpo"}
+    kinds = {"train", "best", "auto", "checkpoint", "masking", "evaluate", "grpo", "distill"}
+    assert {r.kind for r in rows.values()} == kinds
     grpo = rows["1b-grpo"]  # issue 50's: GRPO on the 1B shape with G = 8
     assert grpo.role == "small" and grpo.flags[grpo.flags.index("--num_generations") + 1] == "8"
+    distill = rows["1b-distill"]  # issue 63's: a 1B student, the 8B shape its NF4 teacher
+    assert distill.roles == ("small", "large") and "nf4" in distill.flags
     # The checkpoint row comes before the evaluation of its export.
     names = list(rows)
     assert names.index("1b-checkpoint") < names.index("1b-evaluate")
 
 
-def test_the_prepared_call_fits_its_budget_and_quick_fits_a_second_call() -> None:
-    """The plan, by its estimates (the first H100 call's wall times): every row issue 43 asks
-    for and GRPO's (issue 50's, never run on a GPU) within the 460 s budget (the call's
-    timeout_s 550 leaves the rest to the wheels and the start); QLoRA's row (issue 40's), the
-    fp16 row and the compiled row, all three measured on the first H100 call, come last and
-    run only with time to spare (else a second call's --only); --quick is the second try,
-    within what 15 minutes of device time leave after the first call and a second start."""
-    everything = kit.select_rows(kit.ROWS)
-    spare = ("8b-qlora-4k", "1b-fp16", "1b-bf16-compile")
-    first = [r for r in everything if r.name not in spare]
-    assert everything[-3:] == [r for r in everything if r not in first]
-    assert "1b-grpo" in {r.name for r in first}
-    assert kit.estimate_s(first) <= kit.DEFAULT_BUDGET_S <= 460
+# Issue 60's A/B rows, in its order (the attention kernels, the world-size-1 pair and the
+# float8 pair each a group), then what the issue names beside them.
+ISSUE_60 = [
+    "1b-mb8-compile", "1b-mb16-compile", "1b-fused-adamw", "1b-sdpa-cudnn", "1b-sdpa-flash",
+    "1b-sdpa-efficient", "1b-loss-2097", "1b-direct", "1b-reshard-last", "1b-sync-free",
+    "1b-float8-rowwise", "1b-float8-tensorwise", "1b-compile-model", "1b-liger", "1b-ac-op",
+]  # fmt: skip
+
+
+def test_the_rows_follow_issue_63s_order() -> None:
+    """The quick rows (the first profiled), issue 60's A/B rows against the compiled 1.1B row,
+    the best combination, --auto's rows after the hand rows they are measured beside, GRPO and
+    distillation, then the first call's rows."""
+    names = [r.name for r in kit.ROWS]
+    rows = {r.name: r for r in kit.ROWS}
+    assert names[:3] == ["1b-bf16", "1b-bf16-ac", "1b-bf16-compile"]
+    assert names[3 : 3 + len(ISSUE_60)] == ISSUE_60
+    after = names[3 + len(ISSUE_60) :]
+    assert after[:6] == [
+        "1b-best",
+        "1b-auto",
+        "8b-lora-4k",
+        "8b-lora-auto",
+        "1b-grpo",
+        "1b-distill",
+    ]
+    assert rows["1b-bf16"].profile_step and rows["1b-best"].profile_step
+    assert rows["1b-bf16"].priority == rows["1b-best"].priority == rows["1b-auto"].priority == 1
+    for name in ISSUE_60:
+        row = rows[name]
+        ref = rows[row.ref]
+        assert names.index(row.ref) < names.index(name), name  # measured before, as its base
+        assert (row.steps, row.timed_steps, row.log_every) == (25, 15, 5), name
+        assert (row.lever and row.adds) or row.batch != ref.batch, name
+        # its flags are its reference's, less what it drops, with what it adds
+        assert row.flags == (*[f for f in ref.flags if f not in row.drops], *row.adds), name
+        # the timed window starts after the profiled step and the compilation
+        assert row.steps - row.timed_steps >= kit.gpu_rows.PROFILED_STEP
+    assert {rows[n].lever for n in ISSUE_60} - {"checkpointing"} == set(kit.gpu_rows.LEVER_GROUPS)
+    assert rows["1b-mb16-compile"].batch == 16 and "--compile" in rows["1b-mb16-compile"].flags
+    assert "--gradient_checkpointing" not in rows["1b-mb16-compile"].flags
+    assert "--compile" not in rows["1b-liger"].flags  # liger-kernel beside compile, not with it
+    for auto in ("1b-auto", "8b-lora-auto"):
+        row = rows[auto]
+        assert row.kind == "auto" and row.batch == 0 and row.ref in names[: names.index(auto)]
+        # --auto chooses these: given, they would be kept (docs/plan.md, "--auto")
+        assert not {"--gradient_checkpointing", "--compile"} & set(row.flags)
+    assert rows["1b-auto"].total_batch == rows["1b-mb16-compile"].batch
+
+
+def test_quick_is_the_five_most_promising_levers_with_their_base_and_combination() -> None:
     quick = kit.select_rows(kit.ROWS, quick=True)
-    assert {r.role for r in quick} == {"small"}  # no 8B weights to write
-    assert kit.estimate_s(quick) <= 900 - 30 - 550 - 30
+    levers = [r.name for r in quick if r.ref]
+    assert levers == [
+        "1b-mb16-compile", "1b-fused-adamw", "1b-sdpa-cudnn", "1b-direct", "1b-sync-free",
+        "1b-best",
+    ]  # fmt: skip
+    assert quick[0].name == "1b-bf16-compile"
+
+
+def test_the_prepared_call_runs_the_most_important_rows_first_within_its_budget() -> None:
+    """By the estimates (the first H100 call's wall times): every row of priority 1 runs, the
+    call ends within the default budget (the call's timeout_s 570 leaves the rest to the
+    wheels, the interpreter and the last writes), the skipped rows say why, naming the rows
+    kept; --quick fits what 15 minutes leave after a failed first try."""
+    plan = kit.gpu_rows.schedule(kit.select_rows(kit.ROWS), kit.DEFAULT_BUDGET_S)
+    ran = [row for row, start, _ in plan if start is not None]
+    assert {r.name for r in ran} >= {r.name for r in kit.ROWS if r.priority == 1}
+    end = max(start + row.estimate_s for row, start, _ in plan if start is not None)
+    assert end <= kit.DEFAULT_BUDGET_S <= 570 - 35
+    starts = [start for _, start, _ in plan if start is not None]
+    assert starts == sorted(starts)  # in the rows' order
+    reasons = {row.name: reason for row, _, reason in plan}
+    assert "kept for the more important rows after it" in reasons["1b-mb8-compile"]
+    assert "1b-best" in reasons["1b-mb8-compile"]
+    assert all(reason for row, start, reason in plan if start is None)
+    quick = kit.select_rows(kit.ROWS, quick=True)
+    assert all(start is not None for _, start, _ in kit.gpu_rows.schedule(quick, 420))
+    assert kit.estimate_s(quick) <= 900 - 60 - 120 - 60 - 60  # a start, a failed try, a start
+
+
+def test_the_budget_keeps_time_for_the_more_important_rows_and_learns_its_pace() -> None:
+    rows = {r.name: r for r in kit.ROWS}
+    budget = kit.Budget(300)
+    later = [rows["1b-best"], rows["1b-auto"], rows["1b-ac-op"]]
+    kept = rows["1b-best"].estimate_s + rows["1b-auto"].estimate_s  # not the less important
+    lever = rows["1b-loss-2097"]  # priority 3: waits for the two of priority 1
+    left = lever.estimate_s + kept - 1
+    reason = budget.skip_reason(lever, later, elapsed=300 - left, written={"small"})
+    assert reason and f"{kept:.0f} s are kept" in reason and "1b-best, 1b-auto" in reason
+    assert budget.skip_reason(rows["1b-best"], later, elapsed=300 - left, written={"small"}) is None
+    # weights not yet written count with the row
+    weights = budget.skip_reason(rows["8b-lora-4k"], [], elapsed=300 - 60, written={"small"})
+    assert f"about {rows['8b-lora-4k'].estimate_s + kit.gpu_rows.LARGE_WEIGHTS_S:.0f} s" in weights
+    # rows running at 0.7 of their estimates: the same row fits
+    for row in (rows["1b-bf16"], rows["1b-bf16-ac"], rows["1b-bf16-compile"]):
+        budget.ran(row, 0.7 * row.estimate_s)
+    assert budget.scale == pytest.approx(0.7)
+    assert budget.skip_reason(lever, later, elapsed=300 - left, written={"small"}) is None
+    budget.ran(rows["1b-bf16"], 100 * rows["1b-bf16"].estimate_s)
+    budget.ran(rows["1b-bf16"], 100 * rows["1b-bf16"].estimate_s)
+    budget.ran(rows["1b-bf16"], 100 * rows["1b-bf16"].estimate_s)
+    assert budget.scale == 1.5  # bounded: one slow row does not stop the call
+    assert kit.Budget(0).skip_reason(lever, later, elapsed=1e9, written=set()) is None
+
+
+def _measured(**tokens: float) -> dict[str, dict[str, object]]:
+    return {
+        name.replace("_", "-"): {"status": "ok", "tokens_per_s_per_gpu": value}
+        for name, value in tokens.items()
+    }
+
+
+def test_the_best_combination_takes_each_levers_winner_from_the_measured_rows() -> None:
+    from fsdp_utils.config.parse import parse_config
+
+    measured = _measured(
+        **{"1b_bf16_compile": 40_000, "1b_mb8_compile": 44_000, "1b_mb16_compile": 46_000},
+        **{"1b_fused_adamw": 41_200, "1b_sdpa_cudnn": 40_300, "1b_sdpa_flash": 42_000},
+        **{"1b_direct": 41_600, "1b_reshard_last": 42_400, "1b_float8_rowwise": 36_000},
+        **{"1b_sync_free": 40_700, "1b_liger": 30_000, "1b_ac_op": 60_000},
+    )
+    measured["1b-loss-2097"] = {"status": "skipped", "reason": "the budget"}
+    best = kit.best_combination(kit.ROWS, measured)
+    assert best.batch == 16
+    assert best.flags == (
+        "--precision", "bf16-mixed", "--compile", "--fused_optimizer", "--sdpa_backend", "flash",
+        "--reshard_last_layer",
+    )  # fmt: skip
+    notes = "\n".join(best.notes)
+    assert (
+        "micro-batch 16" in notes
+        and "optimizer: 1b-fused-adamw joins (1b-fused-adamw +3.0%)" in notes
+    )
+    assert "sync-free: none joins, under +2% (1b-sync-free +1.8%)" in notes
+    assert "loss chunk: not measured (1b-loss-2097 skipped)" in notes
+    assert "checkpointing" not in notes  # the best combination checkpoints nothing
+    parse_config(["--model", "m", "--dataset", "d", *best.flags])  # a command that parses
+    # liger-kernel faster than the compiler: it replaces --compile, float8 and the whole-model
+    # scope (measured compiled) leave with it
+    measured.update(_measured(**{"1b_liger": 44_000, "1b_float8_rowwise": 44_000}))
+    measured.update(_measured(**{"1b_compile_model": 43_000}))
+    best = kit.best_combination(kit.ROWS, measured)
+    assert "--compile" not in best.flags and "--liger_kernels" in best.flags
+    assert "--float8" not in best.flags and "--compile_scope" not in best.flags
+    assert any("float8: leaves with --compile" in n for n in best.notes)
+    # nothing measured: the base as it is
+    assert kit.best_combination(kit.ROWS, {}).flags == kit.gpu_rows.BASE_FLAGS
 
 
 def test_only_selects_rows_in_order_and_names_a_typo() -> None:
@@ -109,7 +245,10 @@ def test_rows_are_skipped_with_their_reason() -> None:
     assert kit.skip_reason(rows["1b-bf16"], device="cuda", left=100.0) is None
     assert "budget" in kit.skip_reason(rows["1b-bf16"], device="cuda", left=10.0)
     weights = kit.skip_reason(rows["8b-lora-4k"], device="cuda", left=50.0, extra_s=30.0)
-    assert "about 66 s" in weights  # 36 s of row + 30 s of weights
+    assert "about 70 s" in weights  # 40 s of row + 30 s of weights
+    for name in ("1b-sdpa-cudnn", "1b-sdpa-efficient", "1b-liger"):  # a dry run says why not
+        assert kit.skip_reason(rows[name], device="cpu", left=1e9).startswith("GPU only: ")
+    assert kit.skip_reason(rows["1b-sdpa-flash"], device="cpu", left=1e9) is None
     assert "CUDA" in kit.skip_reason(rows["1b-bf16-offload"], device="cpu", left=1e9)
     qlora = rows["8b-qlora-4k"]
     for large in ("8b", "tiny"):  # the dry run's tiny shape runs QLoRA too
@@ -153,13 +292,49 @@ def test_summary_medians_after_warmup_and_peaks_over_all_steps() -> None:
     assert summary["final_loss"] == 4.0
 
 
+def test_the_last_steps_are_timed_from_the_log_records() -> None:
+    """--log_every 5 over 25 steps: the last 15 timed from the records of steps 10 and 25
+    (time and tokens seen), MFU at that rate, the three intervals as the spread."""
+    records = [{"kind": "start", "step": 0, "time": 100.0}]
+    times = {5: 110.0, 10: 112.0, 15: 113.0, 20: 114.5, 25: 115.0}
+    for step, at in times.items():
+        records.append(
+            {"kind": "train", "step": step, "time": at, "tokens_seen": 1000 * step, "loss": 1.0,
+             "tokens_per_s_per_device": 2000.0, "mfu_pct": 20.0, "step_time_s": 0.2,
+             "cuda_peak_allocated_gib": 3.0 if step != 5 else 4.0}
+        )  # fmt: skip
+    records.append({"kind": "attention_kernels", "step": 1, "kernels": {"flash": 44}})
+    summary = kit.summarize(records, timed_steps=15)
+    assert summary["timed"] == {"from_step": 10, "to_step": 25, "seconds": 3.0}
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(15_000 / 3.0)
+    assert summary["mfu_pct"] == pytest.approx(20.0 * 5000 / 2000)
+    assert summary["step_time_s"] == pytest.approx(0.2)
+    assert summary["interval_tokens_per_s"] == pytest.approx([5000, 5000 / 1.5, 10_000])
+    assert summary["peak_allocated_gib"] == 4.0  # over all steps, the timed ones or not
+    assert summary["attention_kernels"] == ["flash"]
+    halved = kit.summarize(records, timed_steps=15, gpus=2)
+    assert halved["tokens_per_s_per_gpu"] == pytest.approx(2500)
+    # a run that logged too little: the medians, as the first call's rows
+    assert "timed" not in kit.summarize(records[:3], timed_steps=15)
+
+
 def test_margin_suggestion_and_table() -> None:
     rows = [
         {"name": "1b-bf16", "kind": "train", "status": "ok", "shape": "1b", "parameters": 1.1e9,
-         "seq": 2048, "batch": 4, "tokens_per_s_per_gpu": 20000.0, "mfu_pct": 41.0,
+         "seq": 2048, "batch": 4, "total": 4, "flags": ["--precision", "bf16-mixed"],
+         "tokens_per_s_per_gpu": 20000.0, "mfu_pct": 41.0,
          "peak_allocated_gib": 20.0, "peak_reserved_gib": 22.0, "smi_peak_gib": 23.5,
          "planned_peak_gib": 19.5, "allocated_over_plan": 20 / 19.5,
-         "reserved_over_plan": 22 / 19.5, "used_over_required": 0.9},
+         "reserved_over_plan": 22 / 19.5, "used_over_required": 0.9,
+         "prediction": {"tokens_per_s_per_gpu": 25000.0}, "predicted_tokens_error": -0.2},
+        {"name": "1b-fused-adamw", "kind": "train", "status": "ok", "shape": "1b",
+         "parameters": 1.1e9, "seq": 2048, "batch": 4, "total": 4, "flags": [],
+         "tokens_per_s_per_gpu": 21000.0, "ref": "1b-bf16", "lever": "optimizer",
+         "adds": ["--fused_optimizer"], "gain": 0.05, "interval_tokens_per_s": [20500.0, 21500.0]},
+        {"name": "1b-best", "kind": "best", "status": "ok", "shape": "1b", "parameters": 1.1e9,
+         "seq": 2048, "batch": 16, "total": 16, "flags": ["--compile", "--fused_optimizer"],
+         "tokens_per_s_per_gpu": 30000.0, "mfu_pct": 41.5,
+         "combination": ["optimizer: 1b-fused-adamw joins (1b-fused-adamw +5.0%)"]},
         {"name": "1b-fp16", "kind": "train", "status": "failed", "reason": "exit 1"},
         {"name": "8b-qlora-4k", "kind": "train", "status": "skipped", "reason": "no --quantize"},
         {"name": "1b-evaluate", "kind": "evaluate", "status": "ok",
@@ -173,16 +348,106 @@ def test_margin_suggestion_and_table() -> None:
     assert margin["fitted_fraction"] == pytest.approx(0.13)
     assert margin["fitted_error"] == pytest.approx(abs(19.5 * 1.13 - 22) / 22)
     table = kit.render_table(
-        {"gpu": "H100", "gpus": 1, "torch": "2.11.0+cu130", "rows": rows, "seconds": 300,
+        {"gpu": "H200", "gpus": 1, "torch": "2.11.0+cu130", "rows": rows, "seconds": 300,
          "environment": {"driver": "580.159.04", "transformers": "5.21.0"},
          "margin_suggestion": margin}
     )  # fmt: skip
-    assert "| 1b-bf16 | 1b (1.10B) | 2048 x 4 | 20,000 | 41.0 |" in table
+    assert "| 1b-bf16 | 1b (1.10B) | 2048 x 4 | 20,000 | 25,000 | -20.0% | 41.0 |" in table
+    assert (
+        "| 1b-fused-adamw | optimizer | --fused_optimizer | 1b-bf16 | 20,000 | 21,000 | +5.0% "
+        "| 20,500, 21,500 |"
+    ) in table
+    assert "Best combination (ok): `--compile --fused_optimizer` at micro-batch 16" in table
+    assert "- MFU 41.5% (goal 40%: met)" in table
     assert "- 1b-fp16: failed: exit 1" in table
     assert "- 8b-qlora-4k: skipped: no --quantize" in table
     assert "- 1b-evaluate: arc_easy: 400 requests" in table
     assert "driver 580.159.04" in table and "allocator +10.0%" in table
     assert "nearest every reserved peak: +13.0%" in table
+
+
+def _plan(tokens: float) -> dict[str, object]:
+    step = {"tokens_per_s_per_gpu": tokens, "step_seconds": 0.5, "mfu": 0.3, "terms": {}}
+    return {"peak_bytes": 2 * kit.GIB, "required_bytes": 4 * kit.GIB, "fits": True,
+            "step_time": step, "speed_basis": "the test's"}  # fmt: skip
+
+
+def test_each_prediction_is_on_disk_before_its_row_starts(tmp_path: Path, monkeypatch) -> None:
+    """The kit's loop with its commands stood in for: every training row finds its prediction
+    (the planner's peak and the step-time model's tokens/s; --auto's choice) already in
+    gpu_check.json when it starts, never written after; the best combination is chosen from
+    the rows measured before it, the attention row that would repeat its base's kernel is
+    skipped, the auto row runs its choice and is set beside the fastest hand row."""
+    args = kit.parse_args(["--output", str(tmp_path / "out"), "--budget", "0"])
+    args.output.mkdir()
+    bench = kit.Kit(args, tmp_path / "work", "cuda", 1, "h200")
+    ran: dict[str, dict[str, object]] = {}
+    measured = {"1b-bf16": 30_000.0, "1b-bf16-compile": 40_000.0, "1b-fused-adamw": 42_000.0,
+                "1b-best": 43_000.0, "1b-auto": 41_000.0}  # fmt: skip
+
+    def plan_later(key: str, task: object, *a: object, urgent: bool = False, **k: object) -> None:
+        assert key not in bench.plans or key == "1b-best"
+        bench.plans[key] = urgent  # type: ignore[assignment]
+
+    def planned(key: str, timeout: float) -> dict[str, object]:
+        if key == "1b-auto":
+            flags = "--sharding full --checkpoint_layers 0 --batch_size_per_device 16 --compile"
+            predicted = {"tokens_per_s_per_gpu": 44_000.0, "step_seconds": 0.7, "mfu": 0.33,
+                         "peak_bytes": 3 * kit.GIB, "required_bytes": 5 * kit.GIB}  # fmt: skip
+            return {"choice": {"flags": flags, "predicted": predicted}, "plan": _plan(44_000)}
+        return _plan(50_000.0)
+
+    def train_row(model: Path, row: object, timeout: float, **kw: object) -> dict[str, object]:
+        on_disk = json.loads((args.output / "gpu_check.json").read_text())
+        entry = next(r for r in on_disk["rows"] if r["name"] == row.name)
+        assert entry["prediction"]["tokens_per_s_per_gpu"] > 0, row.name
+        assert entry["prediction"]["peak_gib"] == 2.0, row.name
+        assert entry["prediction"]["written_at"] <= time.time()
+        assert "tokens_per_s_per_gpu" not in entry  # nothing measured yet
+        ran[row.name] = {"flags": row.flags, "batch": row.batch, **kw}
+        kernels = ["cudnn"] if row.name == "1b-bf16-compile" else ["flash"]
+        return {"wall_s": 1.0, "tokens_per_s_per_gpu": measured[row.name], "mfu_pct": 30.0,
+                "peak_allocated_gib": 2.1, "attention_kernels": kernels}  # fmt: skip
+
+    monkeypatch.setattr(bench, "plan_later", plan_later)
+    monkeypatch.setattr(bench, "planned", planned)
+    monkeypatch.setattr(bench, "train_row", train_row)
+    monkeypatch.setattr(bench, "write_weights", lambda *a, **k: (0, ""))
+    monkeypatch.setattr(bench, "evaluate_row", lambda row, timeout: {"summary": "evaluated"})
+    configs = {"small": tmp_path / "c", "large": tmp_path / "c"}
+    monkeypatch.setattr(kit, "prepare", lambda *a, **k: (configs, {"small": 64, "large": 64}))
+    only = "1b-bf16,1b-bf16-compile,1b-fused-adamw,1b-sdpa-cudnn,1b-best,1b-auto,1b-evaluate"
+    rows = kit.select_rows(kit.ROWS, only=only)
+    report = kit.Report(
+        args.output, bench.logs, {"gpu": "H200", "gpus": 1, "torch": "x", "rows": []}
+    )
+    shapes = {"small": "1b", "large": "8b"}
+    assert kit.run_rows(bench, rows, shapes, report, time.time()) == 0
+    result = json.loads((args.output / "gpu_check.json").read_text())
+    entries = {r["name"]: r for r in result["rows"]}
+    for name in ran:
+        entry = entries[name]
+        assert entry["prediction"]["written_at"] <= entry["started_at"] < entry["finished_at"]
+    assert entries["1b-sdpa-cudnn"]["status"] == "skipped"
+    assert (
+        "1b-bf16-compile ran cudnn under --sdpa_backend auto" in entries["1b-sdpa-cudnn"]["reason"]
+    )
+    assert "1b-evaluate" not in ran and entries["1b-evaluate"]["status"] == "ok"
+    assert ran["1b-best"]["flags"] == (
+        "--precision",
+        "bf16-mixed",
+        "--compile",
+        "--fused_optimizer",
+    )
+    assert entries["1b-best"]["gain"] == pytest.approx(43 / 40 - 1)
+    assert ran["1b-auto"]["chosen"] == tuple(planned("1b-auto", 0)["choice"]["flags"].split())
+    assert entries["1b-auto"]["batch"] == 16
+    assert entries["1b-auto"]["predicted_tokens_error"] == pytest.approx(41 / 44 - 1)
+    assert entries["1b-bf16"]["predicted_tokens_error"] == pytest.approx(30 / 50 - 1)
+    assert entries["1b-bf16"]["allocated_over_plan"] == pytest.approx(2.1 / 2.0)
+    assert result["auto_against"]["1b-auto"]["best_hand"] == "1b-best"
+    assert result["auto_against"]["1b-auto"]["auto_over_best_hand"] == pytest.approx(41 / 43 - 1)
+    assert "Best combination (ok)" in (args.output / "gpu_check.md").read_text()
 
 
 def test_evaluation_requests_are_timed_from_the_models_own_log_lines() -> None:
@@ -360,18 +625,19 @@ def _forked(
 
 @pytest.mark.slow
 def test_the_whole_flow_runs_on_cpu(tmp_path: Path, monkeypatch, capsys) -> None:
-    """Every kind of row with the tiny shape on CPU: a training run against the planner, the
-    save/resume/export cycle, the masking probe and the evaluation of the export (the full
-    dry run, from the carried wheels at the device's versions, QLoRA's row included: make
-    gpu-check-dry-run; QLoRA itself: tests/test_qlora.py). The kit runs in this process and
-    its commands are forked (`_forked`): no interpreter or torchrun agent starts per command,
-    52 s of CPU instead of 159 (2026-11-27)."""
+    """Every kind of row with the tiny shape on CPU: a training row (25 steps, the last 15
+    timed, a step profiled) against the planner's prediction written before it ran, the
+    save/resume/export cycle, the masking probe and the evaluation of the export; a GPU-only
+    lever and the offload row skipped, saying why (the full dry run, every row, from the
+    carried wheels at the device's versions: make gpu-check-dry-run). The kit runs in this
+    process and its commands are forked (`_forked`): no interpreter or torchrun agent starts
+    per command, 52 s of CPU instead of 159 (2026-11-27)."""
     out = tmp_path / "out"
     monkeypatch.setattr(kit, "run_process", _forked)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # main() tees it into gpu_check.log
     code = kit.main(
         ["--allow-cpu", "--shapes", "tiny", "--budget", "0",
-         "--only", "1b-bf16,1b-checkpoint,1b-masking,1b-evaluate,1b-bf16-offload",
+         "--only", "1b-bf16,1b-sdpa-cudnn,1b-checkpoint,1b-masking,1b-evaluate,1b-bf16-offload",
          "--games", "200", "--output", str(out), "--work", str(tmp_path / "work")],
     )  # fmt: skip
     if isinstance(sys.stdout, kit.Tee):
@@ -382,9 +648,16 @@ def test_the_whole_flow_runs_on_cpu(tmp_path: Path, monkeypatch, capsys) -> None
     assert code == 0, (outcomes, captured.out[-3000:], captured.err[-3000:])
     rows = {r["name"]: r for r in report["rows"]}
     train = rows["1b-bf16"]
-    assert train["status"] == "ok" and train["steps_logged"] == 12
-    assert train["tokens_per_s_per_gpu"] > 0
+    assert train["status"] == "ok" and train["steps_logged"] == 5  # --log_every 5
+    assert train["timed"]["from_step"] == 10 and train["tokens_per_s_per_gpu"] > 0
     assert train["planned_peak_gib"] and train["planned_peak_gib"] > 0  # the planner ran
+    predicted = train["prediction"]
+    assert predicted["tokens_per_s_per_gpu"] > 0 and predicted["written_at"] < train["started_at"]
+    profile = train["profile"]  # the profiled step, against the bare product on this device
+    assert profile["busy_ms"] > 0 and profile["buckets_ms"]["matrix products"] > 0
+    assert profile["bare_matmul"]["tflops"] > 0 and profile["matmul_of_bare"] > 0
+    assert (out / profile["trace"]).is_file()
+    assert rows["1b-sdpa-cudnn"]["reason"].startswith("GPU only: ")
     cycle = rows["1b-checkpoint"]
     assert cycle["status"] == "ok" and cycle["resumed"] is True
     assert None not in (cycle["save_s"], cycle["load_s"], cycle["export_s"])
@@ -395,7 +668,8 @@ def test_the_whole_flow_runs_on_cpu(tmp_path: Path, monkeypatch, capsys) -> None
     assert evaluation["status"] == "ok" and evaluation["requests"] > 0
     assert evaluation["requests_per_s"] > 0
     assert rows["1b-bf16-offload"]["status"] == "skipped"
-    assert "| 1b-bf16 | tiny" in (out / "gpu_check.md").read_text()
+    table = (out / "gpu_check.md").read_text()
+    assert "| 1b-bf16 | tiny" in table and "Profiled step of 1b-bf16" in table
     assert "torch" in (out / "versions.txt").read_text()
     with __import__("tarfile").open(out / "logs.tar.gz") as archive:
         assert "logs/1b-bf16.log" in archive.getnames()
