@@ -455,7 +455,7 @@ def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_
     _labelled_as_the_engine_says(positions, games)
     manifest = json.loads((one / "selfplay.json").read_text())
     assert manifest == {**manifest, "games": 6, "seed": 3, "depth": 1, "shard_games": 2,
-                        "positions": 2, "label_depth": 3, "label_nodes": None,
+                        "positions": 2, "label_depth": 3,
                         "labelled_positions": 12, "engine": engine_version(), "tasks": 1}  # fmt: skip
     assert sum(manifest["games_by_kind"].values()) == 6 and len(manifest["games_by_kind"]) == 3
     assert manifest["plies"] == sum(len(g["Moves"]) for g in games)
@@ -533,18 +533,23 @@ def _labelled_as_the_engine_says(positions: list[dict], games: list[dict]) -> No
         assert a["game"] == b["game"] and a["ply"] < b["ply"]
 
 
-def test_a_labelled_position_values_every_legal_move_for_the_side_to_move():
+def test_a_labelled_position_values_every_legal_move_for_the_side_to_move(tmp_path):
     """Known positions: the mate in one is the best move at the mate's value, for White and for
     Black (the side to move's view); the piece left hanging is worse than the capture; a
-    position with one legal move has that move alone."""
-    from fsdp_utils.chess_eval.judge import MATE_SCORE, close_engine, open_engine
-    from fsdp_utils.chess_eval.selfplay import ENGINE_OPTIONS, label_position
+    position with one legal move has that move alone. An engine that dies while labelling is
+    restarted and labels the same."""
+    import functools
+
+    from fsdp_utils.chess_eval.judge import MATE_SCORE, EngineProcess, close_engine, open_engine
+    from fsdp_utils.chess_eval.selfplay import ENGINE_OPTIONS, Plan, label_game, label_position
 
     scholar = board_after(["e2e4", "e7e5", "f1c4", "b8c6", "d1f3", "d7d6"])  # White: Qxf7#
     fool = board_after(["f2f3", "e7e5", "g2g4"])  # Black: Qh4#
     queen_up = "4k3/8/8/3q4/8/8/3R4/4K3"  # Black's queen against White's rook
     white, black = chess.Board(f"{queen_up} w - - 0 1"), chess.Board(f"{queen_up} b - - 0 1")
     forced = chess.Board("k7/8/8/8/8/8/6q1/7K w - - 0 1")  # Kxg2, nothing else
+    game = {"Moves": [m.uci() for m in scholar.move_stack] + ["f3f7"]}
+    plan = Plan(games=1, positions=3, label_depth=4)
     engine = open_engine(find_engine(), ENGINE_OPTIONS)
     try:
         limit = chess.engine.Limit(depth=4)
@@ -553,8 +558,22 @@ def test_a_labelled_position_values_every_legal_move_for_the_side_to_move():
             for name, board in [("scholar", scholar), ("fool", fool), ("white", white),
                                 ("black", black), ("forced", forced)]
         }  # fmt: skip
+        rows = label_game(engine, game=game, index=0, plan=plan)
     finally:
         close_engine(engine)
+    flaky = tmp_path / "engine"
+    flaky.symlink_to(FLAKY)
+    (tmp_path / "engine.die-once").touch()  # its first search dies
+    process = EngineProcess(str(flaky), ENGINE_OPTIONS)
+    try:
+        label = functools.partial(label_game, game=game, index=0, plan=plan)
+        assert process.call(label, "game 0's positions", guard=False) == rows
+    finally:
+        process.close()
+    assert process.restarts == 1
+    plies = [r["ply"] for r in rows]  # 3 distinct, after the first move, before the last
+    assert plies == sorted(set(plies)) and len(plies) == 3 and 1 <= plies[0] <= plies[-1] <= 6
+    assert all(r["best_move"] == "f3f7" for r in rows if r["ply"] == 6)
     for name, board in [("scholar", scholar), ("fool", fool), ("white", white), ("black", black)]:
         moves = [m for m, _ in labels[name]]
         assert sorted(moves) == sorted(m.uci() for m in board.legal_moves), name

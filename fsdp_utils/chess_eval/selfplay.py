@@ -31,17 +31,18 @@ The folder is then the data set: `--dataset data/engine_games`.
 
 Labelled positions (`--positions K`, default 0: games only): K distinct positions of game i,
 after plies drawn from 1..plies-1 with the seed `seed/i/positions` (never the start, never the
-finished last position), each searched by the engine at `--label_depth` (8) or `--label_nodes`
-with MultiPV = its legal moves, Threads=1, the hash cleared first: every legal move's value in
-centipawns for the side to move (a mate in n: MATE_SCORE - n = 100000 - n, mated in n:
-n - 100000; python-chess's `score(mate_score=100000)`), best first (ties in UCI order). They
-lie beside the games as `chess_position_{s+1:04d}.parquet` (the games of shard s; written
-whole, after the games, with the same metadata), columns `fen`, `moves` (UCI moves from the
-start), `next_move` (the game's), `best_move`, `legal_moves` (best first), `move_values`
-(centipawns, aligned with `legal_moves`), `game`, `ply`, `kind`. A requeued task labels the
-games it wrote without playing them again; a data set with positions and one without are two
-data sets. A folder read as a data set (`--dataset DIR`, `read_games`) is its games; the
-positions by `--dataset_include 'chess_position_*.parquet'` or `read_positions`.
+finished last position), each searched by the engine at `--label_depth` (8) with MultiPV = its
+legal moves, Threads=1, the hash cleared first (a depth, not a node limit: one node limit over
+every move's search ends mid-iteration, and some moves would get no value): every legal move's
+value in centipawns for the side to move (a mate in n: MATE_SCORE - n = 100000 - n, mated in
+n: n - 100000; python-chess's `score(mate_score=100000)`), best first (ties in UCI order).
+They lie beside the games as `chess_position_{s+1:04d}.parquet` (the games of shard s;
+written whole, after the games, with the same metadata), columns `fen`, `moves` (UCI moves
+from the start), `next_move` (the game's), `best_move`, `legal_moves` (best first),
+`move_values` (centipawns, aligned with `legal_moves`), `game`, `ply`, `kind`. A requeued task
+labels the games it wrote without playing them again; a data set with positions and one
+without are two data sets. A folder read as a data set (`--dataset DIR`, `read_games`) is its
+games; the positions by `--dataset_include 'chess_position_*.parquet'` or `read_positions`.
 
 Speed, one process at depth 1: about 12 self-play games a second on a quiet core of this
 machine (~90 plies a game), 2-4 on a busy one; a random game takes a few milliseconds.
@@ -108,8 +109,7 @@ class Plan:
     mix: tuple[tuple[str, float], ...] = (("selfplay", 1.0),)
     shard_games: int = DEFAULT_SHARD_GAMES
     positions: int = 0  # labelled positions drawn from each game (0: games only)
-    label_depth: int | None = None
-    label_nodes: int | None = None
+    label_depth: int | None = None  # with positions; a depth only (label_position says why)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Plan:
@@ -118,7 +118,7 @@ class Plan:
             games=record["games"], seed=record["seed"], depth=record["depth"],
             nodes=record["nodes"], mix=tuple(record["mix"].items()),
             shard_games=record["shard_games"], positions=record.get("positions", 0),
-            label_depth=record.get("label_depth"), label_nodes=record.get("label_nodes"),
+            label_depth=record.get("label_depth"),
         )  # fmt: skip
 
     @property
@@ -139,16 +139,12 @@ class Plan:
     def limit_text(self) -> str:
         return f"depth {self.depth}" if self.depth is not None else f"{self.nodes} nodes"
 
-    @property
-    def label_text(self) -> str:
-        return f"depth {self.label_depth}" if self.label_depth else f"{self.label_nodes} nodes"
-
     def record(self) -> dict[str, Any]:
         out = asdict(self)
         out["mix"] = dict(self.mix)
         out["opening_plies"] = list(OPENING_PLIES)
         if not self.positions:  # games only: recorded as before positions existed
-            for key in ("positions", "label_depth", "label_nodes"):
+            for key in ("positions", "label_depth"):
                 del out[key]
         return out
 
@@ -157,12 +153,7 @@ class Plan:
         mix = ",".join(f"{k}:{w:g}" for k, w in self.mix)
         labels = ""
         if self.positions:
-            label = (
-                f"--label_depth {self.label_depth}"
-                if self.label_depth
-                else f"--label_nodes {self.label_nodes}"
-            )
-            labels = f" --positions {self.positions} {label}"
+            labels = f" --positions {self.positions} --label_depth {self.label_depth}"
         return (
             f"python -m fsdp_utils.chess_eval.selfplay --games {self.games} --seed {self.seed} "
             f"{limit} --mix {mix} --shard_games {self.shard_games}{labels} --output {output}"
@@ -272,8 +263,10 @@ def label_position(
     """Every legal move of `board` and its value, best first (ties: UCI order): centipawns for
     the side to move, a mate in n MATE_SCORE - n (mated: n - MATE_SCORE), python-chess's
     `score(mate_score=MATE_SCORE)`. One search with MultiPV = the legal moves (each root move
-    is searched and reported once), the hash cleared first (`ucinewgame`: a new `game`), so the
-    values depend on the position, its moves from the start (repetitions) and the limit only.
+    is searched and reported once; `limit` a depth: a node or time limit is shared by every
+    move's search and ends mid-iteration, some moves then unvalued), the hash cleared first
+    (`ucinewgame`: a new `game`), so the values depend on the position, its moves from the
+    start (repetitions) and the limit only.
     EngineFailed if the engine's lines are not the legal moves, each once."""
     legal = {m.uci() for m in board.legal_moves}
     infos = guarded(
@@ -300,7 +293,7 @@ def label_game(
     engine: chess.engine.SimpleEngine, *, game: dict[str, Any], index: int, plan: Plan
 ) -> list[dict[str, Any]]:
     """Game `index`'s labelled positions (one row each, in the order of its plies)."""
-    limit = chess.engine.Limit(depth=plan.label_depth, nodes=plan.label_nodes)
+    limit = chess.engine.Limit(depth=plan.label_depth)
     moves = [str(m) for m in game["Moves"]]
     rows = []
     for ply in position_plies(plan, index, len(moves)):
@@ -554,7 +547,7 @@ def _run_task(
         for final in (shard_path(output, shard), position_path(output, shard)):
             for tmp in output.glob(f".{final.name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
-    labels = f", {plan.positions} positions a game labelled at {plan.label_text}"
+    labels = f", {plan.positions} positions a game labelled at depth {plan.label_depth}"
     log(
         f"selfplay task {task}/{tasks}: {len(todo)} shard(s) of {plan.shard_games} games, "
         f"{version} at {plan.limit_text}{labels if plan.positions else ''}, {processes} "
@@ -671,7 +664,7 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
                 "game i: min(positions, plies - 1) distinct plies drawn from 1..plies-1 with "
                 "seed '{seed}/{i}/positions'; each position (with the game's moves before it) "
                 "searched by the engine (Threads=1, Hash 16, ucinewgame first) at the label "
-                "limit with MultiPV = its legal moves: every legal move's value in centipawns "
+                "depth with MultiPV = its legal moves: every legal move's value in centipawns "
                 f"for the side to move, a mate in n {MATE_SCORE} - n, mated in n n - "
                 f"{MATE_SCORE} (python-chess Score.score(mate_score={MATE_SCORE})); best first, "
                 "ties in UCI order"
@@ -775,12 +768,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also K positions of each game labelled by the engine (every legal move's value, "
         "the best move), in chess_position_NNNN.parquet beside the games (default 0: games only)",
     )  # fmt: skip
-    label = parser.add_mutually_exclusive_group()
-    label.add_argument(
+    parser.add_argument(
         "--label_depth", type=int,
-        help=f"search depth of a labelled position, all its moves (default {DEFAULT_LABEL_DEPTH})",
+        help=f"search depth of each move of a labelled position (default {DEFAULT_LABEL_DEPTH})",
     )  # fmt: skip
-    label.add_argument("--label_nodes", type=int, help="node limit of a labelled position instead")
     parser.add_argument("--processes", type=int, default=1, help="processes, one engine each")
     parser.add_argument(
         "--task", type=int, help="this task's number (default: the Slurm array task's, else 0)"
@@ -806,16 +797,14 @@ def _plan(args: argparse.Namespace) -> Plan:
     if args.positions < 0:
         raise ValueError("--positions K: K >= 0 labelled positions a game (0: games only).")
     if args.positions:
-        if (args.label_depth or 1) < 1 or (args.label_nodes or 1) < 1:
-            raise ValueError("--label_depth and --label_nodes must be at least 1.")
-        labels = {
-            "positions": args.positions, "label_nodes": args.label_nodes,
-            "label_depth": None if args.label_nodes else args.label_depth or DEFAULT_LABEL_DEPTH,
-        }  # fmt: skip
-    elif args.label_depth is not None or args.label_nodes is not None:
+        label_depth = DEFAULT_LABEL_DEPTH if args.label_depth is None else args.label_depth
+        if label_depth < 1:
+            raise ValueError("--label_depth must be at least 1.")
+        labels = {"positions": args.positions, "label_depth": label_depth}
+    elif args.label_depth is not None:
         raise ValueError(
-            "--label_depth and --label_nodes set how positions are labelled: add --positions K "
-            "(K labelled positions a game), or leave them out for games only."
+            "--label_depth sets how positions are labelled: add --positions K (K labelled "
+            "positions a game), or leave it out for games only."
         )
     return Plan(
         games=args.games, seed=args.seed, depth=depth, nodes=args.nodes, mix=args.mix,
@@ -872,10 +861,9 @@ def describe(manifest: dict[str, Any], output: Path) -> str:
     limit = f"depth {manifest['depth']}" if manifest["depth"] else f"{manifest['nodes']} nodes"
     positions = ""
     if manifest.get("positions"):
-        label = manifest["label_depth"] and f"depth {manifest['label_depth']}"
         positions = (
-            f" and {manifest['labelled_positions']:,} positions labelled at "
-            f"{label or str(manifest['label_nodes']) + ' nodes'}"
+            f" and {manifest['labelled_positions']:,} positions labelled at depth "
+            f"{manifest['label_depth']}"
         )
     return (
         f"selfplay: {manifest['games']:,} games ({kinds}; {manifest['mean_plies']:.0f} plies on "
