@@ -57,7 +57,7 @@ def engine_games() -> list[dict[str, Any]]:
 
     return [
         row
-        for path in sorted(ENGINE_GAMES.glob("*.parquet"))
+        for path in sorted(ENGINE_GAMES.glob("chess_game_*.parquet"))
         for row in pq.read_table(path).to_pylist()
     ]
 

@@ -1,11 +1,15 @@
 #!/bin/bash
-# Engine games as training data, made by many CPUs: a Slurm array job, each task its own shards
+# Engine games (and positions labelled by the engine) as training data, made by many CPUs: a
+# Slurm array job, each task its own shards
 # (python -m fsdp_utils.chess_eval.selfplay, docs/chess-eval.md#engine-games-as-data).
 #
 #   mkdir -p logs && sbatch --array=0-15 slurm/selfplay.sh --games 200000 --output data/engine_games
 #   sbatch --array=0-63%16 --cpus-per-task=8 slurm/selfplay.sh --games 2000000 \
 #       --output data/engine_games --mix selfplay:8,vs_random:1,random:1
 #   sbatch --array=0-15 --partition=cpu slurm/selfplay.sh ...      # your site's CPU partition
+#   sbatch --array=0-15 slurm/selfplay.sh --games 20000 --positions 10 --output data/labelled
+#       # and 10 positions of each game labelled by the engine at depth 8 (--label_depth):
+#       # every legal move's centipawns, the best move; chess_position_NNNN.parquet beside
 #
 # Submit from the repository root; arguments after the script name go to the selfplay command.
 # Task k of N plays the shards s with s % N == k (--shard_games games each, default 500), on as

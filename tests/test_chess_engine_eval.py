@@ -418,26 +418,31 @@ def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_
     tmp_path, capsys
 ):
     """The array job's shards: two tasks (as `sbatch --array=0-1` runs them) and one task on
-    two processes write the same files, byte for byte, in laion/strategic_game_chess's schema;
-    the manifest says how and by which engine; a task run again plays only the missing shard."""
+    two processes write the same files, byte for byte: the games in
+    laion/strategic_game_chess's schema and, beside them, positions of each game labelled by
+    the engine (every legal move's value); the manifest says how and by which engine; a task
+    run again makes only what is missing; the games' readers never read the positions."""
     import pyarrow.parquet as pq
 
     from fsdp_utils.chess_eval.judge import engine_version
     from fsdp_utils.chess_eval.selfplay import main as selfplay_main
-    from fsdp_utils.chess_eval.selfplay import read_games, self_play
+    from fsdp_utils.chess_eval.selfplay import read_games, read_positions, self_play
 
     mix = "selfplay:2,vs_random:1,random:1"
-    common = ["--games", "6", "--shard_games", "2", "--mix", mix, "--seed", "3"]  # all 3 kinds
+    games_only = ["--games", "6", "--shard_games", "2", "--mix", mix, "--seed", "3"]  # 3 kinds
+    common = [*games_only, "--positions", "2", "--label_depth", "3"]
     two, one = tmp_path / "two", tmp_path / "one"
     for task in range(2):  # task 0: shards 1 and 3 of 3; task 1: shard 2
         assert (
             selfplay_main([*common, "--output", str(two), "--task", str(task), "--tasks", "2"]) == 0
         )
     assert selfplay_main([*common, "--output", str(one), "--processes", "2"]) == 0
-    names = sorted(p.name for p in one.glob("*.parquet"))
+    names = sorted(p.name for p in one.glob("chess_game_*.parquet"))
     assert names == [f"chess_game_{k:04d}.parquet" for k in range(1, 4)]
-    assert names == sorted(p.name for p in two.glob("*.parquet"))
-    for name in names:
+    labelled = [f"chess_position_{k:04d}.parquet" for k in range(1, 4)]
+    assert sorted(p.name for p in one.glob("*.parquet")) == names + labelled
+    assert names + labelled == sorted(p.name for p in two.glob("*.parquet"))
+    for name in names + labelled:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     games = read_games(one)
     assert games == list(
@@ -446,31 +451,141 @@ def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_
     for game in games:
         _ended_as_recorded(game)
     assert pq.read_table(one / names[0]).column_names == ["Moves", "Termination", "Result"]
+    positions = read_positions(one)
+    _labelled_as_the_engine_says(positions, games)
     manifest = json.loads((one / "selfplay.json").read_text())
     assert manifest == {**manifest, "games": 6, "seed": 3, "depth": 1, "shard_games": 2,
-                        "engine": engine_version(), "tasks": 1}  # fmt: skip
+                        "positions": 2, "label_depth": 3,
+                        "labelled_positions": 12, "engine": engine_version(), "tasks": 1}  # fmt: skip
     assert sum(manifest["games_by_kind"].values()) == 6 and len(manifest["games_by_kind"]) == 3
     assert manifest["plies"] == sum(len(g["Moves"]) for g in games)
+    assert [(s["file"], s["positions"]) for s in manifest["position_shards"]] == [
+        (name, 4) for name in labelled
+    ]
     other = json.loads((two / "selfplay.json").read_text())
     assert other["tasks"] == 2
-    assert [s["sha256"] for s in other["shards"]] == [s["sha256"] for s in manifest["shards"]]
-    assert f"--mix {mix}" in manifest["command"]
-    # The data set is the folder: its manifest and the shards' notes are not data files.
-    from fsdp_utils.hub.resolve import resolve_dataset_files
+    for key in ("shards", "position_shards"):
+        assert [s["sha256"] for s in other[key]] == [s["sha256"] for s in manifest[key]]
+    assert (
+        f"--mix {mix}" in manifest["command"]
+        and "--positions 2 --label_depth 3" in manifest["command"]
+    )
+    # The data set is the folder's games: its manifest, the shards' notes and the labelled
+    # positions beside the games are not read as games; the positions only by name.
+    from fsdp_utils.hub.resolve import describe_dataset_files, resolve_dataset_files
 
-    assert [p.name for p in resolve_dataset_files(str(one))] == names
+    files = resolve_dataset_files(str(one))
+    assert [p.name for p in files] == names
+    assert "--dataset_include 'chess_position_*.parquet'" in describe_dataset_files(
+        files, None, str(one)
+    )
+    positional = resolve_dataset_files(str(one), "chess_position_*.parquet")
+    assert [p.name for p in positional] == labelled
 
-    # A requeued task: the shards it wrote stay, the one it lost is played again.
+    # A requeued task: the shards it wrote stay, the games it lost are played again and
+    # labelled; positions it lost are labelled again from the games it wrote.
     (two / names[2]).unlink()
+    (two / labelled[0]).unlink()
+    kept = (two / names[0]).stat().st_mtime_ns
     capsys.readouterr()
     assert selfplay_main([*common, "--output", str(two), "--task", "0", "--tasks", "2"]) == 0
     out = capsys.readouterr().out
-    assert "1 of its 2 shards are done already" in out and "shard 3/3" in out
-    assert "shard 1/3" not in out
-    assert (two / names[2]).read_bytes() == (one / names[2]).read_bytes()
-    # Another data set in the same folder is refused.
+    assert (
+        "shard 1/3: games 0-1 read (played before)" in out and "shard 3/3: games 4-5 played" in out
+    )
+    assert "shard 2/3" not in out
+    assert (two / names[0]).stat().st_mtime_ns == kept
+    for name in (names[2], labelled[0]):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+    assert selfplay_main([*common, "--output", str(two), "--task", "0", "--tasks", "2"]) == 0
+    assert "2 of its 2 shards are done already" in capsys.readouterr().out
+    # Another data set in the same folder is refused: other settings, or the games alone.
     assert selfplay_main(["--games", "7", "--shard_games", "2", "--output", str(two)]) == 2
     assert "a shard of another data set" in capsys.readouterr().err
+    assert selfplay_main([*games_only, "--output", str(two)]) == 2
+    assert "a shard of another data set" in capsys.readouterr().err
+    # The games alone, in a folder of their own: the same games, no positions.
+    alone = tmp_path / "alone"
+    assert selfplay_main([*games_only, "--output", str(alone)]) == 0
+    assert sorted(p.name for p in alone.glob("*.parquet")) == names
+    assert read_games(alone) == games and "position_shards" not in json.loads(
+        (alone / "selfplay.json").read_text()
+    )
+
+
+def _labelled_as_the_engine_says(positions: list[dict], games: list[dict]) -> None:
+    """Each game's 2 positions, at distinct plies before its last move, each with every legal
+    move's value once, best first, the best move the first."""
+    assert [(p["game"], p["kind"]) for p in positions][::2] == [
+        (i, positions[2 * i]["kind"]) for i in range(len(games))
+    ]
+    for p in positions:
+        moves = games[p["game"]]["Moves"]
+        assert 1 <= p["ply"] < len(moves) and p["moves"] == moves[: p["ply"]]
+        assert p["next_move"] == moves[p["ply"]]
+        board = board_after(p["moves"])
+        assert board.fen() == p["fen"] and not board.is_game_over()
+        assert sorted(p["legal_moves"]) == sorted(m.uci() for m in board.legal_moves)
+        assert len(p["move_values"]) == len(p["legal_moves"])
+        assert p["move_values"] == sorted(p["move_values"], reverse=True)
+        assert p["best_move"] == p["legal_moves"][0]
+    for a, b in zip(positions[::2], positions[1::2], strict=True):
+        assert a["game"] == b["game"] and a["ply"] < b["ply"]
+
+
+def test_a_labelled_position_values_every_legal_move_for_the_side_to_move(tmp_path):
+    """Known positions: the mate in one is the best move at the mate's value, for White and for
+    Black (the side to move's view); the piece left hanging is worse than the capture; a
+    position with one legal move has that move alone. An engine that dies while labelling is
+    restarted and labels the same."""
+    import functools
+
+    from fsdp_utils.chess_eval.judge import MATE_SCORE, EngineProcess, close_engine, open_engine
+    from fsdp_utils.chess_eval.selfplay import ENGINE_OPTIONS, Plan, label_game, label_position
+
+    scholar = board_after(["e2e4", "e7e5", "f1c4", "b8c6", "d1f3", "d7d6"])  # White: Qxf7#
+    fool = board_after(["f2f3", "e7e5", "g2g4"])  # Black: Qh4#
+    queen_up = "4k3/8/8/3q4/8/8/3R4/4K3"  # Black's queen against White's rook
+    white, black = chess.Board(f"{queen_up} w - - 0 1"), chess.Board(f"{queen_up} b - - 0 1")
+    forced = chess.Board("k7/8/8/8/8/8/6q1/7K w - - 0 1")  # Kxg2, nothing else
+    game = {"Moves": [m.uci() for m in scholar.move_stack] + ["f3f7"]}
+    plan = Plan(games=1, positions=3, label_depth=4)
+    engine = open_engine(find_engine(), ENGINE_OPTIONS)
+    try:
+        limit = chess.engine.Limit(depth=4)
+        labels = {
+            name: label_position(engine, board, limit)
+            for name, board in [("scholar", scholar), ("fool", fool), ("white", white),
+                                ("black", black), ("forced", forced)]
+        }  # fmt: skip
+        rows = label_game(engine, game=game, index=0, plan=plan)
+    finally:
+        close_engine(engine)
+    flaky = tmp_path / "engine"
+    flaky.symlink_to(FLAKY)
+    (tmp_path / "engine.die-once").touch()  # its first search dies
+    process = EngineProcess(str(flaky), ENGINE_OPTIONS)
+    try:
+        label = functools.partial(label_game, game=game, index=0, plan=plan)
+        assert process.call(label, "game 0's positions", guard=False) == rows
+    finally:
+        process.close()
+    assert process.restarts == 1
+    plies = [r["ply"] for r in rows]  # 3 distinct, after the first move, before the last
+    assert plies == sorted(set(plies)) and len(plies) == 3 and 1 <= plies[0] <= plies[-1] <= 6
+    assert all(r["best_move"] == "f3f7" for r in rows if r["ply"] == 6)
+    for name, board in [("scholar", scholar), ("fool", fool), ("white", white), ("black", black)]:
+        moves = [m for m, _ in labels[name]]
+        assert sorted(moves) == sorted(m.uci() for m in board.legal_moves), name
+    assert labels["scholar"][0] == ("f3f7", MATE_SCORE - 1)  # mate in one, White to move
+    assert labels["fool"][0] == ("d8h4", MATE_SCORE - 1)  # the same for Black: its own view
+    assert all(v < MATE_SCORE - 1000 for _, v in labels["scholar"][1:] + labels["fool"][1:])
+    assert labels["white"][0][0] == "d2d5" and labels["white"][0][1] > 300  # takes the queen
+    assert labels["white"][-1][1] < -300  # a rook move that leaves the queen on the board
+    assert labels["black"][0][1] > 300  # a queen up, seen from Black
+    # Qxd2+ Kxd2: the queen traded for the rook, bare kings, a draw.
+    assert abs(dict(labels["black"])["d5d2"]) < 100 < labels["black"][0][1] - 200
+    assert forced.legal_moves.count() == 1 and [m for m, _ in labels["forced"]] == ["h1g2"]
 
 
 def test_the_shipped_engine_games_are_what_their_command_makes():

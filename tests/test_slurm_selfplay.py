@@ -1,7 +1,7 @@
-"""`sbatch --array=0-1 slurm/selfplay.sh` against the real one-node Slurm: engine games made by
-an array job, each task its own shards; one task signalled as at its time limit (USR1, as
-`#SBATCH --signal=B:USR1@60` sends it) requeues itself and goes on from its last shard; the
-last task to finish writes the manifest."""
+"""`sbatch --array=0-1 slurm/selfplay.sh` against the real one-node Slurm: engine games and
+positions labelled by the engine made by an array job, each task its own shards; one task
+signalled as at its time limit (USR1, as `#SBATCH --signal=B:USR1@60` sends it) requeues itself
+and goes on from its last shard; the last task to finish writes the manifest."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ pytestmark = pytest.mark.slow
 def test_an_array_job_makes_one_data_set_and_a_requeued_task_goes_on(
     local_slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    from fsdp_utils.chess_eval.selfplay import read_games
+    from fsdp_utils.chess_eval.selfplay import read_games, read_positions
 
     out, logs = tmp_path / "games", tmp_path / "logs"
     logs.mkdir()
     job = local_slurm.sbatch(
         "--array=0-1", "--cpus-per-task=1", "--mem=1G", f"--output={logs}/%A_%a.out",
-        "slurm/selfplay.sh", "--games", "24", "--shard_games", "3", "--output", str(out),
+        "slurm/selfplay.sh", "--games", "24", "--shard_games", "3", "--positions", "1",
+        "--label_depth", "2", "--output", str(out),
         cwd=REPO, env=job_env(),
     )  # fmt: skip
     first = logs / f"{job}_0.out"
@@ -55,6 +56,7 @@ def test_an_array_job_makes_one_data_set_and_a_requeued_task_goes_on(
     manifest = json.loads((out / "selfplay.json").read_text())
     assert manifest["games"] == 24 and manifest["tasks"] == 2 and len(manifest["shards"]) == 8
     assert {s["task"] for s in manifest["shards"]} == {0, 1}
+    assert manifest["labelled_positions"] == 24 and len(manifest["position_shards"]) == 8
     games = read_games(out)
     assert len(games) == 24
     for game in games:
@@ -63,3 +65,11 @@ def test_an_array_job_makes_one_data_set_and_a_requeued_task_goes_on(
             board.push_uci(uci)
         outcome = board.outcome(claim_draw=True)
         assert outcome is not None and outcome.result() == game["Result"]
+    positions = read_positions(out)  # one a game, every legal move valued
+    assert [p["game"] for p in positions] == list(range(24))
+    for p in positions:
+        board = chess.Board(p["fen"])
+        assert sorted(p["legal_moves"]) == sorted(m.uci() for m in board.legal_moves)
+        assert (
+            p["best_move"] == p["legal_moves"][0] and max(p["move_values"]) == p["move_values"][0]
+        )

@@ -1,7 +1,9 @@
 """Chess games in the schema of laion/strategic_game_chess, written as its parquet shards
 (`Moves`: list of UCI strings, `Termination`: python-chess's Termination name, `Result`;
 files `chess_game_NNNN.parquet`): the demo's games, the engine's self-play games
-(`python -m fsdp_utils.chess_eval.selfplay`) and the tests' games."""
+(`python -m fsdp_utils.chess_eval.selfplay`) and the tests' games. Self-play's labelled
+positions lie beside them as `chess_position_NNNN.parquet`, which a folder read as a data set
+leaves out (fsdp_utils.hub.selection.POSITION_SHARDS)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from typing import Any
 def shard_name(index: int) -> str:
     """File name of shard `index` in laion/strategic_game_chess (they start at 0001 there)."""
     return f"chess_game_{index:04d}.parquet"
+
+
+def position_shard_name(index: int) -> str:
+    """File name of the labelled positions drawn from games shard `index`."""
+    return f"chess_position_{index:04d}.parquet"
 
 
 def write_chess_shards(

@@ -32,9 +32,11 @@ from fsdp_utils.hub.manifest import (
 )
 from fsdp_utils.hub.selection import (
     DATA_SUFFIXES,
+    POSITION_SHARDS,
     is_data_file,
     select_data_paths,
     split_patterns,
+    without_positions,
 )
 from fsdp_utils.hub.specs import (
     AssetSpec,
@@ -151,7 +153,8 @@ def resolve_dataset_files(
     (comma-separated globs on file names) selects among them. Without `include` (None), a hub
     dataset is the files `download_models.py` fetched for it (its manifest entry: every shard
     downloaded at that commit, whatever `--dataset-include` was used) and a folder is all its
-    data files; an empty `include` is every data file of the dataset, downloaded or not.
+    data files (a self-play folder's games: its labelled positions, `chess_position_*.parquet`,
+    only by `include`); an empty `include` is every data file of the dataset, downloaded or not.
     """
     names = [d.strip() for d in dataset.split(",") if d.strip()]
     files: list[Path] = []
@@ -173,6 +176,12 @@ def describe_dataset_files(files: list[Path], include: str | None, dataset: str)
         why = "the file(s) given"
     elif include is None and local:
         why = "every data file of the folder(s) given; --dataset_include to choose"
+        folders = [Path(n).expanduser() for n in names if Path(n).expanduser().is_dir()]
+        left_out = not _select(files, POSITION_SHARDS)
+        if left_out and any(next(f.rglob(POSITION_SHARDS), None) for f in folders):
+            why += (
+                f"; the labelled positions beside the games: --dataset_include {POSITION_SHARDS!r}"
+            )
     elif include is None:
         why = "those download_models.py fetched; --dataset_include to choose"
     elif include == "":
@@ -187,7 +196,7 @@ def describe_dataset_files(files: list[Path], include: str | None, dataset: str)
 def _local_dataset_files(path: Path, include: str | None) -> list[Path]:
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p.name))
-        selected = _select(found, include)
+        selected = _select(found, include) if include is not None else without_positions(found)
         if not selected:
             raise MissingAssetError(
                 f"No data files in {path} match {include!r} "

@@ -16,11 +16,17 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import PurePath, PurePosixPath
+from typing import TypeVar
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow")
 # Side files that end in .json but hold no rows: dataset cards', and `save_to_disk`'s.
 _DATASET_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "selfplay.json")
+# Engine-labelled positions (`python -m fsdp_utils.chess_eval.selfplay --positions K`) lie beside
+# the games of a self-play folder in a schema of their own: a folder read as a data set is its
+# games, the positions only when named (`--dataset_include 'chess_position_*.parquet'`, or a
+# folder that holds nothing else).
+POSITION_SHARDS = "chess_position_*.parquet"
 
 WEIGHT_SUFFIXES = (
     ".safetensors",
@@ -45,6 +51,7 @@ SUPPORT_NAMES = ("LICENSE", "LICENCE", "NOTICE")
 # What transformers loads: the index and the shards it names, else the single file.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+P = TypeVar("P", bound=str | PurePath)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,12 @@ def matches(path: str, patterns: Sequence[str]) -> bool:
 def is_data_file(path: str) -> bool:
     name = PurePosixPath(path).name
     return name.endswith(DATA_SUFFIXES) and name not in _DATASET_METADATA
+
+
+def without_positions(paths: Sequence[P]) -> list[P]:
+    """`paths` less the labelled-position shards, unless they are all there is."""
+    games = [p for p in paths if not fnmatch.fnmatchcase(PurePosixPath(p).name, POSITION_SHARDS)]
+    return games or list(paths)
 
 
 def select_data_paths(paths: Iterable[str], include: str | None) -> list[str]:
