@@ -113,6 +113,7 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
         if after_setup is not None and trainer.stopped_early is None:
             after_setup(trainer)
         summary = trainer.train()
+        trainer.stop.flag.training_over = True
         if speed is not None:
             from fsdp_utils.run.speed import record_run
 
@@ -120,7 +121,14 @@ def run(config: TrainConfig, *, after_setup: AfterSetup | None = None) -> dict[s
                 trainer.log.info(line)
         final = trainer.save_final_model() if summary["status"] == "completed" else None
         summary["final_model"] = str(final) if final else None
-        if final is not None and config.eval_tasks:
+        if final is not None and config.eval_tasks and trainer.stop.interrupted():
+            summary.update(status="interrupted", reason=INTERRUPT)
+            trainer.log.info(
+                f"{INTERRUPT} after the last step: the final model is saved, the benchmarks "
+                f"are skipped (torchrun -m fsdp_utils.evaluate --model {final} --tasks "
+                f"{config.eval_tasks} scores it later)"
+            )
+        elif final is not None and config.eval_tasks:
             from fsdp_utils.lm_harness.training import score_final_model
 
             summary["benchmarks"] = score_final_model(

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import chess
@@ -412,6 +413,43 @@ def _ended_as_recorded(game: dict) -> None:
     outcome = board.outcome(claim_draw=True)
     assert outcome is not None and outcome.result() == game["Result"]
     assert outcome.termination.name == game["Termination"]
+
+
+def test_an_array_task_is_its_offset_in_consecutive_ids_and_a_list_is_refused():
+    from fsdp_utils.chess_eval.selfplay import slurm_task
+
+    def env(task: int, low: int, high: int, **more: str) -> dict[str, str]:
+        ids = {
+            "SLURM_ARRAY_TASK_ID": task,
+            "SLURM_ARRAY_TASK_MIN": low,
+            "SLURM_ARRAY_TASK_MAX": high,
+        }
+        return {k: str(v) for k, v in ids.items()} | more
+
+    assert slurm_task({}) is None
+    assert slurm_task(env(5, 1, 16, SLURM_ARRAY_TASK_COUNT="16")) == (4, 16)
+    assert slurm_task(env(3, 0, 15)) == (3, 16)  # an older Slurm without the count
+    with pytest.raises(ValueError, match="submit the same --array=0-N command again"):
+        slurm_task(env(7, 3, 7, SLURM_ARRAY_TASK_COUNT="2"))  # --array=3,7
+    with pytest.raises(ValueError, match="not a step or a list"):
+        slurm_task(env(2, 0, 14, SLURM_ARRAY_TASK_STEP="2", SLURM_ARRAY_TASK_COUNT="8"))
+
+
+def test_only_a_killed_tasks_temporary_shard_files_are_removed(tmp_path):
+    """A task removes its shards' leftover temporary files, but not one being written now by
+    the same command submitted twice (it would fail that one's rename)."""
+    from fsdp_utils.chess_eval.selfplay import STALE_TMP_S, remove_stale_temporaries, shard_path
+
+    final = shard_path(tmp_path, 3)
+    old, fresh = (tmp_path / f".{final.name}.{pid}.tmp" for pid in (111, 222))
+    other = tmp_path / f".{shard_path(tmp_path, 4).name}.111.tmp"  # another shard's
+    for path in (old, fresh, other):
+        path.write_bytes(b"x")
+    stale = time.time() - STALE_TMP_S - 60
+    os.utime(old, (stale, stale))
+    os.utime(other, (stale, stale))
+    assert remove_stale_temporaries(tmp_path, [3]) == [old]
+    assert fresh.exists() and other.exists() and not old.exists()
 
 
 def test_engine_data_is_the_same_from_one_task_or_two_and_a_requeued_task_skips_done_shards(

@@ -144,6 +144,17 @@ def test_a_runs_own_config_json_is_a_config_file(tmp_path):
     path.write_text(json.dumps(record))
     parsed, _ = parse_config(["--config", str(path), "--seed", "7"])
     assert parsed.learning_rate == 1e-4 and parsed.num_epochs == 2 and parsed.seed == 7
+    # An --auto run's record holds its choices: read back, --auto chooses them again (on
+    # another allocation they may differ), but for those it kept.
+    chosen = TrainConfig(auto=True, auto_keep="compile", batch_size_per_device=4, compile=True,
+                         sharding="shard_grad_op", gradient_checkpointing=True, learning_rate=1e-4)  # fmt: skip
+    path.write_text(json.dumps({"config": chosen.to_dict(), "versions": {}}))
+    again, _ = parse_config(["--config", str(path)])
+    assert again.auto and again.auto_keep == "compile" and again.compile
+    default = TrainConfig()
+    assert (again.batch_size_per_device, again.sharding, again.gradient_checkpointing) == (
+        default.batch_size_per_device, default.sharding, default.gradient_checkpointing)  # fmt: skip
+    assert again.learning_rate == 1e-4
     # Any other file with a "config" key is options as before (and refused as unknown).
     path.write_text(json.dumps({"config": {"seed": 1}, "learning_rate": 1e-4}))
     with pytest.raises(ValueError, match="'config'"):

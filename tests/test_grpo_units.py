@@ -126,6 +126,10 @@ def test_chess_rewards_judge_the_first_move_in_the_rows_position():
     assert builtin_rewards.chess_legal(completions, moves=moves) == [1.0, 1.0, 0.0, 0.0]
     fen = chess.Board().fen()
     assert builtin_rewards.chess_legal([" g1f3", " g1g3"], fen=[fen, fen]) == [1.0, 0.0]
+    # A chat completion is a reply of its own: its move needs no space before it.
+    chat = [[{"role": "assistant", "content": "e7e5"}], [{"role": "assistant", "content": "x"}]]
+    assert builtin_rewards.chess_legal(chat, moves=moves[:2]) == [1.0, 0.0]
+    assert builtin_rewards.chess_format(chat, moves=moves[:2]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="a column `fen`"):
         builtin_rewards.chess_legal([" e2e4"])
 
@@ -173,6 +177,8 @@ def test_the_centipawn_reward_is_dense_on_known_positions():
     assert 0.0 < rewards[5] < 1.0 and rewards[5] < rewards[4]  # Nh3 is worse than e4
     builtin = builtin_rewards.chess_centipawn([" h5f7", " h5h9"], moves=[mate, mate])
     assert builtin == [1.0, -1.0]
+    with contextlib_closing(EngineReward(depth=6, kind="centipawn")) as engine:  # a reward file's
+        assert engine([[{"role": "assistant", "content": "h5f7"}]], moves=[mate]) == [1.0]
     chess_rewards.close_shared()
 
 

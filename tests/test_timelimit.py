@@ -23,6 +23,7 @@ from fsdp_utils.train.timelimit import (
     END_TIME_ENV,
     FIRST_INTERRUPT,
     INTERRUPT,
+    INTERRUPT_AFTER_TRAINING,
     MIN_MARGIN_SECONDS,
     SECOND_INTERRUPT,
     RemainingWork,
@@ -165,6 +166,24 @@ def test_ctrl_c_stops_as_the_stop_file_does_and_is_never_deferred(tmp_path, monk
     # A stop by Ctrl-C before the last step ends the run here whatever time is left.
     assert not choose_leg_end(INTERRUPT, _work(5, 0.01), 1e6, 120.0).finish
     assert choose_leg_end(INTERRUPT, _work(0), None, 120.0).finish  # the last step: finish
+
+
+def test_ctrl_c_after_the_last_step_skips_the_benchmarks_and_says_so(tmp_path, capfd):
+    """After the last step a Ctrl-C keeps the final save (the run's own work) and skips the
+    benchmarks: `interrupted` is the ranks' agreed answer (a stop file there is no Ctrl-C), and
+    the first Ctrl-C's line says what is left instead of "the next step boundary"."""
+    controller = _controller(tmp_path)
+    try:
+        controller.flag.training_over = True
+        controller.stop_file.touch()
+        assert not controller.interrupted()
+        controller.flag.announce = True
+        os.kill(os.getpid(), signal.SIGINT)  # the installed handler: recorded and said, once
+        assert controller.flag.interrupts == 1 and controller.interrupted()
+    finally:
+        controller.close()
+    said = capfd.readouterr().err
+    assert said == INTERRUPT_AFTER_TRAINING and "without the benchmarks" in said
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])

@@ -67,6 +67,17 @@ def first_move(text: str) -> chess.Move | None:
     return parse_uci(words[0]) if words else None
 
 
+def move_text(completion: Any) -> str:
+    """A completion as the text `first_move` reads. A plain completion continues the prompt's
+    text, so its first word must follow whitespace; a chat completion (TRL's
+    [{"role", "content"}]) is a reply of its own, never glued to the prompt: its content counts
+    as written after a space."""
+    if isinstance(completion, list):
+        content = "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+        return " " + content
+    return str(completion)
+
+
 def format_reward(text: str) -> float:
     return 1.0 if first_move(text) is not None else 0.0
 
@@ -119,8 +130,9 @@ class EngineReward:
             return 1.0 - verdict.cp_loss / CP_CEILING
         return verdict.accuracy / 100.0
 
-    def __call__(self, completions: Sequence[str], **kwargs: Any) -> list[float | None]:
-        return [self.reward(b, str(c)) for b, c in zip(positions(kwargs), completions, strict=True)]
+    def __call__(self, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        rows = zip(positions(kwargs), completions, strict=True)
+        return [self.reward(board, move_text(c)) for board, c in rows]
 
     def take_notes(self) -> list[str]:
         return self._judge.process.take_notes() if self._judge is not None else []

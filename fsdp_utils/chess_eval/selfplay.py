@@ -53,6 +53,7 @@ one core (load average 0.4-0.9); at depth 4 ~110 a second, at 10 ~2.5.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -90,6 +91,7 @@ KINDS = ("selfplay", "vs_random", "random")
 MANIFEST = "selfplay.json"
 METADATA_KEY = b"fsdp_utils.selfplay"
 DEFAULT_SHARD_GAMES = 500
+STALE_TMP_S = 600.0  # a temporary shard file older than this is a killed task's
 ENGINE_OPTIONS = {"Threads": 1, "Hash": 16}
 DEFAULT_LABEL_DEPTH = 8
 # One position's search over all its moves: ~0.1 s at depth 8, seconds at 14: what is past
@@ -493,6 +495,21 @@ def done_shards(
     return done
 
 
+def remove_stale_temporaries(output: Path, shards: Sequence[int]) -> list[Path]:
+    """A killed leg's temporary files of these shards, removed. A file is written in well under
+    a minute, so one older than STALE_TMP_S is no write in progress: the same command running
+    twice at once (a second submission) must not remove the other's file before its rename."""
+    removed = []
+    for shard in shards:
+        for final in (shard_path(output, shard), position_path(output, shard)):
+            for tmp in output.glob(f".{final.name}.*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                        tmp.unlink()
+                        removed.append(tmp)
+    return removed
+
+
 def my_shards(plan: Plan, task: int, tasks: int) -> list[int]:
     return list(range(task, plan.shards, tasks))
 
@@ -543,10 +560,7 @@ def _run_task(
     made: list[dict[str, Any]] = []
     if not todo:
         return made
-    for shard in todo:  # a killed leg's temporary files (only this task writes these shards)
-        for final in (shard_path(output, shard), position_path(output, shard)):
-            for tmp in output.glob(f".{final.name}.*.tmp"):
-                tmp.unlink(missing_ok=True)
+    remove_stale_temporaries(output, todo)
     labels = f", {plan.positions} positions a game labelled at depth {plan.label_depth}"
     log(
         f"selfplay task {task}/{tasks}: {len(todo)} shard(s) of {plan.shard_games} games, "
@@ -733,10 +747,15 @@ def slurm_task(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
     if "SLURM_ARRAY_TASK_ID" not in env:
         return None
     low, high = int(env["SLURM_ARRAY_TASK_MIN"]), int(env["SLURM_ARRAY_TASK_MAX"])
-    if int(env.get("SLURM_ARRAY_TASK_STEP", "1")) != 1:
+    count = int(env.get("SLURM_ARRAY_TASK_COUNT", high - low + 1))
+    # A step (--array=0-15:2) or a list (--array=3,7) leaves ids out: their shards would be
+    # no task's, and the manifest would never come.
+    if int(env.get("SLURM_ARRAY_TASK_STEP", "1")) != 1 or count != high - low + 1:
         raise ValueError(
             "slurm/selfplay.sh needs an array of consecutive task ids (--array=0-N, optionally "
-            "%K to limit how many run at once), not a step."
+            "%K to limit how many run at once), not a step or a list. To finish what an earlier "
+            "array left, submit the same --array=0-N command again: every task skips the shards "
+            "that exist and plays only the missing ones."
         )
     return int(env["SLURM_ARRAY_TASK_ID"]) - low, high - low + 1
 
@@ -822,7 +841,8 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(manifest, args.output))
             return 0
         plan = _plan(args)
-        task, tasks = slurm_task() or (0, 1)
+        given = args.task is not None and args.tasks is not None  # the array's then unread
+        task, tasks = (0, 1) if given else (slurm_task() or (0, 1))
         task = args.task if args.task is not None else task
         tasks = args.tasks if args.tasks is not None else tasks
         if not 0 <= task < tasks:

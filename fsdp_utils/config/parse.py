@@ -134,6 +134,11 @@ def run_options(data: dict[str, Any]) -> dict[str, Any]:
     options = dict(data["config"])
     if options.get("num_epochs") is not None:  # the steps it resolved to follow from the epochs
         options.pop("max_training_steps", None)
+    if options.get("auto"):  # the record holds --auto's choices: chosen again, unless kept
+        kept = {name.strip() for name in str(options.get("auto_keep") or "").split(",")}
+        for name in (*AUTO_SETTINGS, *AUTO_PINNED_BY):
+            if AUTO_PINNED_BY.get(name, name) not in kept:
+                options.pop(name, None)
     return options
 
 

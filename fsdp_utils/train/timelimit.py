@@ -89,6 +89,10 @@ FIRST_INTERRUPT = (
     "\nCtrl-C: stopping as the stop file does (the checkpoint is saved at the next step "
     "boundary, then the run ends); Ctrl-C again ends it at once, without saving.\n"
 )
+INTERRUPT_AFTER_TRAINING = (
+    "\nCtrl-C: the training is over; the final model is saved, then the run ends without the "
+    "benchmarks (--eval_tasks); Ctrl-C again ends it at once, without saving.\n"
+)
 SECOND_INTERRUPT = (
     "\nCtrl-C again: ending at once, without saving (the newest checkpoint in the run folder "
     "is what the same command resumes).\n"
@@ -106,6 +110,9 @@ class _SignalFlag:
         self.received: int | None = None
         self.interrupts = 0
         self.announce = announce
+        # The last step is done: what is left is the final save (kept) and the benchmarks
+        # (skipped on Ctrl-C), so the first Ctrl-C says that instead of "the next step boundary".
+        self.training_over = False
         self.on_abort: Callable[[], None] | None = None
         self._previous: dict[int, Any] = {}
 
@@ -128,7 +135,7 @@ class _SignalFlag:
         if self.interrupts > 1:
             self._abort(signum, frame)
             return
-        self._say(FIRST_INTERRUPT)
+        self._say(INTERRUPT_AFTER_TRAINING if self.training_over else FIRST_INTERRUPT)
         # torchrun answers a second Ctrl-C (its workers are in sessions of their own: only it
         # gets it) with SIGTERM to them: the same abort, recorded, rather than a silent death.
         self._previous.setdefault(signal.SIGTERM, signal.signal(signal.SIGTERM, self._abort))
@@ -459,6 +466,11 @@ class StopController:
         if code:
             votes[code - 1] = 1.0
         return votes
+
+    def interrupted(self) -> bool:
+        """Collective, after the last step: whether Ctrl-C reached any rank, so that every
+        rank skips the work after training (the benchmarks, themselves collective) or none."""
+        return _agreed(dist_utils.all_reduce_host_sum(self._votes(end_time=False))) == INTERRUPT
 
     def close(self) -> None:
         """The run is over: signals go back to the handlers they had before it."""

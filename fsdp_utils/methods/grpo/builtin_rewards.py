@@ -106,23 +106,30 @@ def length(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 
 def chess_format(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    return [chess_rewards.format_reward(_text(c)) for c in completions]
+    return [chess_rewards.format_reward(chess_rewards.move_text(c)) for c in completions]
 
 
 def chess_legal(completions: list[Any], **kwargs: Any) -> list[float | None]:
     positions = chess_rewards.positions(kwargs)
     return [
-        chess_rewards.legal_reward(p, _text(c)) for p, c in zip(positions, completions, strict=True)
+        chess_rewards.legal_reward(p, chess_rewards.move_text(c))
+        for p, c in zip(positions, completions, strict=True)
     ]
 
 
 def chess_engine(completions: list[Any], **kwargs: Any) -> list[float | None]:
     positions = chess_rewards.positions(kwargs)
     judge = chess_rewards.shared_judge("accuracy")
-    return [judge.reward(p, _text(c)) for p, c in zip(positions, completions, strict=True)]
+    return [
+        judge.reward(p, chess_rewards.move_text(c))
+        for p, c in zip(positions, completions, strict=True)
+    ]
 
 
 def chess_centipawn(completions: list[Any], **kwargs: Any) -> list[float | None]:
     positions = chess_rewards.positions(kwargs)
     judge = chess_rewards.shared_judge("centipawn")
-    return [judge.reward(p, _text(c)) for p, c in zip(positions, completions, strict=True)]
+    return [
+        judge.reward(p, chess_rewards.move_text(c))
+        for p, c in zip(positions, completions, strict=True)
+    ]
