@@ -289,6 +289,32 @@ def test_liger_reaches_the_model_build_and_the_preflight(tiny_assets, tmp_path, 
     assert json.loads(TrainConfig(liger_kernels=True).to_json())["liger_kernels"] is True
 
 
+def test_the_login_node_leaves_the_gpu_checks_to_the_gpu_node(
+    tiny_assets, tmp_path, capsys, monkeypatch
+):
+    """slurm/submit.py's preflight on a login node without GPUs (--login_node; --device auto)
+    and --device cuda where no GPU is visible: what needs the run's GPU is left to the trainer,
+    with one line, no refusal and no traceback; a CPU run is still refused."""
+    from fsdp_utils.cli import main
+    from fsdp_utils.model.float8 import EMULATE_VARIABLE
+
+    monkeypatch.delenv(EMULATE_VARIABLE, raising=False)
+    args = ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+            "--dataset_include", "", "--output_dir", str(tmp_path / "run"),
+            "--max_seq_length", "64", "--total_batch_size", "8", "--preflight",
+            "--world_size", "2", "--gpu_memory", "off", "--float8", "rowwise",
+            "--sdpa_backend", "cudnn"]  # fmt: skip
+    for where in (["--device", "auto", "--login_node"], ["--device", "cuda"]):
+        assert main([*args, *where]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "checked again by the trainer at its start on the GPU node" in out
+    assert main([*args, "--device", "auto"]) == 2  # the sbatch preflight: this is the run's host
+    assert "this run is on the CPU" in capsys.readouterr().err
+    # the options' own mistakes are still found on the login node
+    assert main([*args, "--login_node", "--precision", "fp32"]) == 2
+    assert "--sdpa_backend cudnn computes in fp16 or bf16 only" in capsys.readouterr().err
+
+
 def test_the_planner_stands_in_for_the_kernels_it_cannot_run():
     """The CPU planner traces cudnn, flash and efficient as its flash kernel and liger's layers
     as the eager ones, and says so (math it traces as math: tests/test_attention.py)."""

@@ -72,11 +72,12 @@ def function_name(model_type: str) -> str:
     return name
 
 
-def check_liger_kernels(hf_config: Any, config: TrainConfig, *, device_type: str) -> None:
-    """The preflight's check: CUDA, a family liger-kernel patches, the package importable."""
+def check_liger_kernels(hf_config: Any, config: TrainConfig, *, device_type: str | None) -> None:
+    """The preflight's check: CUDA, a family liger-kernel patches, the package importable
+    (`device_type` None: the run's GPUs are elsewhere; the rest is checked all the same)."""
     if not config.liger_kernels:
         return
-    if device_type != "cuda":
+    if device_type == "cpu":
         raise ValueError(
             "--liger_kernels needs a CUDA GPU (its kernels are Triton's), and this run is on the "
             "CPU: drop --liger_kernels."

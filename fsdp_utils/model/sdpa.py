@@ -64,10 +64,13 @@ KERNEL_OPS = {
 }
 
 
-def check_sdpa_backend(config: TrainConfig, *, device_type: str, supports_sdpa: bool) -> None:
+def check_sdpa_backend(
+    config: TrainConfig, *, device_type: str | None, supports_sdpa: bool
+) -> None:
     """Raise ValueError (one paragraph, naming the fix) for a `--sdpa_backend` that cannot run
     here, found from the options alone (the preflight): a backend for a model that does not
-    run sdpa, a CUDA kernel on the CPU, flash with masks or cuDNN and flash in fp32 on GPUs."""
+    run sdpa, a CUDA kernel on the CPU, flash with masks or cuDNN and flash in fp32 on GPUs
+    (`device_type` None: on GPUs this machine does not have, the login node's preflight)."""
     backend = config.sdpa_backend
     if backend == "auto":
         return
@@ -77,7 +80,7 @@ def check_sdpa_backend(config: TrainConfig, *, device_type: str, supports_sdpa: 
             f"--sdpa_backend {backend} chooses the kernel under sdpa attention, and this model "
             f"runs {runs}. Drop --sdpa_backend, or use --attn_implementation sdpa."
         )
-    if device_type != "cuda":
+    if device_type == "cpu":
         if backend not in CPU_BACKENDS:
             raise ValueError(
                 f"--sdpa_backend {backend} is a CUDA kernel, and this run is on the CPU, where "
