@@ -214,6 +214,45 @@ def test_the_math_backend_runs_the_math_kernel():
         use_sdpa_backend("auto")
 
 
+def test_generation_falls_back_to_math_and_keeps_the_chosen_kernel_first():
+    """Decoding and scoring under a restricted --sdpa_backend: math is allowed beside the
+    chosen kernel (on the CPU, `efficient` leaves no kernel at all, as flash does on a GPU for
+    a padding mask), the chosen kernel still runs where it can, and the process's setting and
+    torch's order are as before afterwards."""
+    from fsdp_utils.parallel.generate import continuation_logprobs, continue_prompts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("llama", 512)).eval()
+    cpu = torch.device("cpu")
+    priority = torch._C._get_sdp_priority_order()
+
+    def generate() -> tuple[list[list[int]], set[str]]:
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            done = continue_prompts(
+                model, [[5, 6, 7, 8], [9, 10]], pad_token_id=0, eos_token_id=2,
+                max_new_tokens=3, device=cpu,
+            )  # fmt: skip
+            continuation_logprobs(
+                model, [[5, 6], [7]], [[[8], [9, 10]], [[11]]], pad_token_id=0, device=cpu,
+                batch_size=2,
+            )  # fmt: skip
+        return [g.tokens for g in done], {e.name for e in profile.events()}
+
+    try:
+        expected, _ = generate()
+        for backend, op in (("efficient", "aten::_scaled_dot_product_attention_math"),
+                            ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu")):  # fmt: skip
+            use_sdpa_backend(backend)
+            tokens, ops = generate()
+            assert tokens == expected, backend
+            assert op in ops, backend
+            assert not torch.backends.cuda.math_sdp_enabled()  # training: the chosen alone
+        assert "aten::_scaled_dot_product_attention_math" not in ops  # flash first, not math
+        assert torch._C._get_sdp_priority_order() == priority
+    finally:
+        use_sdpa_backend("auto")
+
+
 @pytest.mark.slow
 def test_the_log_names_the_kernel_and_math_trains_as_flash_does(runs):
     records = {name: read_metrics(runs[name], "attention_kernels") for name in ("layer", "math")}

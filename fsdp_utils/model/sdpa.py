@@ -127,6 +127,36 @@ def use_sdpa_backend(backend: str) -> None:
     cuda.enable_math_sdp("math" in allowed)
 
 
+@contextmanager
+def generation_kernels() -> Iterator[None]:
+    """Within: SDPA's math kernel allowed after the kernel `--sdpa_backend` chose for the
+    process (`use_sdpa_backend`), the chosen one still tried first. Decoding and scoring
+    (fsdp_utils/parallel/generate.py: GRPO's rollouts, the chess evaluation, sample prompts)
+    attend with padding masks and one-token queries that the chosen kernel may not take
+    (flash takes no mask): without a fallback torch finds "no available kernel". The training
+    forward, outside, keeps the chosen kernel alone."""
+    from torch.backends import cuda
+    from torch.nn.attention import sdpa_kernel
+
+    if cuda.math_sdp_enabled():  # auto or math: every call has a kernel already
+        yield
+        return
+    enabled = {
+        "cudnn": cuda.cudnn_sdp_enabled, "flash": cuda.flash_sdp_enabled,
+        "efficient": cuda.mem_efficient_sdp_enabled,
+    }  # fmt: skip
+    chosen = [BACKENDS[name] for name, on in enabled.items() if on()]
+    # torch ranks math before cuDNN: set_priority keeps the chosen kernel first. sdpa_kernel
+    # restores the enabled kernels but leaves its order behind (torch 2.11 to 2.13): restored
+    # here, so that a later `auto` in this process gets torch's own order.
+    priority = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel([*chosen, SDPBackend.MATH], set_priority=True):
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(priority)
+
+
 def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device) -> None:
     """On CUDA, for a chosen backend: raise ValueError (one paragraph, torch's reasons and the
     fix) if torch's `can_use_*_attention` refuses the run's attention: its shapes (one
