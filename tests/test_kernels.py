@@ -9,6 +9,7 @@ whole-layer checkpointing with the math kernel; the checks read its folders."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,43 @@ def test_the_math_backend_runs_the_math_kernel():
             assert op in {e.name for e in profile.events()}, backend
     finally:
         use_sdpa_backend("auto")
+
+
+def test_a_kernel_without_grouped_heads_takes_the_copies_instead_of_failing(monkeypatch):
+    """`gqa_keeps_kernel` answers False, not torch's "no viable backend", where no allowed
+    kernel takes the grouped call (on the CPU, `efficient` leaves none); and a masked GQA run
+    whose kernel takes only repeated heads (transformers' repeat_kv path) is not refused."""
+    from torch.backends import cuda
+
+    from fsdp_utils.model.sdpa import backend_refusal, gqa_keeps_kernel
+
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    assert gqa_keeps_kernel(q, kv, kv, mask)  # the CPU's flash kernel takes both
+    try:
+        use_sdpa_backend("efficient")
+        assert not gqa_keeps_kernel(q, kv, kv, mask)
+    finally:
+        use_sdpa_backend("auto")
+
+    asked = []
+
+    def efficient(params, debug):  # as torch 2.11's CUDA check: grouped heads, no mask only
+        asked.append((params.key.shape[1], params.enable_gqa, params.attn_mask is not None))
+        if params.enable_gqa and params.attn_mask is not None:
+            warnings.warn("Memory efficient attention does not support enable_gqa with a mask.")
+            return False
+        return True
+
+    monkeypatch.setattr(cuda, "can_use_efficient_attention", efficient)
+    llama = tiny_model_config("llama", 512)  # 4 query heads over 2 key-value heads
+    config = TrainConfig(sdpa_backend="efficient", document_masking=True, max_seq_length=64)
+    meta = torch.device("meta")
+    assert backend_refusal(config, llama, meta) is None
+    assert asked == [(2, True, True), (4, False, True)]  # grouped, then repeated
+    monkeypatch.setattr(cuda, "can_use_efficient_attention", lambda *a: False)
+    refusal = backend_refusal(config, llama, meta)
+    assert refusal is not None and "4 heads over 2 key-value heads" in refusal
 
 
 def test_generation_falls_back_to_math_and_keeps_the_chosen_kernel_first():
