@@ -330,6 +330,21 @@ def test_sync_free_steps_read_nothing_but_the_log_steps_values_after_their_updat
     assert _reads_per_step(**fp16, fused_optimizer=True) == [(0, 1), (0, 0)]
 
 
+def test_the_sync_free_line_names_the_read_of_liger_loss():
+    """liger's fused linear cross-entropy reads its target count per micro-batch (its kernels
+    need a GPU, so the read is not counted here): the log's line says so."""
+    from types import SimpleNamespace
+
+    from fsdp_utils.train.step import describe_sync_free
+
+    step: Any = SimpleNamespace(scaler=None, optimizer=None)
+    config = TrainConfig(sync_free_steps=True, log_every=10)
+    assert "liger" not in describe_sync_free(config, step)
+    line = describe_sync_free(config.replace(liger_kernels=True), step)
+    assert line.endswith("reads its target count once per micro-batch (target_mask.sum().item() "
+                         "in its forward)")  # fmt: skip
+
+
 def test_sync_free_steps_never_save_a_non_finite_update():
     """Step 2's gradient is infinite and step 3 is the log step: step 2's update was applied (no
     step waits), the read at step 3 stops the run, and so would a save."""
