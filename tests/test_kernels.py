@@ -106,6 +106,19 @@ def test_the_op_policy_saves_attention_and_every_second_matmul():
     }
 
 
+def test_the_op_policy_counts_float8_products_among_the_matmuls():
+    """--float8's layers multiply with `aten._scaled_mm` (torchao's Float8Linear): counted with
+    the other products, every second one saved, in the forward and the recompute alike."""
+    from types import SimpleNamespace
+
+    policy = op_policy()
+    scaled_mm, mm = torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default
+    for recompute in (False, True):
+        ctx = SimpleNamespace(is_recompute=recompute)
+        decisions = [policy(ctx, func).name for func in (scaled_mm, scaled_mm, mm, scaled_mm)]
+        assert decisions == ["MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE"]
+
+
 def test_op_level_checkpointing_gives_the_same_gradients_bit_for_bit():
     reference = _tiny_llama(layers=4)
     ids = torch.randint(0, 100, (2, 32))
