@@ -9,8 +9,9 @@ needs, and checked to share the student's vocabulary.
   linear weights in 4 bits with QLoRA's transform and loader (`fsdp_utils.model.qlora`).
 - **No LoRA, no frozen-layer transform, no activation checkpointing** (nor `--checkpoint_layers`
   or `--checkpoint_mode`), **no liger-kernel**: it runs forward only, under no_grad, so nothing
-  is saved for a backward. (liger's rotary embedding replaces a function of the family's module
-  for the process: a teacher of the student's family runs it all the same.)
+  is saved for a backward. (liger's function also rebinds module-level names of the family's
+  modeling file, for the process: a teacher of the student's family built after it runs liger's
+  rotary, norms and MLPs all the same.)
 - **The vocabulary**: distillation compares the two models' probabilities token by token, so
   the tokenizers must agree on every token's id (`check_same_vocabulary`). Their output layers
   may still differ in width (Qwen2.5's small models have 151,936 rows, its 7B and up 152,064,
