@@ -250,7 +250,7 @@ def test_a_kernel_without_grouped_heads_takes_the_copies_instead_of_failing(monk
     def efficient(params, debug):  # as torch 2.11's CUDA check: grouped heads, no mask only
         asked.append((params.key.shape[1], params.enable_gqa, params.attn_mask is not None))
         if params.enable_gqa and params.attn_mask is not None:
-            warnings.warn("Memory efficient attention does not support enable_gqa with a mask.")
+            warnings.warn("efficient takes no enable_gqa with a mask.", stacklevel=2)
             return False
         return True
 
