@@ -56,6 +56,12 @@ def _add_check_options(checks: argparse._ArgumentGroup) -> None:
         "auto: this node's GPUs (none: no plan); off: no plan.",
     )
     checks.add_argument(
+        "--login_node",
+        action="store_true",
+        help="With --preflight: this machine submits the run and does not run it (slurm/submit.py "
+        "passes it): without a GPU here, checks that need the run's GPU wait for its start.",
+    )
+    checks.add_argument(
         "--plan",
         action="store_true",
         help="Plan the GPU memory of this run and exit: the same as `python -m fsdp_utils.plan` "
@@ -301,7 +307,10 @@ def _main(argv: list[str], after_setup: AfterSetup | None) -> int:
 
             resume_collector()  # the memory plan's trace makes garbage
             world_size = args.world_size or world_size_from_env()
-            print(preflight(config, world_size, args.nodes, args.gpu_memory), flush=True)
+            checked = preflight(
+                config, world_size, args.nodes, args.gpu_memory, run_host=not args.login_node
+            )
+            print(checked, flush=True)
             return 0
         summary = run(config, after_setup=after_setup)
     except KeyboardInterrupt:  # before the run could save anything: nothing is lost either

@@ -551,3 +551,22 @@ def test_download_models_fetches_the_teacher_with_the_run_s_config():
         {"model": "org/small", "method": "distill", "teacher": "org/big", "teacher_revision": "v2"}
     )
     assert AssetSpec("org/big", "model", revision="v2") in specs_from_train_config(config)
+
+
+def test_the_teacher_is_built_without_the_student_s_training_kernels():
+    """A frozen teacher runs no backward: none of the student's checkpointing, liger-kernel,
+    float8 or compile options reach its build (`teacher_build_config`)."""
+    from fsdp_utils.config.train_config import TrainConfig
+    from fsdp_utils.model.teacher import teacher_build_config
+
+    student = TrainConfig(
+        gradient_checkpointing=True, checkpoint_mode="op", liger_kernels=True, float8="rowwise",
+        compile=True, compile_scope="model", precision="bf16-mixed",
+    )  # fmt: skip
+    built = teacher_build_config(student)
+    assert (built.gradient_checkpointing, built.checkpoint_mode, built.liger_kernels) == (
+        False, "layer", False,
+    )  # fmt: skip
+    assert (built.float8, built.compile, built.precision) == ("none", False, "bf16-true")
+    counted = teacher_build_config(TrainConfig(checkpoint_layers=3))  # --auto's choice
+    assert counted.checkpoint_layers is None

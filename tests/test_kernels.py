@@ -9,6 +9,7 @@ whole-layer checkpointing with the math kernel; the checks read its folders."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,19 @@ def test_the_op_policy_saves_attention_and_every_second_matmul():
     assert {"aten.silu.default", "aten.rsqrt.default"} <= {
         func for func, decision in forward if decision == "PREFER_RECOMPUTE"
     }
+
+
+def test_the_op_policy_counts_float8_products_among_the_matmuls():
+    """--float8's layers multiply with `aten._scaled_mm` (torchao's Float8Linear): counted with
+    the other products, every second one saved, in the forward and the recompute alike."""
+    from types import SimpleNamespace
+
+    policy = op_policy()
+    scaled_mm, mm = torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default
+    for recompute in (False, True):
+        ctx = SimpleNamespace(is_recompute=recompute)
+        decisions = [policy(ctx, func).name for func in (scaled_mm, scaled_mm, mm, scaled_mm)]
+        assert decisions == ["MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE"]
 
 
 def test_op_level_checkpointing_gives_the_same_gradients_bit_for_bit():
@@ -214,6 +228,82 @@ def test_the_math_backend_runs_the_math_kernel():
         use_sdpa_backend("auto")
 
 
+def test_a_kernel_without_grouped_heads_takes_the_copies_instead_of_failing(monkeypatch):
+    """`gqa_keeps_kernel` answers False, not torch's "no viable backend", where no allowed
+    kernel takes the grouped call (on the CPU, `efficient` leaves none); and a masked GQA run
+    whose kernel takes only repeated heads (transformers' repeat_kv path) is not refused."""
+    from torch.backends import cuda
+
+    from fsdp_utils.model.sdpa import backend_refusal, gqa_keeps_kernel
+
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    assert gqa_keeps_kernel(q, kv, kv, mask)  # the CPU's flash kernel takes both
+    try:
+        use_sdpa_backend("efficient")
+        assert not gqa_keeps_kernel(q, kv, kv, mask)
+    finally:
+        use_sdpa_backend("auto")
+
+    asked = []
+
+    def efficient(params, debug):  # as torch 2.11's CUDA check: grouped heads, no mask only
+        asked.append((params.key.shape[1], params.enable_gqa, params.attn_mask is not None))
+        if params.enable_gqa and params.attn_mask is not None:
+            warnings.warn("efficient takes no enable_gqa with a mask.", stacklevel=2)
+            return False
+        return True
+
+    monkeypatch.setattr(cuda, "can_use_efficient_attention", efficient)
+    llama = tiny_model_config("llama", 512)  # 4 query heads over 2 key-value heads
+    config = TrainConfig(sdpa_backend="efficient", document_masking=True, max_seq_length=64)
+    meta = torch.device("meta")
+    assert backend_refusal(config, llama, meta) is None
+    assert asked == [(2, True, True), (4, False, True)]  # grouped, then repeated
+    monkeypatch.setattr(cuda, "can_use_efficient_attention", lambda *a: False)
+    refusal = backend_refusal(config, llama, meta)
+    assert refusal is not None and "4 heads over 2 key-value heads" in refusal
+
+
+def test_generation_falls_back_to_math_and_keeps_the_chosen_kernel_first():
+    """Decoding and scoring under a restricted --sdpa_backend: math is allowed beside the
+    chosen kernel (on the CPU, `efficient` leaves no kernel at all, as flash does on a GPU for
+    a padding mask), the chosen kernel still runs where it can, and the process's setting and
+    torch's order are as before afterwards."""
+    from fsdp_utils.parallel.generate import continuation_logprobs, continue_prompts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("llama", 512)).eval()
+    cpu = torch.device("cpu")
+    priority = torch._C._get_sdp_priority_order()
+
+    def generate() -> tuple[list[list[int]], set[str]]:
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            done = continue_prompts(
+                model, [[5, 6, 7, 8], [9, 10]], pad_token_id=0, eos_token_id=2,
+                max_new_tokens=3, device=cpu,
+            )  # fmt: skip
+            continuation_logprobs(
+                model, [[5, 6], [7]], [[[8], [9, 10]], [[11]]], pad_token_id=0, device=cpu,
+                batch_size=2,
+            )  # fmt: skip
+        return [g.tokens for g in done], {e.name for e in profile.events()}
+
+    try:
+        expected, _ = generate()
+        for backend, op in (("efficient", "aten::_scaled_dot_product_attention_math"),
+                            ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu")):  # fmt: skip
+            use_sdpa_backend(backend)
+            tokens, ops = generate()
+            assert tokens == expected, backend
+            assert op in ops, backend
+            assert not torch.backends.cuda.math_sdp_enabled()  # training: the chosen alone
+        assert "aten::_scaled_dot_product_attention_math" not in ops  # flash first, not math
+        assert torch._C._get_sdp_priority_order() == priority
+    finally:
+        use_sdpa_backend("auto")
+
+
 @pytest.mark.slow
 def test_the_log_names_the_kernel_and_math_trains_as_flash_does(runs):
     records = {name: read_metrics(runs[name], "attention_kernels") for name in ("layer", "math")}
@@ -287,6 +377,32 @@ def test_liger_reaches_the_model_build_and_the_preflight(tiny_assets, tmp_path, 
     assert main([*args, "--sdpa_backend", "cudnn"]) == 2
     assert "--sdpa_backend cudnn is a CUDA kernel" in capsys.readouterr().err
     assert json.loads(TrainConfig(liger_kernels=True).to_json())["liger_kernels"] is True
+
+
+def test_the_login_node_leaves_the_gpu_checks_to_the_gpu_node(
+    tiny_assets, tmp_path, capsys, monkeypatch
+):
+    """slurm/submit.py's preflight on a login node without GPUs (--login_node; --device auto)
+    and --device cuda where no GPU is visible: what needs the run's GPU is left to the trainer,
+    with one line, no refusal and no traceback; a CPU run is still refused."""
+    from fsdp_utils.cli import main
+    from fsdp_utils.model.float8 import EMULATE_VARIABLE
+
+    monkeypatch.delenv(EMULATE_VARIABLE, raising=False)
+    args = ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+            "--dataset_include", "", "--output_dir", str(tmp_path / "run"),
+            "--max_seq_length", "64", "--total_batch_size", "8", "--preflight",
+            "--world_size", "2", "--gpu_memory", "off", "--float8", "rowwise",
+            "--sdpa_backend", "cudnn"]  # fmt: skip
+    for where in (["--device", "auto", "--login_node"], ["--device", "cuda"]):
+        assert main([*args, *where]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "checked again by the trainer at its start on the GPU node" in out
+    assert main([*args, "--device", "auto"]) == 2  # the sbatch preflight: this is the run's host
+    assert "this run is on the CPU" in capsys.readouterr().err
+    # the options' own mistakes are still found on the login node
+    assert main([*args, "--login_node", "--precision", "fp32"]) == 2
+    assert "--sdpa_backend cudnn computes in fp16 or bf16 only" in capsys.readouterr().err
 
 
 def test_the_planner_stands_in_for_the_kernels_it_cannot_run():

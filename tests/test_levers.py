@@ -330,6 +330,21 @@ def test_sync_free_steps_read_nothing_but_the_log_steps_values_after_their_updat
     assert _reads_per_step(**fp16, fused_optimizer=True) == [(0, 1), (0, 0)]
 
 
+def test_the_sync_free_line_names_the_read_of_liger_loss():
+    """liger's fused linear cross-entropy reads its target count per micro-batch (its kernels
+    need a GPU, so the read is not counted here): the log's line says so."""
+    from types import SimpleNamespace
+
+    from fsdp_utils.train.step import describe_sync_free
+
+    step: Any = SimpleNamespace(scaler=None, optimizer=None)
+    config = TrainConfig(sync_free_steps=True, log_every=10)
+    assert "liger" not in describe_sync_free(config, step)
+    line = describe_sync_free(config.replace(liger_kernels=True), step)
+    assert line.endswith("reads its target count once per micro-batch (target_mask.sum().item() "
+                         "in its forward)")  # fmt: skip
+
+
 def test_sync_free_steps_never_save_a_non_finite_update():
     """Step 2's gradient is infinite and step 3 is the log step: step 2's update was applied (no
     step waits), the read at step 3 stops the run, and so would a save."""
@@ -492,6 +507,7 @@ def test_float8_refusals(monkeypatch):
     config = TrainConfig(float8="rowwise")
     with pytest.raises(ValueError, match=r"this run is on the CPU\. Drop --float8 here"):
         float8.check_float8_device(config, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match=r"this NVIDIA A100-SXM4-80GB has 8\.0"):
@@ -500,6 +516,39 @@ def test_float8_refusals(monkeypatch):
     float8.check_float8_device(config, "cuda")  # an H100: accepted
     monkeypatch.setenv(float8.EMULATE_VARIABLE, "1")
     float8.check_float8_device(config, "cpu")  # the tests' emulation
+
+
+def test_the_gpu_checks_wait_where_the_run_has_no_gpu(monkeypatch):
+    """`run_device_type`: where the device checks are made, and float8's never asks a GPU
+    that is not there for its compute capability (torch raises without one)."""
+    from fsdp_utils.run.preflight import run_device_type
+
+    monkeypatch.delenv(float8.EMULATE_VARIABLE, raising=False)
+
+    def kinds(has_gpu: bool) -> dict[tuple[str, bool], str | None]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
+        return {
+            (device, run_host): run_device_type(TrainConfig(device=device), run_host=run_host)
+            for device in ("auto", "cuda", "cpu")
+            for run_host in (True, False)
+        }
+
+    assert kinds(has_gpu=True) == {
+        ("auto", True): "cuda", ("auto", False): "cuda", ("cuda", True): "cuda",
+        ("cuda", False): "cuda", ("cpu", True): "cpu", ("cpu", False): "cpu",
+    }  # fmt: skip
+    assert kinds(has_gpu=False) == {
+        ("auto", True): "cpu", ("auto", False): None, ("cuda", True): None,
+        ("cuda", False): None, ("cpu", True): "cpu", ("cpu", False): "cpu",
+    }  # fmt: skip
+
+    def no_gpu(*args: Any) -> None:
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu)
+    config = TrainConfig(float8="rowwise")
+    float8.check_float8_device(config, None)
+    float8.check_float8_device(config, "cuda")  # no GPU visible: the trainer's start refuses
     with pytest.raises(ValueError, match="--float8 rowwise with --lora"):
         validate_config(config.replace(lora=True))
 

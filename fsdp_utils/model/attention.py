@@ -39,9 +39,12 @@ def transformers_argument(implementation: str) -> str | None:
     return None if implementation == "sdpa" else implementation
 
 
-def check_attn_implementation(hf_config: Any, config: TrainConfig, *, device_type: str) -> None:
+def check_attn_implementation(
+    hf_config: Any, config: TrainConfig, *, device_type: str | None
+) -> None:
     """Raise ValueError (one paragraph, naming the fix) if `config.attn_implementation` cannot
-    train this model on `device_type` ("cuda" or "cpu")."""
+    train this model on `device_type` ("cuda" or "cpu"; None: GPUs this machine does not have,
+    the login node's preflight)."""
     implementation = config.attn_implementation
     if config.document_masking:
         check_isolates_documents(implementation, batch_size_per_device=config.batch_size_per_device)
@@ -57,12 +60,12 @@ def check_attn_implementation(hf_config: Any, config: TrainConfig, *, device_typ
                 "--precision fp32 computes in fp32. Use --precision bf16-mixed (fp32 master "
                 "weights, bf16 compute), or --attn_implementation sdpa."
             )
-        if device_type != "cuda":
+        if device_type == "cpu":
             raise ValueError(
                 "--attn_implementation flash_attention_2 needs a CUDA GPU, and this run is on "
                 "the CPU. Use --attn_implementation sdpa (or eager) here."
             )
-    if implementation == "flex_attention" and device_type != "cuda":
+    if implementation == "flex_attention" and device_type == "cpu":
         raise ValueError(
             "--attn_implementation flex_attention cannot train on the CPU: torch's "
             "FlexAttention has no backward pass there. Use --attn_implementation sdpa (or "

@@ -48,10 +48,14 @@ def emulated() -> bool:
     return os.environ.get(EMULATE_VARIABLE, "") not in ("", "0")
 
 
-def check_float8_device(config: TrainConfig, device_type: str) -> None:
+def check_float8_device(config: TrainConfig, device_type: str | None) -> None:
     """Refuse --float8 where `torch._scaled_mm` has no float8 kernel: the CPU (unless emulated)
-    and GPUs below compute capability 8.9."""
-    if config.float8 == "none" or emulated():
+    and GPUs below compute capability 8.9. `device_type` None, or CUDA with no GPU visible:
+    the run's GPUs are not on this machine (the login node), and the trainer checks them at
+    its start (`fsdp_utils.run.preflight.run_device_type`)."""
+    if config.float8 == "none" or emulated() or device_type is None:
+        return
+    if device_type == "cuda" and not torch.cuda.is_available():
         return
     if device_type != "cuda":
         raise ValueError(

@@ -9,8 +9,9 @@ FLCE). How it meets this toolkit:
 - **The layers**: the family's function is called on the built model, on the meta device before
   FSDP2 (`apply_liger_kernels`, from `fsdp_utils.parallel.materialize.build_model`), with
   `model=`: it rebinds the norm and MLP modules' `forward` (no parameter changes, so FSDP2
-  shards them as before, and checkpointing and `--compile` wrap them as they are) and replaces
-  the family module's `apply_rotary_pos_emb`, for the process.
+  shards them as before, and checkpointing and `--compile` wrap them as they are); it also
+  replaces the family module's `apply_rotary_pos_emb` and its norm and MLP classes, for the
+  process (a model of the family built later in it, a distillation teacher, gets them too).
 - **The loss**: its own cross-entropy patches stay off (`cross_entropy`,
   `fused_linear_cross_entropy` False): the trainer computes its loss itself, over the target
   tokens only (train/loss.py). Where that loss already fuses the output layer and the
@@ -72,11 +73,12 @@ def function_name(model_type: str) -> str:
     return name
 
 
-def check_liger_kernels(hf_config: Any, config: TrainConfig, *, device_type: str) -> None:
-    """The preflight's check: CUDA, a family liger-kernel patches, the package importable."""
+def check_liger_kernels(hf_config: Any, config: TrainConfig, *, device_type: str | None) -> None:
+    """The preflight's check: CUDA, a family liger-kernel patches, the package importable
+    (`device_type` None: the run's GPUs are elsewhere; the rest is checked all the same)."""
     if not config.liger_kernels:
         return
-    if device_type != "cuda":
+    if device_type == "cpu":
         raise ValueError(
             "--liger_kernels needs a CUDA GPU (its kernels are Triton's), and this run is on the "
             "CPU: drop --liger_kernels."

@@ -64,10 +64,13 @@ KERNEL_OPS = {
 }
 
 
-def check_sdpa_backend(config: TrainConfig, *, device_type: str, supports_sdpa: bool) -> None:
+def check_sdpa_backend(
+    config: TrainConfig, *, device_type: str | None, supports_sdpa: bool
+) -> None:
     """Raise ValueError (one paragraph, naming the fix) for a `--sdpa_backend` that cannot run
     here, found from the options alone (the preflight): a backend for a model that does not
-    run sdpa, a CUDA kernel on the CPU, flash with masks or cuDNN and flash in fp32 on GPUs."""
+    run sdpa, a CUDA kernel on the CPU, flash with masks or cuDNN and flash in fp32 on GPUs
+    (`device_type` None: on GPUs this machine does not have, the login node's preflight)."""
     backend = config.sdpa_backend
     if backend == "auto":
         return
@@ -77,7 +80,7 @@ def check_sdpa_backend(config: TrainConfig, *, device_type: str, supports_sdpa: 
             f"--sdpa_backend {backend} chooses the kernel under sdpa attention, and this model "
             f"runs {runs}. Drop --sdpa_backend, or use --attn_implementation sdpa."
         )
-    if device_type != "cuda":
+    if device_type == "cpu":
         if backend not in CPU_BACKENDS:
             raise ValueError(
                 f"--sdpa_backend {backend} is a CUDA kernel, and this run is on the CPU, where "
@@ -124,17 +127,61 @@ def use_sdpa_backend(backend: str) -> None:
     cuda.enable_math_sdp("math" in allowed)
 
 
+@contextmanager
+def generation_kernels() -> Iterator[None]:
+    """Within: SDPA's math kernel allowed after the kernel `--sdpa_backend` chose for the
+    process (`use_sdpa_backend`), the chosen one still tried first. Decoding and scoring
+    (fsdp_utils/parallel/generate.py: GRPO's rollouts, the chess evaluation, sample prompts)
+    attend with padding masks and one-token queries that the chosen kernel may not take
+    (flash takes no mask): without a fallback torch finds "no available kernel". The training
+    forward, outside, keeps the chosen kernel alone."""
+    from torch.backends import cuda
+    from torch.nn.attention import sdpa_kernel
+
+    if cuda.math_sdp_enabled():  # auto or math: every call has a kernel already
+        yield
+        return
+    enabled = {
+        "cudnn": cuda.cudnn_sdp_enabled, "flash": cuda.flash_sdp_enabled,
+        "efficient": cuda.mem_efficient_sdp_enabled,
+    }  # fmt: skip
+    chosen = [BACKENDS[name] for name, on in enabled.items() if on()]
+    # torch ranks math before cuDNN: set_priority keeps the chosen kernel first. sdpa_kernel
+    # restores the enabled kernels but leaves its order behind (torch 2.11 to 2.13): restored
+    # here, so that a later `auto` in this process gets torch's own order.
+    priority = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel([*chosen, SDPBackend.MATH], set_priority=True):
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(priority)
+
+
 def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device) -> None:
     """On CUDA, for a chosen backend: raise ValueError (one paragraph, torch's reasons and the
     fix) if torch's `can_use_*_attention` refuses the run's attention: its shapes (one
     micro-batch, the sequence, the heads), compute dtype and mask, on this GPU."""
-    backend = config.sdpa_backend
-    if backend in ("auto", "math") or device.type != "cuda":
+    if config.sdpa_backend in ("auto", "math") or device.type != "cuda":
         return
+    refusal = backend_refusal(config, hf_config, device)
+    if refusal is not None:
+        raise ValueError(
+            f"--sdpa_backend {config.sdpa_backend} cannot run this run's attention on this GPU "
+            f"({torch.cuda.get_device_name(device)}; {refusal} Use --sdpa_backend auto "
+            "(torch's choice), or another kernel."
+        )
+
+
+def backend_refusal(config: TrainConfig, hf_config: Any, device: torch.device) -> str | None:
+    """None where torch's `can_use_*_attention` takes the run's attention with the chosen
+    backend (CUDA), else the shapes and torch's reasons. With a mask, the key-value heads reach
+    SDPA grouped (`sdpa_attention`, where the kernel takes them so) or repeated to the query's
+    (transformers' `repeat_kv`, where it does not): either form runs."""
     from torch.backends import cuda
 
     from fsdp_utils.model.build import compute_dtype
 
+    backend = config.sdpa_backend
     text = hf_config.get_text_config()
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -151,10 +198,10 @@ def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device
     mask = None
     if config.document_masking:  # the block-diagonal mask transformers builds
         mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device=device).tril()
-    # Without a mask transformers passes enable_gqa; with one, the key-value heads are either
-    # passed grouped (`attention`, when the kernel takes them) or repeated: try the former
-    key, value = heads_of(kv_heads), heads_of(kv_heads)
-    params = cuda.SDPAParams(query, key, value, mask, 0.0, mask is None, heads != kv_heads)
+    # Without a mask transformers passes enable_gqa; with one, grouped or repeated (above)
+    forms = [kv_heads]
+    if mask is not None and kv_heads != heads:
+        forms.append(heads)
     usable = {
         "cudnn": cuda.can_use_cudnn_attention,
         "flash": cuda.can_use_flash_attention,
@@ -162,15 +209,16 @@ def check_backend_runs(config: TrainConfig, hf_config: Any, device: torch.device
     }[backend]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if usable(params, True):
-            return
-    reasons = " ".join(" ".join(str(w.message).split()) for w in caught) or "no reason given"
-    raise ValueError(
-        f"--sdpa_backend {backend} cannot run this run's attention on this GPU "
-        f"({torch.cuda.get_device_name(device)}; {heads} heads over {kv_heads} key-value heads "
-        f"of {head_dim}, {length} tokens, {str(dtype).removeprefix('torch.')}"
-        f"{', a document mask' if mask is not None else ''}). torch says: {reasons} Use "
-        "--sdpa_backend auto (torch's choice), or another kernel."
+        for count in forms:
+            key, value = heads_of(count), heads_of(count)
+            params = cuda.SDPAParams(query, key, value, mask, 0.0, mask is None, count != heads)
+            if usable(params, True):
+                return None
+    reasons = " ".join(dict.fromkeys(" ".join(str(w.message).split()) for w in caught))
+    return (
+        f"{heads} heads over {kv_heads} key-value heads of {head_dim}, {length} tokens, "
+        f"{str(dtype).removeprefix('torch.')}{', a document mask' if mask is not None else ''})"
+        f". torch says: {reasons or 'no reason given'}"
     )
 
 
@@ -195,10 +243,15 @@ def gqa_keeps_kernel(
 ) -> bool:
     """Whether SDPA runs the same kernel for `query` and the grouped `key`/`value` with
     `enable_gqa` as for key-value heads repeated to the query's number (`repeat_kv`), so that
-    passing them grouped saves the copies and changes nothing else."""
-    grouped = torch._fused_sdp_choice(query, key, value, attn_mask=mask, enable_gqa=True)
-    # repeat_kv's result has the query's shape, dtype and device: the query stands in for it
-    repeated = torch._fused_sdp_choice(query, query, query, attn_mask=mask)
+    passing them grouped saves the copies and changes nothing else. False where no kernel
+    allowed (`--sdpa_backend`) takes one of the calls: torch raises for it, and transformers'
+    path, with the copies, is the one that may run."""
+    try:
+        grouped = torch._fused_sdp_choice(query, key, value, attn_mask=mask, enable_gqa=True)
+        # repeat_kv's result has the query's shape, dtype and device: the query stands in for it
+        repeated = torch._fused_sdp_choice(query, query, query, attn_mask=mask)
+    except RuntimeError:  # no allowed kernel takes the grouped call: transformers' copies
+        return False
     return bool(grouped == repeated)
 
 

@@ -7,8 +7,11 @@ needs, and checked to share the student's vocabulary.
   parameter, not the trained model's 4), fp32 under fp32; under fp16-mixed in fp32 and cast to
   fp16 by FSDP2's policy, as the student. `--teacher_quantize nf4` stores its decoder layers'
   linear weights in 4 bits with QLoRA's transform and loader (`fsdp_utils.model.qlora`).
-- **No LoRA, no frozen-layer transform, no activation checkpointing**: it runs forward only,
-  under no_grad, so nothing is saved for a backward.
+- **No LoRA, no frozen-layer transform, no activation checkpointing** (nor `--checkpoint_layers`
+  or `--checkpoint_mode`), **no liger-kernel**: it runs forward only, under no_grad, so nothing
+  is saved for a backward. (liger's function also rebinds module-level names of the family's
+  modeling file, for the process: a teacher of the student's family built after it runs liger's
+  rotary, norms and MLPs all the same.)
 - **The vocabulary**: distillation compares the two models' probabilities token by token, so
   the tokenizers must agree on every token's id (`check_same_vocabulary`). Their output layers
   may still differ in width (Qwen2.5's small models have 151,936 rows, its 7B and up 152,064,
@@ -41,6 +44,9 @@ def teacher_build_config(config: TrainConfig) -> TrainConfig:
         lora=False,
         freeze_layers=0,
         gradient_checkpointing=False,
+        checkpoint_layers=None,  # --auto's count of checkpointed layers: the student's
+        checkpoint_mode="layer",
+        liger_kernels=False,  # its layers' kernels and fused loss are for a trained model
         compile=False,
         compile_scope="layers",
         float8="none",  # a frozen forward: float8 training's recipes are for trained layers

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fsdp_utils.data.blocks import IGNORE_INDEX
+from fsdp_utils.model.sdpa import generation_kernels
 from fsdp_utils.parallel import distributed as dist_utils
 from fsdp_utils.parallel.parallelize import gathered_parameters, no_grad_pass
 
@@ -175,7 +176,7 @@ def continue_prompts(
     keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     context = autocast or contextlib.nullcontext
 
-    with context():
+    with context(), generation_kernels():
         out = model(
             input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
             use_cache=True, **keep,
@@ -213,7 +214,7 @@ def continue_prompts(
             [[pad_token_id if done[b] else picked[b]] for b in range(rows)], device=device
         )
         mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
-        with context():
+        with context(), generation_kernels():
             out = model(
                 input_ids=feed, attention_mask=mask, position_ids=next_position,
                 use_cache=True, **_cache_of(out), **keep,
@@ -304,7 +305,7 @@ def continuation_logprobs(
         # vocabulary over whole prompts would not fit).
         keep = 1 + max((extras[r] for r in chunks[n]), default=0) if n < len(chunks) else 1
         extra = {"logits_to_keep": keep} if _accepts(model, "logits_to_keep") else {}
-        with context():
+        with context(), generation_kernels():
             out = model(
                 input_ids=ids.to(device), attention_mask=mask.to(device),
                 position_ids=positions.to(device), use_cache=False, **extra,

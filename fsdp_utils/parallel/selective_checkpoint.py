@@ -23,8 +23,8 @@ runs bit for bit).
 
 Beside torchtitan's list: the CPU's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`,
 so that CPU runs and the memory planner, which traces on the CPU, save attention as the GPU
-does), and `addmm`, the matrix product with a bias (Qwen2's q, k, v projections, GPT-2's Conv1D),
-counted among the products. The count restarts at every checkpointed layer and is kept apart for
+does), `addmm`, the matrix product with a bias (Qwen2's q, k, v projections, GPT-2's Conv1D),
+and `_scaled_mm`, --float8's float8 product (torchao's Float8Linear), counted among the products. The count restarts at every checkpointed layer and is kept apart for
 the forward and the recompute, so both pick the same products.
 """
 
@@ -52,8 +52,9 @@ def _ops(*names: str, namespace: Any = torch.ops.aten) -> frozenset[Any]:
     return frozenset(found)
 
 
-# Matrix products, of which every second output is saved.
-MATMULS = _ops("mm", "addmm", "linear")
+# Matrix products, of which every second output is saved: `_scaled_mm` is how --float8's
+# layers (torchao's Float8Linear) run theirs; a torch without it leaves it out (`_ops`).
+MATMULS = _ops("mm", "addmm", "linear", "_scaled_mm")
 # Saved whenever they run: attention (what it costs most to recompute, and what a fused kernel
 # keeps for its own backward anyway: output and log-sum-exp), the reduce-scatter of a sharded
 # collective, and the amax of float8 scaling (torchtitan's list).

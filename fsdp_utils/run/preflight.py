@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from fsdp_utils.chess_eval.evaluator import EngineSettings
 from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.seq_length import fit_seq_length
@@ -82,12 +84,27 @@ class CheckedRun(NamedTuple):
     notes: list[str]
 
 
-def check_run(config: TrainConfig, world_size: int) -> CheckedRun:
+def run_device_type(config: TrainConfig, *, run_host: bool = True) -> str | None:
+    """The device kind the run's device checks (--float8, --liger_kernels, an --sdpa_backend
+    kernel, flash or flex attention) are made for: "cuda" where this machine has a GPU, "cpu"
+    for --device cpu, or --device auto on the run's own host (the trainer; the sbatch
+    preflight on the job's first node). None where the run's GPUs are elsewhere: --device
+    cuda with none visible here, or --device auto on the login node (`run_host` False:
+    slurm/submit.py's preflight). Then the checks that need the GPU wait for the trainer's
+    start, which makes them on the GPU node (`check_run` again, `run_host` True)."""
+    if config.device == "cpu" or torch.cuda.is_available():
+        return device_type(config.device)
+    if config.device == "cuda" or not run_host:
+        return None
+    return "cpu"
+
+
+def check_run(config: TrainConfig, world_size: int, *, run_host: bool = True) -> CheckedRun:
     """Trackers, the training method, batch arithmetic, the model and data in the offline
     cache, the sequence length against the model's context (a default one fitted to it), the
     attention implementation, what sequence parallelism splits, LoRA's targets and adapter,
     the frozen layers. The trainer's process calls it once and passes what it found down;
-    `--preflight` runs the same checks."""
+    `--preflight` runs the same checks (`run_host`: see `run_device_type`)."""
     check_trackers(config)
     # registered in this process (fsdp_utils.methods.registry), and its own needs met
     method_class(config.method).preflight(config)
@@ -97,9 +114,10 @@ def check_run(config: TrainConfig, world_size: int) -> CheckedRun:
     config, note = fit_seq_length(config, hf_config)
     plan = plan_batch(config, world_size)
     check_not_quantized(hf_config, assets.model_dir)
-    check_attn_implementation(hf_config, config, device_type=device_type(config.device))
-    check_liger_kernels(hf_config, config, device_type=device_type(config.device))
-    check_float8_device(config, device_type(config.device))
+    kind = run_device_type(config, run_host=run_host)
+    check_attn_implementation(hf_config, config, device_type=kind)
+    check_liger_kernels(hf_config, config, device_type=kind)
+    check_float8_device(config, kind)
     check_splittable(
         hf_config, config.sequence_parallel, attn_implementation=config.attn_implementation,
         max_seq_length=config.seq_length, world_size=world_size,
@@ -117,7 +135,18 @@ def check_run(config: TrainConfig, world_size: int) -> CheckedRun:
         check_eval_tasks(config, assets.model_dir)
     if config.chess_eval_every:  # no engine for --chess_engine on, or a PATH that is none: exit 2
         EngineSettings.from_config(config)
-    return CheckedRun(config, plan, assets, [note] if note else [])
+    notes = [note] if note else []
+    device_options = (
+        config.float8 != "none" or config.liger_kernels or config.sdpa_backend != "auto"
+        or config.attn_implementation in ("flash_attention_2", "flex_attention")
+    )  # fmt: skip
+    if kind is None and device_options:
+        notes.append(
+            "device checks: this machine has no GPU, so what needs the run's GPU (float8's "
+            "compute capability, liger's and SDPA's kernels) is checked again by the trainer "
+            "at its start on the GPU node"
+        )
+    return CheckedRun(config, plan, assets, notes)
 
 
 def check_chess_engine(config: TrainConfig) -> str | None:
@@ -247,11 +276,17 @@ def _skipped(reason: str, *, details: str = "", title: str = "the planner's outp
 
 
 def preflight(
-    config: TrainConfig, world_size: int, nodes: int = 1, gpu_memory: str = GPU_MEMORY_AUTO
+    config: TrainConfig,
+    world_size: int,
+    nodes: int = 1,
+    gpu_memory: str = GPU_MEMORY_AUTO,
+    *,
+    run_host: bool = True,
 ) -> str:
     """All checks; returns what was checked, raises ValueError with the fix otherwise. The
-    storage check comes last: a run that does not fit in memory fails first."""
-    checked = check_run(config, world_size)
+    storage check comes last: a run that does not fit in memory fails first. `run_host`
+    False: this is the login node, not the run's first node (`run_device_type`)."""
+    checked = check_run(config, world_size, run_host=run_host)
     config, assets = checked.config, checked.assets
     lines = [_basics_line(checked)]
     engine = check_chess_engine(config)

@@ -390,6 +390,8 @@ def _preflight(options: SubmitOptions, train_args: Sequence[str]) -> str:
         str(options.nodes),
         "--gpu_memory",
         options.gpu_memory,
+        # the run goes to the GPU nodes (except --local): what needs their GPU waits for them
+        *([] if options.local else ["--login_node"]),
         *train_args,
     ]
     result = subprocess.run(

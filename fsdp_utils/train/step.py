@@ -272,6 +272,11 @@ def describe_sync_free(config: TrainConfig, step: TrainStep) -> str:
             "GradScaler), unless the optimizer is fused (--fused_optimizer: its kernel skips "
             "the step on the device)"
         )
+    if config.liger_kernels:  # its FLCE counts the targets on the device (liger-kernel 0.8.5)
+        line += (
+            "; --liger_kernels' fused linear cross-entropy reads its target count once per "
+            "micro-batch (target_mask.sum().item() in its forward)"
+        )
     return line
 
 
