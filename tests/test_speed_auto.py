@@ -5,6 +5,7 @@ makes once and reads back, and issue 64's 70B case (its first fix a sharding cha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -266,3 +267,21 @@ def test_a_training_run_with_auto_on_a_calibrated_cpu(tiny_assets, tmp_path):
     )
     rows = (site_dir / "runs.jsonl").read_text().splitlines()
     assert len(rows) == 1 and json.loads(rows[0])["device_key"] == site.cpu_key()
+
+
+def test_a_calibrated_gpu_without_a_data_sheet_is_timed_by_the_runs_search():
+    """The child search of a training run's --auto gets the GPU's name with its own memory, and
+    finds the kind --calibrate stored (`gpu:<name>`): a GH200 is timed, its 95.6 GiB planned."""
+    from fsdp_utils.plan.cli import Target
+    from fsdp_utils.plan.cli import make_parser as plan_parser
+    from fsdp_utils.plan.hardware import MIB
+    from fsdp_utils.plan.speed import UNCALIBRATED_CPU
+    from fsdp_utils.run.speed import _gpu_flag
+
+    gpu = Gpu("NVIDIA GH200 480GB", 97871 * MIB)
+    device = dataclasses.replace(UNCALIBRATED_CPU, name=gpu.name, kind="gpu")
+    site.write_calibration(f"gpu:{gpu.name}", device, {"processes": 1})
+    target = Target.from_args(plan_parser().parse_args(["--gpus_per_node", "4", *_gpu_flag(gpu)]))
+    assert target.gpu == gpu
+    speed = speed_model(TrainConfig(), target.gpu, required="--auto")
+    assert speed is not None and speed.key == f"gpu:{gpu.name}"

@@ -32,7 +32,7 @@ from fsdp_utils.parallel.distributed import DistEnv, on_main_rank
 from fsdp_utils.plan.auto import apply_settings, request_of
 from fsdp_utils.plan.efficiency import SpeedRow
 from fsdp_utils.plan.estimate import Cluster
-from fsdp_utils.plan.hardware import GIB, Gpu, spec_key
+from fsdp_utils.plan.hardware import GIB, Gpu, planner_flags, spec_key
 from fsdp_utils.plan.site import append_run, calibrated_device, cpu_key
 from fsdp_utils.plan.speed import SpeedModel, speed_model
 from fsdp_utils.plan.workload import model_facts, run_shape
@@ -60,11 +60,8 @@ def _this_gpu(env: DistEnv) -> Gpu | None:
 
 
 def _gpu_flag(gpu: Gpu | None) -> list[str]:
-    """The planner's --gpu_memory for this node: its kind's name where it has one."""
-    if gpu is None:
-        return []
-    key = spec_key(gpu)
-    return ["--gpu_memory", key or f"{gpu.memory_bytes // 2**20}MiB"]
+    """The planner's --gpu_memory (this GPU's own size) and --gpu_kind (its name) for this node."""
+    return [] if gpu is None else planner_flags(gpu)
 
 
 def _request(config: TrainConfig, env: DistEnv, gpu: Gpu | None) -> dict[str, Any]:
