@@ -285,3 +285,74 @@ def test_a_calibrated_gpu_without_a_data_sheet_is_timed_by_the_runs_search():
     assert target.gpu == gpu
     speed = speed_model(TrainConfig(), target.gpu, required="--auto")
     assert speed is not None and speed.key == f"gpu:{gpu.name}"
+
+
+def test_a_run_reads_back_the_preflights_choice_without_max_seq_length(
+    tiny_assets, tmp_path, monkeypatch
+):
+    """--max_seq_length not given: the preflight's search gets check_run's config (the length
+    fitted to the model), and the run asks the same request, so its first leg reads the choice
+    back instead of searching again."""
+    import subprocess
+
+    from fsdp_utils.run import preflight
+    from fsdp_utils.run import speed as run_speed
+
+    def planner_here(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        code, out, err = _in_process(command)
+        return subprocess.CompletedProcess(command, code, out, err)
+
+    def no_search(command: list[str]) -> tuple[int, str, str]:
+        raise AssertionError(f"searched again: {command}")
+
+    config, _ = parse_config(
+        ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+         "--dataset_include", "", "--total_batch_size", "4", "--precision", "fp32",
+         "--device", "cpu", "--output_dir", str(tmp_path / "run"), "--auto"],
+        make_parser(),
+    )  # fmt: skip
+    assert config.max_seq_length is None
+    checked = preflight.check_run(config, 1).config
+    monkeypatch.setattr(preflight.subprocess, "run", planner_here)
+    line = preflight.check_memory(checked, 1, 1, ["--gpu_memory", "4GiB"])
+    assert line.startswith("auto: chosen:"), line
+    monkeypatch.setattr(run_speed, "_run_planner", no_search)
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    resolved, notes = run_speed.resolve_auto(config, env)
+    assert "read back" in notes[0]
+    assert resolved.max_seq_length is None  # fitted again, with its note, by check_run
+
+
+def test_the_settings_applied_are_rank_0s_not_the_file_read_again(model, tmp_path, monkeypatch):
+    """Every rank applies the settings rank 0 chose, sent through the process group: a node
+    whose file system still serves an older auto.json (NFS caches) must not apply that one.
+    Here any read of the file once rank 0 has written its choice sees a stale one (one
+    process: the other ranks' side is `broadcast_object`, rank 0's value on every rank)."""
+    from fsdp_utils.run import speed as run_speed
+
+    monkeypatch.setattr(run_speed, "_run_planner", _in_process)
+    write, read = run_speed.write_json_atomic, run_speed._read
+    chosen: dict[str, object] = {}
+
+    def written(path: Path, record: dict) -> None:
+        write(path, record)
+        chosen.update(record["settings"])
+
+    def stale_once_chosen(path: Path) -> dict | None:
+        record = read(path)
+        if record is not None and chosen:
+            other = 1 if chosen["batch_size_per_device"] != 1 else 2
+            record["settings"] = {**chosen, "batch_size_per_device": other}
+        return record
+
+    monkeypatch.setattr(run_speed, "write_json_atomic", written)
+    monkeypatch.setattr(run_speed, "_read", stale_once_chosen)
+    config, _ = parse_config(
+        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
+         "--precision", "fp32", "--device", "cpu", "--output_dir", str(tmp_path / "run"),
+         "--auto"],
+        make_parser(),
+    )  # fmt: skip
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    resolved, _ = run_speed.resolve_auto(config, env)
+    assert chosen and resolved.batch_size_per_device == chosen["batch_size_per_device"]
