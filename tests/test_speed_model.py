@@ -256,3 +256,20 @@ def test_a_cpu_run_is_measured_in_cpu_seconds():
     lines = [line for r in records for line in check.observe(r)]
     assert check.measured_step_seconds == 1.0  # the wall clock's 5 s of a loaded machine left out
     assert lines and "+0%" in lines[0] and "per CPU second" in lines[0]
+
+
+def test_a_calibrated_kind_without_a_data_sheet_takes_the_fabric_given_or_a_named_one():
+    """One node cannot measure the fabric: a GPU kind without a data sheet is not assumed as
+    fast between nodes as NVLink (what a calibration of it once stored), the flags set it, and
+    without them InfiniBand NDR is assumed and said."""
+    key = "gpu:NVIDIA GH200 480GB"
+    measured = dataclasses.replace(H100, name="NVIDIA GH200 480GB", fabric_bandwidth=450e9)
+    site.write_calibration(key, measured, {"processes": 4})
+    config = TrainConfig()
+    assumed = site.calibrated_device(key, config)
+    assert assumed is not None and assumed.fabric_bandwidth == 400e9 / 8
+    assert "InfiniBand NDR" in assumed.source and "assumed" in assumed.source
+    hdr = site.calibrated_device(key, config.replace(interconnect="hdr"))
+    assert hdr is not None and hdr.fabric_bandwidth == 200e9 / 8 and "assumed" not in hdr.source
+    given = site.calibrated_device(key, config.replace(fabric_gbps=100.0))
+    assert given is not None and given.fabric_bandwidth == 100e9 / 8

@@ -181,6 +181,10 @@ INTERCONNECTS: dict[str, tuple[float, str]] = {
     "eth25": (25.0, "Ethernet, 25 Gb/s per GPU"),
 }
 
+# Between the nodes of a GPU kind without a data sheet here, unless --interconnect or
+# --fabric_gbps says: the usual fabric of the kinds above (one NDR port per GPU), printed.
+DEFAULT_FABRIC = "ndr"
+
 LINK_LATENCY_S = 10e-6  # per collective within a node (assumed, see SPEC_SOURCES)
 FABRIC_LATENCY_S = 20e-6  # per collective between nodes (assumed)
 
@@ -222,14 +226,16 @@ def spec_key(gpu: Gpu | None) -> str | None:
     return None
 
 
-def fabric_bandwidth(interconnect: str | None, fabric_gbps: float | None, spec: GpuSpec) -> float:
+def fabric_bandwidth(
+    interconnect: str | None, fabric_gbps: float | None, spec: GpuSpec | None
+) -> float:
     """Bytes/s per GPU between nodes: --fabric_gbps, else the --interconnect named, else the
-    kind's typical fabric."""
+    kind's typical fabric (`DEFAULT_FABRIC` for a kind without a data sheet)."""
     if fabric_gbps is not None:
         if fabric_gbps <= 0:
             raise ValueError(f"--fabric_gbps must be positive, got {fabric_gbps}.")
         return fabric_gbps * GB / 8
-    name = (interconnect or spec.fabric).strip().lower()
+    name = (interconnect or (spec.fabric if spec else DEFAULT_FABRIC)).strip().lower()
     if name not in INTERCONNECTS:
         known = "; ".join(f"{k} ({v[1]})" for k, v in INTERCONNECTS.items())
         raise ValueError(
