@@ -273,3 +273,25 @@ def test_a_calibrated_kind_without_a_data_sheet_takes_the_fabric_given_or_a_name
     assert hdr is not None and hdr.fabric_bandwidth == 200e9 / 8 and "assumed" not in hdr.source
     given = site.calibrated_device(key, config.replace(fabric_gbps=100.0))
     assert given is not None and given.fabric_bandwidth == 100e9 / 8
+
+
+def test_an_fp32_run_on_a_calibrated_gpu_is_timed_at_the_sheets_fp32_rate():
+    """--calibrate measures a GPU's products in bf16: an fp32 run on that kind takes its data
+    sheet (and says so); a kind without a sheet cannot be timed in fp32, and --auto says why."""
+    measured = dataclasses.replace(
+        H100, matmul_table=((1024.0, 4096.0, 7e14),), source="calibrated"
+    )
+    site.write_calibration("h100-80gb", measured, {"processes": 8})
+    gpu = Gpu("NVIDIA H100 80GB HBM3", 80 * 2**30)
+    bf16 = speed_model(TrainConfig(precision="bf16"), gpu)
+    assert bf16 is not None and bf16.device.matmul_table
+    fp32 = speed_model(TrainConfig(precision="fp32"), gpu)
+    assert fp32 is not None and not fp32.device.matmul_table
+    assert fp32.device.matmul_flops == GPU_SPECS["h100-80gb"].fp32_flops
+    assert "fp32" in fp32.describe()
+    other = Gpu("NVIDIA GH200 480GB", 96 * 2**30)
+    site.write_calibration(f"gpu:{other.name}", dataclasses.replace(measured, name=other.name), {})
+    assert speed_model(TrainConfig(precision="bf16"), other) is not None
+    assert speed_model(TrainConfig(precision="fp32"), other) is None
+    with pytest.raises(ValueError, match="bf16"):
+        speed_model(TrainConfig(precision="fp32"), other, required="--auto")

@@ -493,7 +493,8 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         gpu = Gpu(props.name, int(props.total_memory))
         key = spec_key(gpu) or f"gpu:{props.name}"
         spec = GPU_SPECS.get(key)
-        peak = (spec.fp32_flops if config.precision == "fp32" else spec.bf16_flops) if spec else 0
+        # the products are measured in bf16 (an fp32 plan takes the data sheet: plan/speed.py)
+        peak = spec.bf16_flops if spec else 0.0
         # not measured (one node): the flags, the data sheet's, or DEFAULT_FABRIC (said below)
         fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, spec)
         name, kind = props.name, "gpu"
