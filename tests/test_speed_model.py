@@ -283,7 +283,7 @@ def test_an_fp32_run_on_a_calibrated_gpu_is_timed_at_the_sheets_fp32_rate():
     )
     site.write_calibration("h100-80gb", measured, {"processes": 8})
     gpu = Gpu("NVIDIA H100 80GB HBM3", 80 * 2**30)
-    bf16 = speed_model(TrainConfig(precision="bf16"), gpu)
+    bf16 = speed_model(TrainConfig(precision="bf16-mixed"), gpu)
     assert bf16 is not None and bf16.device.matmul_table
     fp32 = speed_model(TrainConfig(precision="fp32"), gpu)
     assert fp32 is not None and not fp32.device.matmul_table
@@ -291,7 +291,7 @@ def test_an_fp32_run_on_a_calibrated_gpu_is_timed_at_the_sheets_fp32_rate():
     assert "fp32" in fp32.describe()
     other = Gpu("NVIDIA GH200 480GB", 96 * 2**30)
     site.write_calibration(f"gpu:{other.name}", dataclasses.replace(measured, name=other.name), {})
-    assert speed_model(TrainConfig(precision="bf16"), other) is not None
+    assert speed_model(TrainConfig(precision="bf16-mixed"), other) is not None
     assert speed_model(TrainConfig(precision="fp32"), other) is None
     with pytest.raises(ValueError, match="bf16"):
         speed_model(TrainConfig(precision="fp32"), other, required="--auto")

@@ -88,8 +88,8 @@ def speed_model(config: TrainConfig, gpu: Gpu | None, *, required: str = "") -> 
             "or --device cpu to plan CPU processes; on a GPU of another kind, run "
             "`python -m fsdp_utils.plan --calibrate --gpus_per_node N` on one of its nodes."
         )
-    device = calibrated or calibrated_device(key, config)
-    if device is not None and config.precision == "fp32":
+    known = calibrated or calibrated_device(key, config)
+    if known is not None and config.precision == "fp32":
         # --calibrate times a GPU's products in bf16: an fp32 run's come from the data sheet
         if key not in GPU_SPECS:
             if not required:
@@ -101,8 +101,8 @@ def speed_model(config: TrainConfig, gpu: Gpu | None, *, required: str = "") -> 
                 "or plan the run in bf16."
             )
         sheet = sheet_device(key, config)
-        device = dataclasses.replace(
+        known = dataclasses.replace(
             sheet, source=f"{sheet.source}: fp32, which --calibrate does not measure (bf16)"
         )
-    device = device or sheet_device(key, config)
+    device = known or sheet_device(key, config)
     return SpeedModel(key, device, efficiency_for(key, device))
