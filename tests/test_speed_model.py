@@ -295,3 +295,21 @@ def test_an_fp32_run_on_a_calibrated_gpu_is_timed_at_the_sheets_fp32_rate():
     assert speed_model(TrainConfig(precision="fp32"), other) is None
     with pytest.raises(ValueError, match="bf16"):
         speed_model(TrainConfig(precision="fp32"), other, required="--auto")
+
+
+def test_scaling_holds_the_batch_per_gpu_of_the_planned_nodes(tmp_path):
+    """--scaling on 2 nodes x 8 GPUs keeps each GPU's batch as the run has it on 16 GPUs (1
+    sequence, not the 2 it would have on one node of 8)."""
+    from fsdp_utils.plan.scaling import scaling_rows
+    from fsdp_utils.synthetic import tiny_model_config
+
+    tiny_model_config("llama", vocab_size=512, num_layers=2).save_pretrained(tmp_path)
+    config = TrainConfig(
+        model=str(tmp_path), total_batch_size=16, batch_size_per_device=1, max_seq_length=1024
+    )
+    speed = speed_model(config, Gpu("H100-80GB", 80 * 2**30))
+    assert speed is not None
+    planned = Cluster(2, 8)
+    rows = scaling_rows(config, planned, speed)
+    here = speed.predict(config, planned).tokens_per_gpu
+    assert here == 1024 and all(row.full.tokens_per_gpu == here for row in rows)

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp_utils.plan.scaling import format_scaling, scaling_rows
 
             assert speed is not None
-            print(format_scaling(scaling_rows(config, target.gpus_per_node, speed), speed))
+            print(format_scaling(scaling_rows(config, target.cluster, speed), speed))
             return EXIT_FITS
         if config.auto:
             assert speed is not None
