@@ -356,3 +356,30 @@ def test_the_settings_applied_are_rank_0s_not_the_file_read_again(model, tmp_pat
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
     resolved, _ = run_speed.resolve_auto(config, env)
     assert chosen and resolved.batch_size_per_device == chosen["batch_size_per_device"]
+
+
+def test_offload_is_tried_when_the_first_round_spent_its_traces(model, monkeypatch):
+    """The first round's traces do not use up offload's: with a budget of 2 traces a round, a
+    run that fits only with --cpu_offload is still found (the memory is a stand-in here:
+    nothing fits without offload, everything with it)."""
+    from types import SimpleNamespace
+
+    from fsdp_utils.plan import auto
+
+    gpu = Gpu("H100-80GB", 80 * GIB)
+
+    def evaluate(config, cluster, gpu_, margin, *, full_trace=False):
+        peak = GIB if config.cpu_offload else 2 * gpu.memory_bytes
+        return SimpleNamespace(
+            peak_bytes=peak, required_bytes=peak, forward_backward_peak_bytes=peak,
+            update_peak_bytes=peak, peak_in_optimizer_step=False, rollout=None,
+        )  # fmt: skip
+
+    monkeypatch.setattr(auto, "evaluate", evaluate)
+    monkeypatch.setattr(auto, "MAX_TRACES", 2)
+    config = _config(model, precision="bf16-mixed")
+    speed = speed_model(config, gpu)
+    assert speed is not None
+    result = search(config, CLUSTER, gpu, speed, margin=NO_MARGIN)
+    assert result.winner is not None and result.winner.config.cpu_offload
+    assert result.traced > 2
