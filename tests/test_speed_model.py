@@ -313,3 +313,13 @@ def test_scaling_holds_the_batch_per_gpu_of_the_planned_nodes(tmp_path):
     rows = scaling_rows(config, planned, speed)
     here = speed.predict(config, planned).tokens_per_gpu
     assert here == 1024 and all(row.full.tokens_per_gpu == here for row in rows)
+
+
+def test_ulysses_pays_four_latencies_a_layer_pass():
+    """q, k, v and the attention's output: four all-to-alls around every attention, in the
+    forward, the backward and each recompute (parallel/ulysses.py), as docs/plan.md counts."""
+    instant = dataclasses.replace(H100, link_bandwidth=1e30)  # the latencies alone
+    shape = _shape(ONE_B, sequence_parallel=2, checkpointed_layers=3)
+    step = predict(ONE_B.facts, shape, Cluster(1, 2), instant, EFF)
+    passes = shape.accumulation * (2 * ONE_B.facts.layers + 3)
+    assert step.term("all-to-all") == pytest.approx(passes * 4 * instant.link_latency)
