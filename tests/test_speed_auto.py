@@ -171,6 +171,16 @@ def _in_process(command: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _auto_run(model: Path, output_dir: Path) -> TrainConfig:
+    """A training command's config with --auto, as the run parses it."""
+    config, _ = parse_config(
+        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
+         "--precision", "fp32", "--device", "cpu", "--output_dir", str(output_dir), "--auto"],
+        make_parser(),
+    )  # fmt: skip
+    return config
+
+
 def test_a_run_chooses_once_and_reads_the_choice_back(model, tmp_path, monkeypatch):
     from fsdp_utils.run import speed as run_speed
 
@@ -182,12 +192,7 @@ def test_a_run_chooses_once_and_reads_the_choice_back(model, tmp_path, monkeypat
 
     monkeypatch.setattr(run_speed, "_run_planner", planner)
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    config, _ = parse_config(
-        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
-         "--precision", "fp32", "--device", "cpu", "--output_dir", str(tmp_path / "run"),
-         "--auto"],
-        make_parser(),
-    )  # fmt: skip
+    config = _auto_run(model, tmp_path / "run")
     resolved, notes = run_speed.resolve_auto(config, env)
     assert len(calls) == 1 and "--auto" in calls[0]
     assert notes[0].startswith("auto: chose --sharding")
@@ -347,12 +352,7 @@ def test_the_settings_applied_are_rank_0s_not_the_file_read_again(model, tmp_pat
 
     monkeypatch.setattr(run_speed, "write_json_atomic", written)
     monkeypatch.setattr(run_speed, "_read", stale_once_chosen)
-    config, _ = parse_config(
-        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
-         "--precision", "fp32", "--device", "cpu", "--output_dir", str(tmp_path / "run"),
-         "--auto"],
-        make_parser(),
-    )  # fmt: skip
+    config = _auto_run(model, tmp_path / "run")
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
     resolved, _ = run_speed.resolve_auto(config, env)
     assert chosen and resolved.batch_size_per_device == chosen["batch_size_per_device"]
