@@ -84,9 +84,10 @@ def speed_model(config: TrainConfig, gpu: Gpu | None, *, required: str = "") -> 
             return None
         raise ValueError(
             f"{required} needs to know the GPU kind for its step time: give --gpu_memory as one "
-            f"of {', '.join(sorted(GPU_SPECS))} (a size such as 80GiB says only the memory), "
-            "or --device cpu to plan CPU processes; on a GPU of another kind, run "
-            "`python -m fsdp_utils.plan --calibrate --gpus_per_node N` on one of its nodes."
+            f"of {', '.join(sorted(GPU_SPECS))} (a size such as 80GiB says only the memory: "
+            "add --gpu_kind with one of them), or --device cpu to plan CPU processes; on a GPU "
+            "of another kind, run `python -m fsdp_utils.plan --calibrate --gpus_per_node N` on "
+            "one of its nodes, then plan with --gpu_kind '<its name, as nvidia-smi prints it>'."
         )
     known = calibrated or calibrated_device(key, config)
     if known is not None and config.precision == "fp32":

@@ -258,9 +258,8 @@ def preflight(
     if engine:
         lines.append(engine)
     if not config.no_fsdp and gpu_memory != GPU_MEMORY_OFF:
-        memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else [
-            "--gpu_memory", gpu_memory
-        ]  # fmt: skip
+        given = ["--gpu_memory", gpu_memory]
+        memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else given
         if memory is None:
             lines.append(
                 "memory plan: skipped (no GPU on this node; --gpu_memory 80GiB plans anyway)"
