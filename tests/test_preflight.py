@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -124,3 +125,26 @@ def test_a_planner_crash_is_a_warning_and_the_job_goes_on(tiny_assets, tmp_path)
         result.stdout
     )
     assert "Traceback (most recent call last):" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "name, mib, kind",
+    [("NVIDIA H100 NVL", 95830, "h100-80gb"), ("NVIDIA GH200 480GB", 97871, None)],
+)
+def test_the_plan_has_the_nodes_own_memory_and_kind(tmp_path, monkeypatch, name, mib, kind):
+    """nvidia-smi's name and memory.total reach the planner as they are: an H100 NVL is planned
+    with its 93.6 GiB (not the h100-80gb preset's 79.6) and timed as an H100; a GH200 with its
+    95.6 GiB, and not as an H200 (140 GiB): a kind of its own, without a data sheet."""
+    from fsdp_utils.plan.cli import Target, make_parser
+    from fsdp_utils.plan.hardware import MIB, spec_key
+    from fsdp_utils.run.preflight import detect_gpu_memory
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{name}, {mib}'\necho '{name}, {mib}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    flags = detect_gpu_memory()
+    assert flags is not None
+    target = Target.from_args(make_parser().parse_args(["--gpus_per_node", "2", *flags]))
+    assert target.gpu is not None and target.gpu.memory_bytes == mib * MIB
+    assert target.gpu.name == name and spec_key(target.gpu) == kind

@@ -5,6 +5,7 @@ makes once and reads back, and issue 64's 70B case (its first fix a sharding cha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -170,6 +171,16 @@ def _in_process(command: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _auto_run(model: Path, output_dir: Path) -> TrainConfig:
+    """A training command's config with --auto, as the run parses it."""
+    config, _ = parse_config(
+        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
+         "--precision", "fp32", "--device", "cpu", "--output_dir", str(output_dir), "--auto"],
+        make_parser(),
+    )  # fmt: skip
+    return config
+
+
 def test_a_run_chooses_once_and_reads_the_choice_back(model, tmp_path, monkeypatch):
     from fsdp_utils.run import speed as run_speed
 
@@ -181,12 +192,7 @@ def test_a_run_chooses_once_and_reads_the_choice_back(model, tmp_path, monkeypat
 
     monkeypatch.setattr(run_speed, "_run_planner", planner)
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    config, _ = parse_config(
-        ["--model", str(model), "--total_batch_size", "8", "--max_seq_length", "64",
-         "--precision", "fp32", "--device", "cpu", "--output_dir", str(tmp_path / "run"),
-         "--auto"],
-        make_parser(),
-    )  # fmt: skip
+    config = _auto_run(model, tmp_path / "run")
     resolved, notes = run_speed.resolve_auto(config, env)
     assert len(calls) == 1 and "--auto" in calls[0]
     assert notes[0].startswith("auto: chose --sharding")
@@ -266,3 +272,114 @@ def test_a_training_run_with_auto_on_a_calibrated_cpu(tiny_assets, tmp_path):
     )
     rows = (site_dir / "runs.jsonl").read_text().splitlines()
     assert len(rows) == 1 and json.loads(rows[0])["device_key"] == site.cpu_key()
+
+
+def test_a_calibrated_gpu_without_a_data_sheet_is_timed_by_the_runs_search():
+    """The child search of a training run's --auto gets the GPU's name with its own memory, and
+    finds the kind --calibrate stored (`gpu:<name>`): a GH200 is timed, its 95.6 GiB planned."""
+    from fsdp_utils.plan.cli import Target
+    from fsdp_utils.plan.cli import make_parser as plan_parser
+    from fsdp_utils.plan.hardware import MIB
+    from fsdp_utils.plan.speed import UNCALIBRATED_CPU
+    from fsdp_utils.run.speed import _gpu_flag
+
+    gpu = Gpu("NVIDIA GH200 480GB", 97871 * MIB)
+    device = dataclasses.replace(UNCALIBRATED_CPU, name=gpu.name, kind="gpu")
+    site.write_calibration(f"gpu:{gpu.name}", device, {"processes": 1})
+    target = Target.from_args(plan_parser().parse_args(["--gpus_per_node", "4", *_gpu_flag(gpu)]))
+    assert target.gpu == gpu
+    speed = speed_model(TrainConfig(), target.gpu, required="--auto")
+    assert speed is not None and speed.key == f"gpu:{gpu.name}"
+
+
+def test_a_run_reads_back_the_preflights_choice_without_max_seq_length(
+    tiny_assets, tmp_path, monkeypatch
+):
+    """--max_seq_length not given: the preflight's search gets check_run's config (the length
+    fitted to the model), and the run asks the same request, so its first leg reads the choice
+    back instead of searching again."""
+    import subprocess
+
+    from fsdp_utils.run import preflight
+    from fsdp_utils.run import speed as run_speed
+
+    def planner_here(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        code, out, err = _in_process(command)
+        return subprocess.CompletedProcess(command, code, out, err)
+
+    def no_search(command: list[str]) -> tuple[int, str, str]:
+        raise AssertionError(f"searched again: {command}")
+
+    config, _ = parse_config(
+        ["--model", str(tiny_assets["model"]), "--dataset", str(tiny_assets["data"]),
+         "--dataset_include", "", "--total_batch_size", "4", "--precision", "fp32",
+         "--device", "cpu", "--output_dir", str(tmp_path / "run"), "--auto"],
+        make_parser(),
+    )  # fmt: skip
+    assert config.max_seq_length is None
+    checked = preflight.check_run(config, 1).config
+    monkeypatch.setattr(preflight.subprocess, "run", planner_here)
+    line = preflight.check_memory(checked, 1, 1, ["--gpu_memory", "4GiB"])
+    assert line.startswith("auto: chosen:"), line
+    monkeypatch.setattr(run_speed, "_run_planner", no_search)
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    resolved, notes = run_speed.resolve_auto(config, env)
+    assert "read back" in notes[0]
+    assert resolved.max_seq_length is None  # fitted again, with its note, by check_run
+
+
+def test_the_settings_applied_are_rank_0s_not_the_file_read_again(model, tmp_path, monkeypatch):
+    """Every rank applies the settings rank 0 chose, sent through the process group: a node
+    whose file system still serves an older auto.json (NFS caches) must not apply that one.
+    Here any read of the file once rank 0 has written its choice sees a stale one (one
+    process: the other ranks' side is `broadcast_object`, rank 0's value on every rank)."""
+    from fsdp_utils.run import speed as run_speed
+
+    monkeypatch.setattr(run_speed, "_run_planner", _in_process)
+    write, read = run_speed.write_json_atomic, run_speed._read
+    chosen: dict[str, object] = {}
+
+    def written(path: Path, record: dict) -> None:
+        write(path, record)
+        chosen.update(record["settings"])
+
+    def stale_once_chosen(path: Path) -> dict | None:
+        record = read(path)
+        if record is not None and chosen:
+            other = 1 if chosen["batch_size_per_device"] != 1 else 2
+            record["settings"] = {**chosen, "batch_size_per_device": other}
+        return record
+
+    monkeypatch.setattr(run_speed, "write_json_atomic", written)
+    monkeypatch.setattr(run_speed, "_read", stale_once_chosen)
+    config = _auto_run(model, tmp_path / "run")
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    resolved, _ = run_speed.resolve_auto(config, env)
+    assert chosen and resolved.batch_size_per_device == chosen["batch_size_per_device"]
+
+
+def test_offload_is_tried_when_the_first_round_spent_its_traces(model, monkeypatch):
+    """The first round's traces do not use up offload's: with a budget of 2 traces a round, a
+    run that fits only with --cpu_offload is still found (the memory is a stand-in here:
+    nothing fits without offload, everything with it)."""
+    from types import SimpleNamespace
+
+    from fsdp_utils.plan import auto
+
+    gpu = Gpu("H100-80GB", 80 * GIB)
+
+    def evaluate(config, cluster, gpu_, margin, *, full_trace=False):
+        peak = GIB if config.cpu_offload else 2 * gpu.memory_bytes
+        return SimpleNamespace(
+            peak_bytes=peak, required_bytes=peak, forward_backward_peak_bytes=peak,
+            update_peak_bytes=peak, peak_in_optimizer_step=False, rollout=None,
+        )  # fmt: skip
+
+    monkeypatch.setattr(auto, "evaluate", evaluate)
+    monkeypatch.setattr(auto, "MAX_TRACES", 2)
+    config = _config(model, precision="bf16-mixed")
+    speed = speed_model(config, gpu)
+    assert speed is not None
+    result = search(config, CLUSTER, gpu, speed, margin=NO_MARGIN)
+    assert result.winner is not None and result.winner.config.cpu_offload
+    assert result.traced > 2

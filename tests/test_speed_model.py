@@ -256,3 +256,70 @@ def test_a_cpu_run_is_measured_in_cpu_seconds():
     lines = [line for r in records for line in check.observe(r)]
     assert check.measured_step_seconds == 1.0  # the wall clock's 5 s of a loaded machine left out
     assert lines and "+0%" in lines[0] and "per CPU second" in lines[0]
+
+
+def test_a_calibrated_kind_without_a_data_sheet_takes_the_fabric_given_or_a_named_one():
+    """One node cannot measure the fabric: a GPU kind without a data sheet is not assumed as
+    fast between nodes as NVLink (what a calibration of it once stored), the flags set it, and
+    without them InfiniBand NDR is assumed and said."""
+    key = "gpu:NVIDIA GH200 480GB"
+    measured = dataclasses.replace(H100, name="NVIDIA GH200 480GB", fabric_bandwidth=450e9)
+    site.write_calibration(key, measured, {"processes": 4})
+    config = TrainConfig()
+    assumed = site.calibrated_device(key, config)
+    assert assumed is not None and assumed.fabric_bandwidth == 400e9 / 8
+    assert "InfiniBand NDR" in assumed.source and "assumed" in assumed.source
+    hdr = site.calibrated_device(key, config.replace(interconnect="hdr"))
+    assert hdr is not None and hdr.fabric_bandwidth == 200e9 / 8 and "assumed" not in hdr.source
+    given = site.calibrated_device(key, config.replace(fabric_gbps=100.0))
+    assert given is not None and given.fabric_bandwidth == 100e9 / 8
+
+
+def test_an_fp32_run_on_a_calibrated_gpu_is_timed_at_the_sheets_fp32_rate():
+    """--calibrate measures a GPU's products in bf16: an fp32 run on that kind takes its data
+    sheet (and says so); a kind without a sheet cannot be timed in fp32, and --auto says why."""
+    measured = dataclasses.replace(
+        H100, matmul_table=((1024.0, 4096.0, 7e14),), source="calibrated"
+    )
+    site.write_calibration("h100-80gb", measured, {"processes": 8})
+    gpu = Gpu("NVIDIA H100 80GB HBM3", 80 * 2**30)
+    bf16 = speed_model(TrainConfig(precision="bf16-mixed"), gpu)
+    assert bf16 is not None and bf16.device.matmul_table
+    fp32 = speed_model(TrainConfig(precision="fp32"), gpu)
+    assert fp32 is not None and not fp32.device.matmul_table
+    assert fp32.device.matmul_flops == GPU_SPECS["h100-80gb"].fp32_flops
+    assert "fp32" in fp32.describe()
+    other = Gpu("NVIDIA GH200 480GB", 96 * 2**30)
+    site.write_calibration(f"gpu:{other.name}", dataclasses.replace(measured, name=other.name), {})
+    assert speed_model(TrainConfig(precision="bf16-mixed"), other) is not None
+    assert speed_model(TrainConfig(precision="fp32"), other) is None
+    with pytest.raises(ValueError, match="bf16"):
+        speed_model(TrainConfig(precision="fp32"), other, required="--auto")
+
+
+def test_scaling_holds_the_batch_per_gpu_of_the_planned_nodes(tmp_path):
+    """--scaling on 2 nodes x 8 GPUs keeps each GPU's batch as the run has it on 16 GPUs (1
+    sequence, not the 2 it would have on one node of 8)."""
+    from fsdp_utils.plan.scaling import scaling_rows
+    from fsdp_utils.synthetic import tiny_model_config
+
+    tiny_model_config("llama", vocab_size=512, num_layers=2).save_pretrained(tmp_path)
+    config = TrainConfig(
+        model=str(tmp_path), total_batch_size=16, batch_size_per_device=1, max_seq_length=1024
+    )
+    speed = speed_model(config, Gpu("H100-80GB", 80 * 2**30))
+    assert speed is not None
+    planned = Cluster(2, 8)
+    rows = scaling_rows(config, planned, speed)
+    here = speed.predict(config, planned).tokens_per_gpu
+    assert here == 1024 and all(row.full.tokens_per_gpu == here for row in rows)
+
+
+def test_ulysses_pays_four_latencies_a_layer_pass():
+    """q, k, v and the attention's output: four all-to-alls around every attention, in the
+    forward, the backward and each recompute (parallel/ulysses.py), as docs/plan.md counts."""
+    instant = dataclasses.replace(H100, link_bandwidth=1e30)  # the latencies alone
+    shape = _shape(ONE_B, sequence_parallel=2, checkpointed_layers=3)
+    step = predict(ONE_B.facts, shape, Cluster(1, 2), instant, EFF)
+    passes = shape.accumulation * (2 * ONE_B.facts.layers + 3)
+    assert step.term("all-to-all") == pytest.approx(passes * 4 * instant.link_latency)

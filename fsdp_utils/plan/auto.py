@@ -48,7 +48,7 @@ from fsdp_utils.plan.workload import checkpointed_layers, model_facts
 
 Progress = Callable[[str], None]
 TOP = 5  # candidates that fit, shown (each the best of its settings but the checkpointed layers)
-MAX_TRACES = 16  # memory plans one search may trace
+MAX_TRACES = 16  # memory plans a round of the search may trace (the first, then offload's)
 
 
 def _quiet(_: str) -> None:
@@ -381,6 +381,7 @@ def _best_first(
     too_big: dict[tuple[Any, ...], int] = {}
     impossible: set[tuple[Any, ...]] = set()  # plans that cannot be made (a split that fails)
     best_of: set[tuple[Any, ...]] = set()
+    traced_before = memory.traced  # each round its own MAX_TRACES: offload's too
     for cand in timed:
         cfg = cand.config
         c = checkpointed_layers(cfg, layers)
@@ -400,7 +401,7 @@ def _best_first(
         if not _has_traces(memory, cfg, layers, pinned):
             if ranked:  # the choice is made: the runners-up come from plans already traced
                 continue
-            if memory.traced >= MAX_TRACES:
+            if memory.traced - traced_before >= MAX_TRACES:
                 progress(f"  stopping: {MAX_TRACES} memory plans traced")
                 break
         try:

@@ -21,8 +21,8 @@ as a run's processes compute at once, and records rank 0's figures:
 - collectives between the processes: all-gather, reduce-scatter, all-reduce, all-to-all at a
   small and a large size: the latency and the bus bandwidth (nccl-tests' definition).
 
-Between nodes nothing is measured (one node); the fabric stays the GPU kind's (--interconnect,
---fabric_gbps).
+Between nodes nothing is measured (one node); the fabric is the plan's --interconnect or
+--fabric_gbps, else the GPU kind's data sheet's, else InfiniBand NDR (`DEFAULT_FABRIC`, said).
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ import torch
 
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.efficiency import SpeedRow, fit
-from fsdp_utils.plan.hardware import GPU_SPECS, Gpu, fabric_bandwidth, spec_key
+from fsdp_utils.plan.hardware import (
+    DEFAULT_FABRIC,
+    FABRIC_LATENCY_S,
+    GPU_SPECS,
+    Gpu,
+    fabric_bandwidth,
+    spec_key,
+)
 from fsdp_utils.plan.site import cpu_key, write_calibration
 from fsdp_utils.plan.step_time import (
     CALIBRATED_PRIOR,
@@ -486,8 +493,10 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         gpu = Gpu(props.name, int(props.total_memory))
         key = spec_key(gpu) or f"gpu:{props.name}"
         spec = GPU_SPECS.get(key)
-        peak = (spec.fp32_flops if config.precision == "fp32" else spec.bf16_flops) if spec else 0
-        fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, spec) if spec else 0
+        # the products are measured in bf16 (an fp32 plan takes the data sheet: plan/speed.py)
+        peak = spec.bf16_flops if spec else 0.0
+        # not measured (one node): the flags, the data sheet's, or DEFAULT_FABRIC (said below)
+        fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, spec)
         name, kind = props.name, "gpu"
     else:
         key, spec, peak, fabric = cpu_key(), None, 0.0, 0.0
@@ -504,7 +513,7 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
         fabric_bandwidth=fabric or link,
         host_bandwidth=compute["host_bandwidth"] or compute["memory_bandwidth"],
         link_latency=latency,
-        fabric_latency=max(latency, 20e-6) if fabric else latency,
+        fabric_latency=max(latency, FABRIC_LATENCY_S) if fabric else latency,
         host_optimizer_bandwidth=compute["host_optimizer_bandwidth"],
         dispatch_s=compute["dispatch_s"],
         matmul_table=tuple(tuple(row) for row in compute["matmul_table"]),
@@ -549,6 +558,13 @@ def calibrate_node(config: TrainConfig, processes: int, *, progress: Progress) -
             f"  collectives       {comm['busbw'] / 1e9:,.2f} GB/s bus bandwidth, "
             f"{comm['latency_s'] * 1e6:,.0f} us latency (median of all-gather, reduce-scatter, "
             "all-reduce, all-to-all)"
+        )
+    if fabric:
+        given = config.interconnect or config.fabric_gbps
+        what = "as given" if given else f"{spec.fabric if spec else DEFAULT_FABRIC}, assumed"
+        lines.append(
+            f"  between nodes     {fabric * 8 / 1e9:,.0f} Gb/s per GPU ({what}; not measured: "
+            "--interconnect, --fabric_gbps on the plan set it)"
         )
     if spec is not None and peak:
         lines.append(

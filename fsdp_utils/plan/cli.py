@@ -21,7 +21,14 @@ from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.config.parse import build_parser, parse_config
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.estimate import Cluster
-from fsdp_utils.plan.hardware import GIB, Gpu, detect_gpu, parse_gpu_memory, parse_size
+from fsdp_utils.plan.hardware import (
+    GIB,
+    Gpu,
+    detect_gpu,
+    gpu_kind_name,
+    parse_gpu_memory,
+    parse_size,
+)
 from fsdp_utils.plan.planner import max_batch_plan, plan_memory
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan
 from fsdp_utils.plan.search import batch_candidates, resolved_total_batch
@@ -61,6 +68,13 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="SIZE|GPU",
         help="Memory of one GPU: 80GiB, 81920MiB, or a100-40gb, a100-80gb, h100-64gb, "
         "h100-80gb, h200, l40s (default: the GPU of this node, if any).",
+    )
+    where.add_argument(
+        "--gpu_kind",
+        metavar="GPU",
+        help="The GPU's kind for the step time, where --gpu_memory gives a size: a kind above "
+        "(h100-80gb) or the name nvidia-smi prints ('NVIDIA H100 NVL'; a kind without a data "
+        "sheet needs --calibrate). The memory stays --gpu_memory's.",
     )
     what = parser.add_argument_group("planning")
     what.add_argument(
@@ -142,6 +156,13 @@ class Target:
         gpu = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else None
         if gpu is None and not on_cpu:
             gpu = detect_gpu()
+        if args.gpu_kind:
+            if gpu is None:
+                raise ValueError(
+                    f"--gpu_kind {args.gpu_kind!r} says the GPU's kind, not its memory: give "
+                    "--gpu_memory too (e.g. --gpu_memory 95830MiB)."
+                )
+            gpu = Gpu(gpu_kind_name(args.gpu_kind), gpu.memory_bytes)
         margin = Margin(parse_size(args.margin_runtime, "--margin_runtime"), args.margin_allocator)
         return cls(nodes, int(gpus), gpu, margin, args.full_trace)
 
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp_utils.plan.scaling import format_scaling, scaling_rows
 
             assert speed is not None
-            print(format_scaling(scaling_rows(config, target.gpus_per_node, speed), speed))
+            print(format_scaling(scaling_rows(config, target.cluster, speed), speed))
             return EXIT_FITS
         if config.auto:
             assert speed is not None

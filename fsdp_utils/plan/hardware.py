@@ -77,6 +77,24 @@ def parse_gpu_memory(text: str) -> Gpu:
     return Gpu("", size)
 
 
+def gpu_kind_name(text: str) -> str:
+    """`--gpu_kind`: a kind of `GPU_PRESETS` (`h100-80gb`) as its preset's name, which
+    `spec_key` matches exactly whatever the memory; anything else is the name nvidia-smi or
+    CUDA prints ("NVIDIA H100 NVL"), kept as given (`spec_key` reads it, a kind without a data
+    sheet is looked up as --calibrate stored it: `gpu:<name>`)."""
+    key = text.strip().lower().replace("_", "-")
+    key = _ALIASES.get(key, key)
+    return GPU_PRESETS[key].name if key in GPU_PRESETS else text.strip()
+
+
+def planner_flags(gpu: Gpu) -> list[str]:
+    """The planner's flags for a GPU found on a node (nvidia-smi, torch.cuda): its real memory
+    (`--gpu_memory`; a preset would plan the preset's size) and its name (`--gpu_kind`: the kind
+    the step-time model times)."""
+    flags = ["--gpu_memory", f"{gpu.memory_bytes // MIB}MiB"]
+    return flags + (["--gpu_kind", gpu.name] if gpu.name else [])
+
+
 def detect_gpu() -> Gpu | None:
     """The first visible CUDA device (on a GPU node), else None (a login node)."""
     import torch
@@ -163,6 +181,10 @@ INTERCONNECTS: dict[str, tuple[float, str]] = {
     "eth25": (25.0, "Ethernet, 25 Gb/s per GPU"),
 }
 
+# Between the nodes of a GPU kind without a data sheet here, unless --interconnect or
+# --fabric_gbps says: the usual fabric of the kinds above (one NDR port per GPU), printed.
+DEFAULT_FABRIC = "ndr"
+
 LINK_LATENCY_S = 10e-6  # per collective within a node (assumed, see SPEC_SOURCES)
 FABRIC_LATENCY_S = 20e-6  # per collective between nodes (assumed)
 
@@ -191,6 +213,8 @@ def spec_key(gpu: Gpu | None) -> str | None:
             return key
     name = gpu.name.upper()
     gib = gpu.memory_bytes / GIB
+    if "GH200" in name:  # Grace Hopper: a kind of its own (no data sheet here: --calibrate)
+        return None
     if "H200" in name:
         return "h200"
     if "H100" in name:
@@ -202,14 +226,16 @@ def spec_key(gpu: Gpu | None) -> str | None:
     return None
 
 
-def fabric_bandwidth(interconnect: str | None, fabric_gbps: float | None, spec: GpuSpec) -> float:
+def fabric_bandwidth(
+    interconnect: str | None, fabric_gbps: float | None, spec: GpuSpec | None
+) -> float:
     """Bytes/s per GPU between nodes: --fabric_gbps, else the --interconnect named, else the
-    kind's typical fabric."""
+    kind's typical fabric (`DEFAULT_FABRIC` for a kind without a data sheet)."""
     if fabric_gbps is not None:
         if fabric_gbps <= 0:
             raise ValueError(f"--fabric_gbps must be positive, got {fabric_gbps}.")
         return fabric_gbps * GB / 8
-    name = (interconnect or spec.fabric).strip().lower()
+    name = (interconnect or (spec.fabric if spec else DEFAULT_FABRIC)).strip().lower()
     if name not in INTERCONNECTS:
         known = "; ".join(f"{k} ({v[1]})" for k, v in INTERCONNECTS.items())
         raise ValueError(

@@ -34,9 +34,12 @@ class ScalingRow:
     hybrid: StepTime | None  # None on one node: hybrid sharding is full sharding there
 
 
-def scaling_rows(config: TrainConfig, gpus_per_node: int, speed: SpeedModel) -> list[ScalingRow]:
-    """The run at every size of `WORLD_SIZES` divisible by its sequence-parallel degree."""
-    here = plan_batch(config, gpus_per_node)
+def scaling_rows(config: TrainConfig, planned: Cluster, speed: SpeedModel) -> list[ScalingRow]:
+    """The run at every size of `WORLD_SIZES` divisible by its sequence-parallel degree, each
+    GPU with the micro-batch and accumulation the run has on `planned` (--nodes x
+    --gpus_per_node), nodes of `planned.gpus_per_node` GPUs."""
+    gpus_per_node = planned.gpus_per_node
+    here = plan_batch(config, planned.world_size)
     per_gpu, accumulation = here.batch_size_per_device, here.gradient_accumulation_steps
     rows = []
     for gpus in WORLD_SIZES:

@@ -27,8 +27,10 @@ from fsdp_utils.config.layout import site_calibration_file, site_dir
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.efficiency import SpeedRow, fit
 from fsdp_utils.plan.hardware import (
+    DEFAULT_FABRIC,
     FABRIC_LATENCY_S,
     GPU_SPECS,
+    INTERCONNECTS,
     LINK_LATENCY_S,
     fabric_bandwidth,
 )
@@ -112,8 +114,9 @@ def sheet_device(key: str, config: TrainConfig) -> Device:
 
 
 def calibrated_device(key: str, config: TrainConfig) -> Device | None:
-    """The site's measurement of `key`, if --calibrate made one (the fabric between nodes, which
-    one node cannot measure, from --interconnect / --fabric_gbps when given)."""
+    """The site's measurement of `key`, if --calibrate made one. On a GPU the fabric between
+    nodes, which one node cannot measure: --interconnect / --fabric_gbps, else the kind's data
+    sheet's, else `DEFAULT_FABRIC` (said in the device's source)."""
     entry = read_calibrations().get(key)
     if not isinstance(entry, dict) or "device" not in entry:
         return None
@@ -121,9 +124,19 @@ def calibrated_device(key: str, config: TrainConfig) -> Device | None:
         device = Device.from_dict(entry["device"])
     except (KeyError, TypeError, ValueError):
         return None
-    if key in GPU_SPECS and (config.interconnect or config.fabric_gbps):
-        fabric = fabric_bandwidth(config.interconnect, config.fabric_gbps, GPU_SPECS[key])
-        device = Device.from_dict({**device.to_dict(), "fabric_bandwidth": fabric})
+    if device.kind == "gpu":
+        spec = GPU_SPECS.get(key)
+        given = config.interconnect or config.fabric_gbps
+        changes: dict[str, Any] = {
+            "fabric_bandwidth": fabric_bandwidth(config.interconnect, config.fabric_gbps, spec),
+            "fabric_latency": max(device.link_latency, FABRIC_LATENCY_S),
+        }
+        if spec is None and not given:
+            changes["source"] = (
+                f"{device.source}; between nodes {INTERCONNECTS[DEFAULT_FABRIC][1]} assumed: "
+                "give --interconnect or --fabric_gbps"
+            )
+        device = Device.from_dict({**device.to_dict(), **changes})
     return device
 
 

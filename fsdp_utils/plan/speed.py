@@ -3,6 +3,7 @@ sheet, or this CPU), which fitted shares, and a prediction for any configuration
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fsdp_utils.config.batch import plan_batch
@@ -83,9 +84,26 @@ def speed_model(config: TrainConfig, gpu: Gpu | None, *, required: str = "") -> 
             return None
         raise ValueError(
             f"{required} needs to know the GPU kind for its step time: give --gpu_memory as one "
-            f"of {', '.join(sorted(GPU_SPECS))} (a size such as 80GiB says only the memory), "
-            "or --device cpu to plan CPU processes; on a GPU of another kind, run "
-            "`python -m fsdp_utils.plan --calibrate --gpus_per_node N` on one of its nodes."
+            f"of {', '.join(sorted(GPU_SPECS))} (a size such as 80GiB says only the memory: "
+            "add --gpu_kind with one of them), or --device cpu to plan CPU processes; on a GPU "
+            "of another kind, run `python -m fsdp_utils.plan --calibrate --gpus_per_node N` on "
+            "one of its nodes, then plan with --gpu_kind '<its name, as nvidia-smi prints it>'."
         )
-    device = calibrated or calibrated_device(key, config) or sheet_device(key, config)
+    known = calibrated or calibrated_device(key, config)
+    if known is not None and config.precision == "fp32":
+        # --calibrate times a GPU's products in bf16: an fp32 run's come from the data sheet
+        if key not in GPU_SPECS:
+            if not required:
+                return None
+            raise ValueError(
+                f"{required}: --calibrate measured {gpu.name if gpu else key}'s matrix products "
+                "in bf16, and it has no data sheet here for fp32's: time an fp32 run on it "
+                f"with --gpu_kind set to a kind that has one ({', '.join(sorted(GPU_SPECS))}), "
+                "or plan the run in bf16."
+            )
+        sheet = sheet_device(key, config)
+        known = dataclasses.replace(
+            sheet, source=f"{sheet.source}: fp32, which --calibrate does not measure (bf16)"
+        )
+    device = known or sheet_device(key, config)
     return SpeedModel(key, device, efficiency_for(key, device))

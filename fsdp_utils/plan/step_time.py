@@ -549,7 +549,9 @@ def predict(
         bw = device.link_bandwidth if inside_sp else device.fabric_bandwidth
         lat = device.link_latency if inside_sp else device.fabric_latency
         one = _collective(per_pass, sp, bw, lat)
-        all_to_all = m * (2 * L + c) * (one.seconds + 2 * lat)  # four all-to-alls a pass
+        # q, k, v and the output each their own all-to-all (parallel/ulysses.py): four a pass,
+        # forward, backward and recompute alike; `one` carries one latency and all the bytes
+        all_to_all = m * (2 * L + c) * (one.seconds + 3 * lat)
 
     # --- optimizer, offload's host step, QLoRA's dequantization, the trainer ---------------
     local = trainable / shard

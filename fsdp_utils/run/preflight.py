@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,12 +48,11 @@ GPU_MEMORY_AUTO, GPU_MEMORY_OFF = "auto", "off"
 PLAN_TIMEOUT_S = 600
 
 
-def detect_gpu_memory() -> str | None:
-    """The smallest GPU of this node as the planner reads it: its kind's name where the
-    step-time model knows it ("h100-80gb", so that --auto can time it), else its size
-    ("81559MiB"), from nvidia-smi; None without GPUs. (nvidia-smi rather than torch.cuda: no
-    CUDA context.)"""
-    from fsdp_utils.plan.hardware import MIB, Gpu, spec_key
+def detect_gpu_memory() -> list[str] | None:
+    """The planner's flags for the smallest GPU of this node, from nvidia-smi: its own
+    memory.total (`--gpu_memory 95830MiB`) and its name (`--gpu_kind 'NVIDIA H100 NVL'`, the kind
+    --auto times); None without GPUs. (nvidia-smi rather than torch.cuda: no CUDA context.)"""
+    from fsdp_utils.plan.hardware import MIB, Gpu, planner_flags
 
     try:
         result = subprocess.run(
@@ -71,7 +71,7 @@ def detect_gpu_memory() -> str | None:
     if result.returncode != 0 or not gpus:
         return None
     smallest, name = min(gpus)
-    return spec_key(Gpu(name, smallest * MIB)) or f"{smallest}MiB"
+    return planner_flags(Gpu(name, smallest * MIB))
 
 
 class CheckedRun(NamedTuple):
@@ -179,7 +179,7 @@ def _basics_line(checked: CheckedRun) -> str:
     return "\n".join([line, *checked.notes])
 
 
-def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: str) -> str:
+def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_flags: list[str]) -> str:
     """Run the memory planner (in a child process with CUDA hidden: it traces on fake CPU
     tensors and must not touch the GPUs the job is about to use). Raises ValueError with the
     plan when the run does not fit; any other planner failure is a warning (`read_plan`)."""
@@ -191,7 +191,7 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
         command = [
             sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
             "--nodes", str(nodes), "--gpus_per_node", str(world_size // nodes),
-            "--gpu_memory", gpu_memory, "--no_fixes",
+            *gpu_flags, "--no_fixes",
         ]  # fmt: skip
         if config.auto:  # the choice, made here once for every leg (fsdp_utils/run/speed.py)
             from fsdp_utils.run.speed import auto_file
@@ -208,7 +208,7 @@ def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_memory: s
             return _skipped(f"the planner did not finish in {PLAN_TIMEOUT_S} s")
     rerun = (
         f"python chess_finetune.py --plan --nodes {nodes} --gpus_per_node "
-        f"{world_size // nodes} --gpu_memory {gpu_memory} <your training flags>"
+        f"{world_size // nodes} {shlex.join(gpu_flags)} <your training flags>"
     )
     return read_plan(result.returncode, result.stdout, result.stderr, rerun=rerun)
 
@@ -293,7 +293,8 @@ def preflight(
     if engine:
         lines.append(engine)
     if not config.no_fsdp and gpu_memory != GPU_MEMORY_OFF:
-        memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else gpu_memory
+        given = ["--gpu_memory", gpu_memory]
+        memory = detect_gpu_memory() if gpu_memory == GPU_MEMORY_AUTO else given
         if memory is None:
             lines.append(
                 "memory plan: skipped (no GPU on this node; --gpu_memory 80GiB plans anyway)"

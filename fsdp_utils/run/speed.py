@@ -7,10 +7,11 @@ to the site's rows (fsdp_utils/plan/site.py) so that the next plan learns this c
 --save_json <output_dir>/auto.json`, before torchrun starts), or here, on rank 0, by the same
 command in a child process (the planner traces in a process group of its own), while the
 other ranks wait. A later leg of the run (a requeued job, a rerun of the same command) finds
-the file and, when it was made for the same request (the same settings as given, nodes, GPUs
-per node and GPU kind), reads it back instead of searching again; a changed request searches
-again, and says so. Every rank then applies the same settings (the file is on the run folder,
-which every node sees), and they are in the run's config.json.
+the file and, when it was made for the same request (the same settings as given, a default
+sequence length fitted to the model as the preflight's, nodes, GPUs per node and GPU kind),
+reads it back instead of searching again; a changed request searches again, and says so. Rank 0
+alone reads the file; every rank applies the settings it sends them through the process group,
+and they are in the run's config.json.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from fsdp_utils.atomic import write_json_atomic
 from fsdp_utils.config.layout import RunLayout
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.metrics.prediction import Prediction, SpeedCheck
-from fsdp_utils.parallel.distributed import DistEnv, on_main_rank
+from fsdp_utils.parallel.distributed import DistEnv, broadcast_object, on_main_rank
 from fsdp_utils.plan.auto import apply_settings, request_of
 from fsdp_utils.plan.efficiency import SpeedRow
 from fsdp_utils.plan.estimate import Cluster
-from fsdp_utils.plan.hardware import GIB, Gpu, spec_key
+from fsdp_utils.plan.hardware import GIB, Gpu, planner_flags, spec_key
 from fsdp_utils.plan.site import append_run, calibrated_device, cpu_key
 from fsdp_utils.plan.speed import SpeedModel, speed_model
 from fsdp_utils.plan.workload import model_facts, run_shape
@@ -60,11 +61,18 @@ def _this_gpu(env: DistEnv) -> Gpu | None:
 
 
 def _gpu_flag(gpu: Gpu | None) -> list[str]:
-    """The planner's --gpu_memory for this node: its kind's name where it has one."""
-    if gpu is None:
-        return []
-    key = spec_key(gpu)
-    return ["--gpu_memory", key or f"{gpu.memory_bytes // 2**20}MiB"]
+    """The planner's --gpu_memory (this GPU's own size) and --gpu_kind (its name) for this node."""
+    return [] if gpu is None else planner_flags(gpu)
+
+
+def _as_checked(config: TrainConfig) -> TrainConfig:
+    """`config` as the preflight's search gets it (`check_run`'s): a default --max_seq_length
+    fitted to the model's context, so that the request made there is the one asked here."""
+    from fsdp_utils.config.seq_length import fit_seq_length
+    from fsdp_utils.hub.resolve import config_folder, load_model_config
+
+    folder = config_folder(config.model, config.revision, config.cache_dir)
+    return fit_seq_length(config, load_model_config(folder))[0]
 
 
 def _request(config: TrainConfig, env: DistEnv, gpu: Gpu | None) -> dict[str, Any]:
@@ -89,23 +97,24 @@ def resolve_auto(config: TrainConfig, env: DistEnv) -> tuple[TrainConfig, list[s
         return config, []
     path = auto_file(config)
 
-    def choose() -> list[str]:
+    def choose() -> tuple[list[str], dict[str, Any]]:
         gpu = _this_gpu(env)
-        request = _request(config, env, gpu)
+        checked = _as_checked(config)
+        request = _request(checked, env, gpu)
         record = _read(path)
         if record is not None and _normalized(record.get("request")) == request:
             return [
                 f"auto: the choice made before the first leg, read back from {path}: "
                 f"{record['flags']} (predicted {record['predicted']['tokens_per_s_per_gpu']:,.0f}"
                 " tokens/s per GPU)"
-            ]
+            ], record["settings"]
         again = (
             f"auto: {path} was made for another request (settings, nodes or GPUs changed): "
             "searching again"
             if record is not None
             else None
         )
-        _search(config, env, gpu, path)
+        _search(checked, env, gpu, path)
         record = _read(path)
         assert record is not None
         # the next leg asks exactly this (the child read the settings back from a file)
@@ -115,15 +124,12 @@ def resolve_auto(config: TrainConfig, env: DistEnv) -> tuple[TrainConfig, list[s
             f"auto: chose {record['flags']} ({record['considered']:,} configurations timed, "
             f"{record['traced']} memory plans traced, {record['seconds']:.1f} s)",
             *record["report"].splitlines(),
-        ]
+        ], record["settings"]
 
-    notes = on_main_rank(choose) or []
-    record = _read(path)
-    if record is None:  # rank 0 wrote it; a node that does not see the run folder fails here
-        raise ValueError(
-            f"--auto: {path} is not there on this node: the run folder must be shared."
-        )
-    return apply_settings(config, record["settings"]), notes
+    # Rank 0's settings reach the others through the process group, not the shared file: a
+    # node's file system may still serve it the file rank 0 just replaced (NFS caches).
+    notes, settings = on_main_rank(choose) or ([], {})
+    return apply_settings(config, broadcast_object(settings)), notes
 
 
 def _read(path: Path) -> dict[str, Any] | None:
