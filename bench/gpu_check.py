@@ -24,7 +24,7 @@ on a cluster's GPU node:
    on the CPU beside the runs) are written into the results; then the row runs: tokens/s per GPU
    and MFU (the last 15 of 25 steps timed, or medians), peak allocated and reserved CUDA memory
    and the peak nvidia-smi memory.used, each against its prediction. `--budget` seconds in all
-   (535 by default): a row starts only when it and the more important rows after it still fit
+   (550 by default): a row starts only when it and the more important rows after it still fit
    by their estimates, else it is skipped and says so; each row has a time limit of its own.
 4. Writes into `--output` after every row: gpu_check.json (everything), gpu_check.md (the
    tables), gpu_check.log (this output), versions.txt (the versions found, the wheels installed),
