@@ -24,7 +24,7 @@ on a cluster's GPU node:
    on the CPU beside the runs) are written into the results; then the row runs: tokens/s per GPU
    and MFU (the last 15 of 25 steps timed, or medians), peak allocated and reserved CUDA memory
    and the peak nvidia-smi memory.used, each against its prediction. `--budget` seconds in all
-   (535 by default): a row starts only when it and the more important rows after it still fit
+   (550 by default): a row starts only when it and the more important rows after it still fit
    by their estimates, else it is skipped and says so; each row has a time limit of its own.
 4. Writes into `--output` after every row: gpu_check.json (everything), gpu_check.md (the
    tables), gpu_check.log (this output), versions.txt (the versions found, the wheels installed),
@@ -56,6 +56,8 @@ import tarfile
 import tempfile
 import threading
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -89,6 +91,8 @@ from gpu_rows import (  # noqa: E402  (the rows: what to measure, what it costs,
     static_skip,
 )
 
+from fsdp_utils.atomic import write_text_atomic  # noqa: E402  (the standard library's alone)
+
 __all__ = [  # what the tests and bench/speed_rows.py read from the kit
     "AC",
     "BF16",
@@ -115,12 +119,13 @@ __all__ = [  # what the tests and bench/speed_rows.py read from the kit
 
 EXIT_NO_GPU = 2
 GIB = 1024**3
-DEFAULT_BUDGET_S = 535.0  # of the 9.5 minutes the prepared device call may take (timeout_s 570)
+DEFAULT_BUDGET_S = gpu_rows.DEFAULT_BUDGET_S  # of the prepared call's timeout_s 570, 20 s kept
 STARTED_ENV = "GPU_CHECK_STARTED"  # the first start's clock, kept across the re-run with wheels
 EVAL_TASK = "arc_easy"
 EVAL_DOCUMENTS = 400  # 1,600 requests (four answers each) on a GPU
 PLANNED_KINDS = ("train", "best", "grpo", "distill")  # the planner's prediction before each
 MEASURED_KINDS = (*PLANNED_KINDS, "auto")  # tokens/s against a prediction
+COMPILE_CACHE = "compile-cache"  # in the work folder; per attention kernel (compile_cache)
 PLAN_WAIT_S = 120.0  # the longest a row waits for its prediction (a 1.1B plan: 9-14 s)
 # What a device call brings back: 8 files of at most 16 MiB; the five result files and one
 # trace per profiled row (two rows).
@@ -430,10 +435,14 @@ def profile_entry(
         "table": describe(result, bare_tflops=tflops),
     }
     target = output / f"profile-{row_name}.trace.json.gz"
-    with traces[-1].open("rb") as source, gzip.open(target, "wb", compresslevel=4) as file:
-        shutil.copyfileobj(source, file)  # the trace as torch wrote it (not gzipped: the trainer's)
+    with (
+        replaced(target) as tmp,
+        traces[-1].open("rb") as source,
+        gzip.open(tmp, "wb", compresslevel=4) as file,
+    ):
+        shutil.copyfileobj(source, file)  # as torch wrote it (not gzipped: the trainer's)
     if target.stat().st_size > TRACE_MAX_BYTES:
-        with gzip.open(target, "wt", compresslevel=9) as file:
+        with replaced(target) as tmp, gzip.open(tmp, "wt", compresslevel=9) as file:
             json.dump(trim(trace), file)
         out["trace_trimmed"] = True
     if target.stat().st_size > TRACE_MAX_BYTES:
@@ -671,10 +680,14 @@ def run_process(
     with contextlib.ExitStack() as files:
         out = files.enter_context(log.open("w"))
         err = files.enter_context(errors.open("w")) if errors else subprocess.STDOUT
-        process = subprocess.Popen(
-            command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
-        )
-        LIVE.add(process)
+        with STARTING:  # started and in LIVE before Kit.shutdown looks, or never started
+            if STOPPING.is_set():
+                out.write("gpu-check: not started: the kit is shutting down\n")
+                return 124
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
+            )
+            LIVE.add(process)
         try:
             return process.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
@@ -685,6 +698,39 @@ def run_process(
 
 
 LIVE: set[subprocess.Popen[bytes]] = set()  # run_process's commands still running
+# Kit.shutdown sets STOPPING: a planner thread still running after it (an --auto choice about to
+# plan its configuration) starts nothing the interpreter's exit would then wait for.
+STOPPING = threading.Event()
+STARTING = threading.Lock()
+
+
+def sdpa_backend(command: list[str]) -> str:
+    """The `--sdpa_backend` a command asks for (the last one given; "auto" without one)."""
+    backend = "auto"
+    for flag, value in itertools.pairwise(command):
+        if flag == "--sdpa_backend":
+            backend = value
+    return backend
+
+
+def compile_cache(work: Path, command: list[str]) -> Path:
+    """The command's compile cache: the shared one, or `sdpa-<backend>` inside it for a run
+    restricted to one attention kernel. torch's compile-cache keys leave the SDPA backend
+    setting out (pytorch #185449): a flash-only run would otherwise load the graphs a default
+    run compiled, and run their kernel (cuDNN's, say) under the flash row's name."""
+    backend = sdpa_backend(command)
+    folder = work / COMPILE_CACHE
+    return folder if backend == "auto" else folder / f"sdpa-{backend}"
+
+
+def kernel_mismatch(asked: str, ran: list[str]) -> str | None:
+    """Why a row's measurement is not its attention kernel's (None: it is, or the run asked
+    for none): the kernels its log names (`attention_kernels`; "flash (CPU)" is flash) against
+    `--sdpa_backend`."""
+    kernels = sorted({kernel.split(" (")[0] for kernel in ran})
+    if asked == "auto" or kernels == [asked]:
+        return None
+    return f"--sdpa_backend {asked}, but the run ran {' and '.join(kernels)}: not {asked}'s figure"
 
 
 def stop_group(process: subprocess.Popen[bytes]) -> None:
@@ -719,9 +765,10 @@ class Kit:
             # prediction rests on the shipped rows alone, never on a row this call measured
             # before it (docs/plan.md, "--calibrate and the site files").
             "FSDP_UTILS_SITE_DIR": str(work / "site-runs"),
-            # One compile cache for every row: a row whose graphs an earlier one compiled
-            # finds them there (inductor's FX graph and AOTAutograd caches).
-            "TORCHINDUCTOR_CACHE_DIR": str(work / "compile-cache"),
+            # One compile cache for the rows of one attention kernel: a row whose graphs an
+            # earlier one compiled finds them there (inductor's FX graph and AOTAutograd
+            # caches). A row of another --sdpa_backend gets a folder of its own (compile_cache).
+            "TORCHINDUCTOR_CACHE_DIR": str(work / COMPILE_CACHE),
         }
         # Each process caches the bytecode of what it imports (the carried wheels come without).
         self.env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -735,6 +782,7 @@ class Kit:
         }  # fmt: skip
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        STOPPING.clear()  # a new call (the tests run several in one process)
         self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=3)
         self.urgent = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # planned at run time
         self.plans: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
@@ -745,10 +793,14 @@ class Kit:
 
     def shutdown(self) -> None:
         """No plan left to start, and the ones running stopped: the call ends when its rows
-        do (the interpreter would wait for the planner's threads at exit)."""
+        do (the interpreter would wait for the planner's threads at exit, and they for their
+        commands). No command starts after this (STOPPING), so none is left to wait for."""
         for pool in (self.planner, self.urgent):
             pool.shutdown(wait=False, cancel_futures=True)
-        for process in list(LIVE):
+        with STARTING:
+            STOPPING.set()
+            running = list(LIVE)
+        for process in running:
             stop_group(process)
 
     # --- commands -----------------------------------------------------------------------------
@@ -784,9 +836,11 @@ class Kit:
         return [*flags, *row.flags, *extra]
 
     def run(self, command: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
-        """A command (`run_process`), its output into `log`; (exit code, output, seconds)."""
+        """A command (`run_process`), its output into `log`; (exit code, output, seconds). Its
+        compile cache is its attention kernel's (compile_cache)."""
         started = time.perf_counter()
-        code = run_process(command, env=self.env, timeout=timeout, log=log)
+        env = {**self.env, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache(self.work, command))}
+        code = run_process(command, env=env, timeout=timeout, log=log)
         return code, log.read_text(errors="replace"), time.perf_counter() - started
 
     def write_weights(
@@ -894,19 +948,36 @@ class Kit:
             teacher=teacher, chosen=chosen,
         )  # fmt: skip
         result: dict[str, Any] = {"wall_s": seconds}
-        if code != 0:
-            return {**result, **failure(code, log)}
-        records = run_records(out)
-        result.update(summarize(records, timed_steps=row.timed_steps, gpus=self.gpus))
         (self.logs / f"{row.name}.metrics.jsonl").write_bytes(
             (out / "metrics.jsonl").read_bytes() if (out / "metrics.jsonl").is_file() else b""
         )
+        if code != 0 and code != 124:
+            return {**result, **failure(code, log)}
+        records = run_records(out)
+        result.update(summarize(records, timed_steps=row.timed_steps, gpus=self.gpus))
         result["smi_peak_gib"] = max(smi.values()) / 1024 if smi else None
+        if code == 124:  # killed at its limit: what it logged so far, never a figure to compare
+            steps = [r["step"] for r in records if r.get("kind") == "train"]
+            last = f"up to step {steps[-1]} of {row.steps}" if steps else "none"
+            return {
+                **result, **failure(code, log), "status": "timed out", "partial": True,
+                "reason": f"timed out at its limit of {timeout:.0f} s; partial: the records "
+                f"{last} summarised (metrics.jsonl in logs.tar.gz)",
+            }  # fmt: skip
+        asked = sdpa_backend([*row.flags, *chosen])
+        if asked != "auto" and not result.get("attention_kernels"):
+            result["kernel_check"] = f"--sdpa_backend {asked}: no attention kernel logged to check"
+        wrong = kernel_mismatch(asked, result.get("attention_kernels") or [asked])
+        if wrong:
+            return {**result, "status": "failed", "reason": wrong, "log_tail": log[-3000:]}
         if row.profile_step:
             try:
                 result["profile"] = profile_entry(out, row.name, self.bare, self.args.output)
-            except (OSError, ValueError, KeyError) as error:  # the row's figures still count
-                result["profile"] = {"error": f"{type(error).__name__}: {error}"}
+            except Exception as error:  # a trace the reader did not expect: the figures count
+                result["profile"] = {
+                    "error": f"{type(error).__name__}: {error}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
         return result
 
     def grpo_row(self, model: Path, row: Row, timeout: float) -> dict[str, Any]:
@@ -1162,19 +1233,42 @@ class Report:
         self.output, self.logs, self.result = output, logs, result
 
     def write(self, started: float) -> None:
+        """Each file written whole or not at all (a temporary file renamed over it): a call
+        killed at its timeout in the middle of a write brings back the previous whole one."""
         self.result["seconds"] = time.time() - started
-        (self.output / "gpu_check.json").write_text(json.dumps(self.result, indent=2))
-        (self.output / "gpu_check.md").write_text(render_table(self.result))
+        text = json.dumps(self.result, indent=2, default=str)
+        write_text_atomic(self.output / "gpu_check.json", text)
+        write_text_atomic(self.output / "gpu_check.md", render(self.result))
         # the runs' own rows for the step-time model (FSDP_UTILS_SITE_DIR: Kit's environment)
         runs = self.logs.parent / "site-runs" / "runs.jsonl"
-        with tarfile.open(self.output / "logs.tar.gz", "w:gz") as archive:
+        with replaced(self.output / "logs.tar.gz") as tmp, tarfile.open(tmp, "w:gz") as archive:
             for path in sorted(self.logs.glob("*")):
                 archive.add(path, arcname=f"logs/{path.name}")
             if runs.is_file():
                 archive.add(runs, arcname="logs/site-runs.jsonl")
 
 
-def install_wheels(args: argparse.Namespace) -> None:
+def render(result: dict[str, Any]) -> str:
+    """render_table, or why it could not be drawn: the results file still holds every row."""
+    try:
+        return render_table(result)
+    except Exception:
+        return f"The table could not be drawn (gpu_check.json holds every row):\n\n```\n{traceback.format_exc()}```\n"
+
+
+@contextlib.contextmanager
+def replaced(path: Path) -> Iterator[Path]:
+    """A temporary sibling of `path` to write, renamed over it when the block completes (and
+    removed if the block fails): `path` is the old whole file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def install_wheels(args: argparse.Namespace, started: float) -> None:
     """Install the carried wheels this Python lacks, then run this script again with them first
     on PYTHONPATH (so that this process and every command it starts import the same versions)."""
     import device_stack
@@ -1183,7 +1277,7 @@ def install_wheels(args: argparse.Namespace) -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "versions.txt").write_text("\n".join(["# carried wheels", *lines, ""]))
     print("\n".join(lines), flush=True)
-    env = {**os.environ, STARTED_ENV: os.environ.get(STARTED_ENV, str(time.time()))}
+    env = {**os.environ, STARTED_ENV: repr(started)}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(args.site), str(REPO), os.environ.get("PYTHONPATH", "")) if p
     )
@@ -1319,13 +1413,15 @@ def probe(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the budget's clock: from the first start, before the wheels' installation (kept across
+    # the run again with them, STARTED_ENV), as the budget's setup estimate counts it
+    started = float(os.environ.get(STARTED_ENV, time.time()))
     args = parse_args(argv)
     probed = probe(args)
     if probed is not None:
         return probed
     if args.wheels:
-        install_wheels(args)  # does not return: runs this script again
-    started = float(os.environ.get(STARTED_ENV, time.time()))
+        install_wheels(args, started)  # does not return: runs this script again
     try:
         rows = select_rows(ROWS, quick=args.quick, only=args.only)
     except ValueError as error:
@@ -1505,18 +1601,9 @@ def run_rows(
     models: dict[str, Path] = {}
     unwritten: set[str] = set()
     measured: dict[str, dict[str, Any]] = {}
-    for index, row in enumerate(rows):
-        entry: dict[str, Any] = {
-            "name": row.name, "kind": row.kind, "shape": shapes[row.role],
-            "parameters": SHAPES[shapes[row.role]].parameters(), "seq": row.seq,
-            "batch": row.batch, "total": row.total_batch, "steps": row.steps,
-            "flags": list(row.flags), "priority": row.priority,
-            "estimate_s": round(row.estimate_s * budget.scale),
-        }  # fmt: skip
-        if row.ref:
-            entry.update(ref=row.ref, lever=row.lever, adds=list(row.adds), drops=list(row.drops))
-        report.result["rows"].append(entry)
-        measured[row.name] = entry
+
+    def run_row(index: int, row: Row, entry: dict[str, Any]) -> None:
+        """One row: skipped (saying why), or run and measured into `entry`."""
         later = [r for r in rows[index + 1 :] if not statics[r.name]]
         skip = statics[row.name] or budget.skip_reason(
             row, later, elapsed=elapsed(), written=set(models)
@@ -1530,8 +1617,7 @@ def run_rows(
         if skip:
             entry.update(status="skipped", reason=skip)
             print(f"gpu-check: {row.name}: skipped ({skip})", flush=True)
-            report.write(started)
-            continue
+            return
         print(
             f"gpu-check: {row.name} ({row.kind}, {entry['shape']}, seq {row.seq}) ...", flush=True
         )
@@ -1556,8 +1642,7 @@ def run_rows(
                 report.result["bare_matmul"] = kit.bare
         if entry.get("status") == "failed":
             print(f"  {describe_row(entry)}", flush=True)
-            report.write(started)
-            continue
+            return
         teacher = models.get("large") if row.kind == "distill" else None
         chosen: tuple[str, ...] = ()
         # The prediction, on disk before the row starts: it can never be written after.
@@ -1575,8 +1660,7 @@ def run_rows(
             if not chosen:
                 entry.update(status="failed", reason=entry["prediction"]["error"])
                 print(f"  {describe_row(entry)}", flush=True)
-                report.write(started)
-                continue
+                return
             batch = chosen[chosen.index("--batch_size_per_device") + 1]
             entry.update(batch=int(batch), flags=[*row.flags, *chosen])
         elif row.kind in PLANNED_KINDS:
@@ -1586,10 +1670,11 @@ def run_rows(
             print(f"  predicted: {describe_prediction(entry['prediction'])}", flush=True)
         report.write(started)
         entry["started_at"] = time.time()
-        # Three times its estimate on a GPU, within the budget; without a budget (--budget 0, the
-        # CPU dry run on a loaded machine) only a stop for a hung command.
+        # Three times its estimate on a GPU, within what the more important rows after it
+        # leave (Budget.time_limit); without a budget (--budget 0, the CPU dry run on a loaded
+        # machine) only a stop for a hung command.
         if args.budget:
-            timeout = min(max(3 * row.estimate_s * budget.scale, 60.0), budget.seconds - elapsed())
+            timeout = budget.time_limit(row, later, elapsed=elapsed(), written=set(models))
         else:
             timeout = 1800.0
         model = models[row.role]
@@ -1617,11 +1702,36 @@ def run_rows(
             if row.ref:
                 entry["gain"] = gain(row, measured)
         print(f"  {describe_row(entry)}", flush=True)
+
+    for index, row in enumerate(rows):
+        entry: dict[str, Any] = {
+            "name": row.name, "kind": row.kind, "shape": shapes[row.role],
+            "parameters": SHAPES[shapes[row.role]].parameters(), "seq": row.seq,
+            "batch": row.batch, "total": row.total_batch, "steps": row.steps,
+            "flags": list(row.flags), "priority": row.priority,
+            "estimate_s": round(row.estimate_s * budget.scale),
+        }  # fmt: skip
+        if row.ref:
+            entry.update(ref=row.ref, lever=row.lever, adds=list(row.adds), drops=list(row.drops))
+        report.result["rows"].append(entry)
+        measured[row.name] = entry
+        try:
+            run_row(index, row, entry)
+        except Exception as error:  # the kit's own fault (reading a trace, a summary): the
+            # row says so with its traceback, and the next row goes on
+            entry.update(
+                status="failed", reason=f"the kit's own error: {type(error).__name__}: {error}",
+                traceback=traceback.format_exc()[-6000:],
+            )  # fmt: skip
+            print(f"  {describe_row(entry)}\n{entry['traceback']}", flush=True)
         report.write(started)
-    finish(report.result)
+    try:
+        finish(report.result)
+    except Exception:  # the rows' own figures are written whatever the summary meets
+        report.result["finish_error"] = traceback.format_exc()[-3000:]
     report.write(started)
-    print("\n" + render_table(report.result), flush=True)
-    failed = [r["name"] for r in report.result["rows"] if r["status"] == "failed"]
+    print("\n" + render(report.result), flush=True)
+    failed = [r["name"] for r in report.result["rows"] if r["status"] in ("failed", "timed out")]
     if failed:
         print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -116,6 +116,13 @@ SETUP_S = 30.0
 SMALL_WEIGHTS_S = 22.0
 LARGE_WEIGHTS_S = 36.0
 BEST_PLAN_WAIT_S = 15.0  # the best combination is planned once it is chosen (1.1B: 9-14 s)
+# The prepared device call: timeout_s 570. The budget runs from the script's first start (the
+# wheels' installation in SETUP_S); the rest is the interpreter's start and exit, the last writes
+# (the results, logs.tar.gz) and the shutdown of the planner beside the rows: at least 15 s.
+# By the estimates the default rows end 18 s before the budget: 1b-auto's slack.
+CALL_TIMEOUT_S = 570.0
+CALL_MARGIN_S = 20.0
+DEFAULT_BUDGET_S = CALL_TIMEOUT_S - CALL_MARGIN_S
 
 
 def train_s(
@@ -374,10 +381,7 @@ class Budget:
         if own > left:
             return f"the budget: {left:.0f} s left, the row takes about {own:.0f} s"
         kept = [r for r in later if r.priority < row.priority]
-        roles = set(row.roles) | written
-        reserved = self.scale * sum(r.estimate_s for r in kept) + weights_s(
-            {x for r in kept for x in r.roles} - roles
-        )
+        reserved = self.reserved_s(row, kept, written=written)
         if own + reserved > left:
             names = ", ".join(r.name for r in kept)
             return (
@@ -385,6 +389,28 @@ class Budget:
                 f"{reserved:.0f} s are kept for the more important rows after it ({names})"
             )
         return None
+
+    def reserved_s(self, row: Row, kept: Sequence[Row], *, written: set[str]) -> float:
+        """The seconds `kept` (rows after `row`) take by their estimates, with their shapes'
+        weights that neither `row` nor an earlier row writes."""
+        roles = set(row.roles) | written
+        return self.scale * sum(r.estimate_s for r in kept) + weights_s(
+            {x for r in kept for x in r.roles} - roles
+        )
+
+    def time_limit(
+        self, row: Row, later: Sequence[Row], *, elapsed: float, written: set[str]
+    ) -> float:
+        """The seconds a row that started may run (its weights written): three times its
+        estimate (a minute at least), cut to what the rows more important than it after it
+        leave (for a row of priority 1, the other rows of priority 1 after it too: a lever
+        that overruns is killed in time for the best combination and `1b-auto`), never below
+        its own estimate (a row that started was given that), never beyond the budget."""
+        left = self.seconds - elapsed
+        own = self.scale * row.estimate_s
+        kept = [r for r in later if r.priority < row.priority or r.priority == row.priority == 1]
+        spare = left - self.reserved_s(row, kept, written=written)
+        return min(left, max(own, min(max(3 * own, 60.0), spare)))
 
 
 # --- the best combination ------------------------------------------------------------------------
@@ -489,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="")
-    parser.add_argument("--budget", type=float, default=535.0)
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S)
     args = parser.parse_args(argv)
     rows = select_rows(ROWS, quick=args.quick, only=args.only)
     print("| # | row | priority | estimate s | starts at s | |")

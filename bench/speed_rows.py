@@ -20,7 +20,6 @@ tests/test_speed_model.py checks that fsdp_utils/plan/measured.py holds what thi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import statistics
@@ -63,7 +62,6 @@ def collect() -> list[dict[str, Any]]:
     from transformers import LlamaConfig
 
     from fsdp_utils.config.batch import plan_batch
-    from fsdp_utils.config.train_config import TrainConfig
     from fsdp_utils.model.build import build_meta_model
     from fsdp_utils.model.transforms import transform_model
     from fsdp_utils.plan.hardware import GPU_SPECS
@@ -71,7 +69,6 @@ def collect() -> list[dict[str, Any]]:
     from fsdp_utils.plan.workload import facts_from_meta, run_shape
 
     kit = _kit()
-    switches = {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)}
     out = []
     for result in sorted(RESULTS.glob("*/call*-gpu_check.json")):
         call = json.loads(result.read_text())
@@ -89,21 +86,7 @@ def collect() -> list[dict[str, Any]]:
                 num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
                 max_position_embeddings=max(4096, measured["seq"]), tie_word_embeddings=False,
             )  # fmt: skip
-            flags = list(measured["flags"])
-            values: dict[str, Any] = {
-                "model": f"{shape.name} (bench/gpu_check.py)",
-                "max_seq_length": measured["seq"],
-                "batch_size_per_device": measured["batch"],
-                "total_batch_size": measured.get("total", measured["batch"]),
-                "precision": "bf16-mixed",
-            }
-            while flags:
-                flag = flags.pop(0).removeprefix("--")
-                if flag in switches:
-                    values[flag] = True
-                else:
-                    values[flag] = flags.pop(0)
-            config = TrainConfig(**values)
+            config = row_config(measured, shape.name)
             meta = transform_model(build_meta_model(hf_config, config.precision), config)
             facts = facts_from_meta(meta, hf_config, config, name=shape.name)
             batch = plan_batch(config, 1)
@@ -125,6 +108,23 @@ def collect() -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def row_config(measured: dict[str, Any], shape: str) -> Any:
+    """The TrainConfig a measured row ran: its flags read by the training command's own parser
+    (numbers as numbers: `--loss_chunk_size 2097`, an *-auto row's `--batch_size_per_device
+    16`), after its sequence length, micro-batch and total batch per GPU."""
+    from fsdp_utils.config.parse import parse_config
+
+    argv = [
+        "--model", f"{shape} (bench/gpu_check.py)", "--precision", "bf16-mixed",
+        "--max_seq_length", str(measured["seq"]),
+        "--batch_size_per_device", str(measured["batch"]),
+        "--total_batch_size", str(measured.get("total", measured["batch"])),
+        *measured["flags"],
+    ]  # fmt: skip
+    config, _ = parse_config(argv)
+    return config
 
 
 def write(rows: list[dict[str, Any]]) -> None:

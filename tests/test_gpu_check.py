@@ -145,14 +145,17 @@ def test_quick_is_the_five_most_promising_levers_with_their_base_and_combination
 
 def test_the_prepared_call_runs_the_most_important_rows_first_within_its_budget() -> None:
     """By the estimates (the first H100 call's wall times): every row of priority 1 runs, the
-    call ends within the default budget (the call's timeout_s 570 leaves the rest to the
-    wheels, the interpreter and the last writes), the skipped rows say why, naming the rows
-    kept; --quick fits what 15 minutes leave after a failed first try."""
+    call ends within the default budget with some slack for the last row (1b-auto), and the
+    call's timeout_s 570 keeps at least 15 s beyond the budget for the interpreter and the last
+    writes; the skipped rows say why, naming the rows kept; --quick fits what 15 minutes leave
+    after a failed first try."""
     plan = kit.gpu_rows.schedule(kit.select_rows(kit.ROWS), kit.DEFAULT_BUDGET_S)
     ran = [row for row, start, _ in plan if start is not None]
     assert {r.name for r in ran} >= {r.name for r in kit.ROWS if r.priority == 1}
+    assert ran[-1].name == "1b-auto"
     end = max(start + row.estimate_s for row, start, _ in plan if start is not None)
-    assert end <= kit.DEFAULT_BUDGET_S <= 570 - 35
+    assert end <= kit.DEFAULT_BUDGET_S - 15
+    assert kit.DEFAULT_BUDGET_S <= kit.gpu_rows.CALL_TIMEOUT_S - 15 == 570 - 15
     starts = [start for _, start, _ in plan if start is not None]
     assert starts == sorted(starts)  # in the rows' order
     reasons = {row.name: reason for row, _, reason in plan}
@@ -448,6 +451,213 @@ def test_each_prediction_is_on_disk_before_its_row_starts(tmp_path: Path, monkey
     assert result["auto_against"]["1b-auto"]["best_hand"] == "1b-best"
     assert result["auto_against"]["1b-auto"]["auto_over_best_hand"] == pytest.approx(41 / 43 - 1)
     assert "Best combination (ok)" in (args.output / "gpu_check.md").read_text()
+
+
+def _fake_trainer(kernels: dict[str, list[str]], *, cut: dict[str, int], seen: dict[str, Path]):
+    """A stand-in for the kit's `run_process` running chess_finetune.py: it notes the command's
+    compile cache, writes the metrics.jsonl of 25 steps logged every 5 (up to `cut[row]` and
+    exit 124, as a run killed at its limit) with the attention kernels `kernels[row]` ran, and a
+    trace the step profile's reader cannot read for a profiled row."""
+
+    def run_process(command, *, env, timeout, log, errors=None) -> int:
+        out = Path(command[command.index("--output_dir") + 1])
+        seen[out.name] = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+        out.mkdir(parents=True)
+        last = cut.get(out.name, 25)
+        records = [{"kind": "start", "step": 0, "time": 100.0}]
+        records += [
+            {"kind": "train", "step": step, "time": 100.0 + step, "tokens_seen": 1000 * step,
+             "loss": 1.0, "tokens_per_s_per_device": 1000.0, "mfu_pct": 10.0, "step_time_s": 1.0}
+            for step in range(5, last + 1, 5)
+        ]  # fmt: skip
+        ran = {kernel: 22 for kernel in kernels.get(out.name, [])}
+        records.append({"kind": "attention_kernels", "step": 1, "kernels": ran})
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if "--profile_steps" in command:
+            (out / "profile").mkdir()
+            (out / "profile" / "rank0.1.pt.trace.json").write_text('{"traceEvents": [1]}')
+        log.write_text("the run's log\n")
+        return 124 if out.name in cut else 0
+
+    return run_process
+
+
+def test_each_attention_kernel_has_its_compile_cache_and_the_kernel_that_ran_is_checked(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """torch's compile-cache keys leave the SDPA backend out (pytorch #185449): each
+    --sdpa_backend compiles into a folder of its own (the best combination into its kernel's),
+    and a row whose log names another kernel than the one it asked for is failed, not measured.
+    A row killed at its limit keeps what it logged (partial); a trace the reader cannot read
+    leaves the row's figures."""
+    args = kit.parse_args(["--output", str(tmp_path / "out"), "--budget", "0"])
+    args.output.mkdir()
+    work = tmp_path / "work"
+    bench = kit.Kit(args, work, "cuda", 1, "h200")
+    seen: dict[str, Path] = {}
+    kernels = {"1b-bf16": ["cudnn"], "1b-bf16-compile": ["cudnn"], "1b-sdpa-flash": ["flash"],
+               "1b-sdpa-cudnn": ["flash"], "1b-best": ["cudnn"], "1b-auto": ["cudnn"]}  # fmt: skip
+    fake = _fake_trainer(kernels, cut={"1b-sdpa-efficient": 15}, seen=seen)
+    monkeypatch.setattr(kit, "run_process", fake)
+    rows = {r.name: r for r in kit.ROWS}
+    best = dataclasses.replace(
+        rows["1b-best"], flags=(*kit.gpu_rows.BASE_FLAGS, "--sdpa_backend", "cudnn")
+    )
+    chosen = ("--batch_size_per_device", "16", "--compile")
+    results = {
+        row.name: bench.train_row(tmp_path / "model", row, 60.0, chosen=chosen)
+        for row in (rows["1b-bf16"], rows["1b-bf16-compile"], rows["1b-sdpa-flash"],
+                    rows["1b-sdpa-cudnn"], rows["1b-sdpa-efficient"], best, rows["1b-auto"])
+    }  # fmt: skip
+    cache = work / "compile-cache"
+    assert seen == {
+        "1b-bf16": cache, "1b-bf16-compile": cache, "1b-auto": cache,
+        "1b-sdpa-flash": cache / "sdpa-flash", "1b-sdpa-cudnn": cache / "sdpa-cudnn",
+        "1b-sdpa-efficient": cache / "sdpa-efficient", "1b-best": cache / "sdpa-cudnn",
+    }  # fmt: skip
+    assert "status" not in results["1b-sdpa-flash"] and "status" not in results["1b-best"]
+    wrong = results["1b-sdpa-cudnn"]
+    assert wrong["status"] == "failed" and "but the run ran flash" in wrong["reason"]
+    assert kit.kernel_mismatch("flash", ["flash (CPU)"]) is None  # the dry run's flash
+    partial = results["1b-sdpa-efficient"]
+    assert partial["status"] == "timed out" and partial["partial"] is True
+    assert partial["steps_logged"] == 3 and "up to step 15 of 25" in partial["reason"]
+    assert (bench.logs / "1b-sdpa-efficient.metrics.jsonl").read_text().count('"train"') == 3
+    profiled = results["1b-bf16"]  # the reader's AttributeError: the row's figures stay
+    assert "status" not in profiled and profiled["tokens_per_s_per_gpu"] == pytest.approx(1000)
+    assert profiled["profile"]["error"].startswith("AttributeError")
+
+
+def test_a_lever_that_overruns_is_killed_in_time_for_the_rows_of_priority_1() -> None:
+    """A row's time limit is three times its estimate cut to what the more important rows
+    after it keep (for a row of priority 1, the other rows of priority 1 too), never below its
+    own estimate: the last lever before the best combination, killed at its limit, leaves
+    1b-best and 1b-auto their time."""
+    rows = kit.select_rows(kit.ROWS)
+    names = [r.name for r in rows]
+    starts = {
+        row.name: start for row, start, _ in kit.gpu_rows.schedule(rows, kit.DEFAULT_BUDGET_S)
+    }
+    budget = kit.Budget(kit.DEFAULT_BUDGET_S)
+    small = {"small"}
+    lever = rows[names.index("1b-sync-free")]
+    later = rows[names.index(lever.name) + 1 :]
+    limit = budget.time_limit(lever, later, elapsed=starts[lever.name], written=small)
+    assert lever.estimate_s <= limit < 3 * lever.estimate_s  # cut, not below its estimate
+    best, auto = (rows[names.index(n)] for n in ("1b-best", "1b-auto"))
+    clock = starts[lever.name] + limit  # killed there
+    after_best = rows[names.index("1b-best") + 1 :]
+    assert budget.skip_reason(best, after_best, elapsed=clock, written=small) is None
+    clock += best.estimate_s
+    after_auto = rows[names.index("1b-auto") + 1 :]
+    assert budget.skip_reason(auto, after_auto, elapsed=clock, written=small) is None
+    # a row of priority 1 keeps the time of those after it, never below its own estimate
+    first = rows[0]
+    assert budget.time_limit(first, rows[1:], elapsed=52, written=small) == 3 * first.estimate_s
+    short = kit.Budget(250)  # 198 s left, 188 s kept for 1b-bf16-compile, 1b-best and 1b-auto
+    assert short.time_limit(first, rows[1:], elapsed=52, written=small) == first.estimate_s
+    # never beyond the budget
+    assert (
+        budget.time_limit(auto, after_auto, elapsed=kit.DEFAULT_BUDGET_S - 10, written=small) == 10
+    )
+
+
+def test_a_rows_own_error_is_recorded_and_the_next_row_runs(tmp_path: Path, monkeypatch) -> None:
+    """An exception in the kit's own process (reading a trace, a summary) fails that row with
+    its traceback; the call goes on with the next row."""
+    args = kit.parse_args(["--output", str(tmp_path / "out"), "--budget", "0"])
+    args.output.mkdir()
+    bench = kit.Kit(args, tmp_path / "work", "cuda", 1, "h200")
+
+    def train_row(model: Path, row: object, timeout: float, **kw: object) -> dict[str, object]:
+        if row.name == "1b-bf16":
+            raise RuntimeError("a trace nobody expected")
+        return {"wall_s": 1.0, "tokens_per_s_per_gpu": 40_000.0}
+
+    monkeypatch.setattr(bench, "plan_later", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "planned", lambda key, timeout: _plan(50_000.0))
+    monkeypatch.setattr(bench, "train_row", train_row)
+    monkeypatch.setattr(bench, "write_weights", lambda *a, **k: (0, ""))
+    configs = {"small": tmp_path / "c", "large": tmp_path / "c"}
+    monkeypatch.setattr(kit, "prepare", lambda *a, **k: (configs, {"small": 64, "large": 64}))
+    rows = kit.select_rows(kit.ROWS, only="1b-bf16,1b-bf16-compile")
+    report = kit.Report(
+        args.output, bench.logs, {"gpu": "H200", "gpus": 1, "torch": "x", "rows": []}
+    )
+    shapes = {"small": "1b", "large": "8b"}
+    assert kit.run_rows(bench, rows, shapes, report, time.time()) == 1
+    entries = {
+        r["name"]: r for r in json.loads((args.output / "gpu_check.json").read_text())["rows"]
+    }
+    failed = entries["1b-bf16"]
+    assert failed["status"] == "failed"
+    assert failed["reason"] == "the kit's own error: RuntimeError: a trace nobody expected"
+    assert "raise RuntimeError" in failed["traceback"]
+    assert entries["1b-bf16-compile"]["status"] == "ok"
+    assert "- 1b-bf16: failed: the kit's own error" in (args.output / "gpu_check.md").read_text()
+
+
+def test_results_are_replaced_whole_and_nothing_starts_after_shutdown(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A write cut short leaves the previous whole file (and no temporary one); after the kit's
+    shutdown no command starts (a planner thread still running would be waited for at exit)."""
+    args = kit.parse_args(["--output", str(tmp_path / "out"), "--budget", "0"])
+    args.output.mkdir()
+    bench = kit.Kit(args, tmp_path / "work", "cuda", 1, "h200")
+    (bench.logs / "1b-bf16.log").write_text("first\n")
+    report = kit.Report(
+        args.output, bench.logs, {"gpu": "H200", "gpus": 1, "torch": "x", "rows": []}
+    )
+    report.write(time.time())
+    before = {p.name: p.read_bytes() for p in args.output.iterdir()}
+    assert sorted(before) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
+    (bench.logs / "1b-bf16.log").write_text("second\n")
+
+    def killed(*a: object, **k: object) -> None:
+        raise OSError("cut short")
+
+    monkeypatch.setattr(kit.tarfile.TarFile, "add", killed)
+    with pytest.raises(OSError, match="cut short"):
+        report.write(time.time())
+    assert (args.output / "logs.tar.gz").read_bytes() == before["logs.tar.gz"]
+    assert sorted(p.name for p in args.output.iterdir()) == sorted(before)
+    bench.shutdown()
+    log = tmp_path / "late.log"
+    code = kit.run_process(
+        [sys.executable, "-c", "pass"], env=dict(os.environ), timeout=60, log=log
+    )
+    assert code == 124 and "shutting down" in log.read_text()
+    kit.Kit(args, tmp_path / "work2", "cuda", 1, "h200")  # a new call starts commands again
+    assert (
+        kit.run_process([sys.executable, "-c", "pass"], env=dict(os.environ), timeout=60, log=log)
+        == 0
+    )
+
+
+def test_the_budgets_clock_starts_before_the_wheels_are_installed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The budget runs from the script's first start: the run again with the wheels inherits
+    a clock set before their installation (SETUP_S counts it)."""
+    installing: list[float] = []
+
+    def install(wheels: Path, site: Path) -> list[str]:
+        installing.append(time.time())
+        return ["installed"]
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        raise SystemExit(env[kit.STARTED_ENV])
+
+    argv = ["--wheels", str(tmp_path / "whl"), "--output", str(tmp_path / "out")]
+    monkeypatch.setattr(stack, "install", install)
+    monkeypatch.setattr(kit.os, "execve", execve)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
+    monkeypatch.delenv(kit.STARTED_ENV, raising=False)
+    before = time.time()
+    with pytest.raises(SystemExit) as started:
+        kit.main(argv)
+    assert before <= float(str(started.value)) <= installing[0]
 
 
 def test_evaluation_requests_are_timed_from_the_models_own_log_lines() -> None:

@@ -155,6 +155,31 @@ def test_the_shipped_rows_are_the_gpu_kits_measurements():
     assert len(ROWS) >= 8
 
 
+def test_a_measured_rows_flags_are_read_as_the_training_command_reads_them():
+    """bench/speed_rows.py after the next call: an *-auto row's chosen micro-batch and
+    1b-loss-2097's chunk are numbers (not "16", "2097": plan_batch's TypeError), read by the
+    project's own parser."""
+    import importlib.util
+
+    from fsdp_utils.config.batch import plan_batch
+
+    spec = importlib.util.spec_from_file_location("speed_rows", REPO / "bench" / "speed_rows.py")
+    assert spec and spec.loader
+    rows_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows_script)
+    auto = {"seq": 2048, "batch": 16, "total": 16, "flags": [
+        "--precision", "bf16-mixed", "--sharding", "full", "--checkpoint_layers", "0",
+        "--batch_size_per_device", "16", "--compile"]}  # fmt: skip
+    config = rows_script.row_config(auto, "1b")
+    assert (config.batch_size_per_device, config.checkpoint_layers, config.compile) == (16, 0, True)
+    assert plan_batch(config, 1).gradient_accumulation_steps == 1
+    chunk = {"seq": 2048, "batch": 4, "flags": [
+        "--precision", "bf16-mixed", "--compile", "--loss_chunk_size", "2097"]}  # fmt: skip
+    config = rows_script.row_config(chunk, "1b")
+    assert config.loss_chunk_size == 2097 and config.total_batch_size == 4
+    assert plan_batch(config, 1).batch_size_per_device == 4
+
+
 def test_the_fit_moves_the_shares_toward_the_rows():
     prior = Efficiency()
 
