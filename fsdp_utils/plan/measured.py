@@ -71,6 +71,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.24613,
@@ -143,6 +145,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.31409,
@@ -215,6 +219,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.61257,
@@ -287,6 +293,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 6.01661,
@@ -359,6 +367,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.23173,
@@ -431,6 +441,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 1.07653,
@@ -503,6 +515,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 3.45001,
@@ -575,6 +589,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.20066,
@@ -647,6 +663,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.22045,
@@ -719,6 +737,8 @@ ROWS = [
    "weight_decay": False,
    "fused_optimizer": False,
    "defer_grad_sync": False,
+   "checkpoint_ops": False,
+   "direct": False,
    "sequences_per_example": 1
   },
   "step_seconds": 0.26742,
