@@ -118,18 +118,8 @@ def chess_legal(completions: list[Any], **kwargs: Any) -> list[float | None]:
 
 
 def chess_engine(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    positions = chess_rewards.positions(kwargs)
-    judge = chess_rewards.shared_judge("accuracy")
-    return [
-        judge.reward(p, chess_rewards.move_text(c))
-        for p, c in zip(positions, completions, strict=True)
-    ]
+    return chess_rewards.shared_judge("accuracy")(completions, **kwargs)
 
 
 def chess_centipawn(completions: list[Any], **kwargs: Any) -> list[float | None]:
-    positions = chess_rewards.positions(kwargs)
-    judge = chess_rewards.shared_judge("centipawn")
-    return [
-        judge.reward(p, chess_rewards.move_text(c))
-        for p, c in zip(positions, completions, strict=True)
-    ]
+    return chess_rewards.shared_judge("centipawn")(completions, **kwargs)
