@@ -94,14 +94,8 @@ MATMUL_OPS = frozenset(
         "aten::_scaled_mm",
     }
 )
-MATMUL = _pattern(
-    r"gemm",
-    r"^nvjet",
-    r"xmma",
-    r"cutlass",
-    r"cublas",
-    r"^aten::(mm|addmm|bmm|baddbmm|_grouped_mm|_scaled_mm)$",
-)
+# The matrix products' kernels (their operators: MATMUL_OPS)
+MATMUL = _pattern(r"gemm", r"^nvjet", r"xmma", r"cutlass", r"cublas")
 # Triton: the compiler's kernels, and liger-kernel 0.8.5's (liger_kernel/ops/*.py's @triton.jit
 # functions; its cross-entropy kernels count as loss above)
 FUSED = _pattern(
@@ -126,7 +120,7 @@ def classify(name: str, around: Sequence[str] = (), *, category: str = "kernel")
         return "loss"
     if any(ATTENTION.search(n) for n in names):
         return "attention"
-    if MATMUL.search(name) or any(n in MATMUL_OPS for n in around):
+    if MATMUL.search(name) or any(n in MATMUL_OPS for n in names):
         return "matrix products"
     if FUSED.search(name):
         return "fused kernels"

@@ -143,6 +143,20 @@ def _draw(probabilities: torch.Tensor, generators: Sequence[torch.Generator]) ->
 
 
 @torch.no_grad()
+def _left_padded(
+    rows: Sequence[Sequence[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask, position ids) of `rows` left-padded to the longest, on the
+    host: every row's last token in the last column, its positions counted from its first."""
+    length = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, length - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+        mask[b, length - len(row) :] = 1
+    return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def continue_prompts(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -165,14 +179,7 @@ def continue_prompts(
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     scoring = sampling or GREEDY_LOGPROBS
     rows = len(prompts)
-    length = max(len(p) for p in prompts)
-    input_ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, length), dtype=torch.long)
-    for b, prompt in enumerate(prompts):  # left padding: every row's last token is at -1
-        input_ids[b, length - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[b, length - len(prompt) :] = 1
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    input_ids, mask, position_ids = (t.to(device) for t in (input_ids, mask, position_ids))
+    input_ids, mask, position_ids = (t.to(device) for t in _left_padded(prompts, pad_token_id))
     keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     context = autocast or contextlib.nullcontext
 
@@ -294,13 +301,7 @@ def continuation_logprobs(
     context = autocast or contextlib.nullcontext
     for n in range(total):
         chunk = [rows[r] for r in chunks[n]] if n < len(chunks) else [[pad_token_id]]
-        length = max(len(r) for r in chunk)
-        ids = torch.full((len(chunk), length), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), length), dtype=torch.long)
-        for b, row in enumerate(chunk):  # left padding: every row ends at the last column
-            ids[b, length - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[b, length - len(row) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = _left_padded(chunk, pad_token_id)
         # The candidates' tokens sit in the last positions: keep only those logits (a large
         # vocabulary over whole prompts would not fit).
         keep = 1 + max((extras[r] for r in chunks[n]), default=0) if n < len(chunks) else 1

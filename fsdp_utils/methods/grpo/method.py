@@ -33,7 +33,14 @@ from fsdp_utils.train.step import TrainStep, build_train_step
 
 from ..base import Examples, Method, MethodContext, StepParts
 from .loss import GrpoSettings, combine_rewards
-from .rewards import RewardError, RewardLog, TrainerState, load_reward_function, score
+from .rewards import (
+    RewardError,
+    RewardLog,
+    TrainerState,
+    engine_gave_up_anywhere,
+    load_reward_function,
+    score,
+)
 from .rollouts import Rollouts, completion_texts
 from .step import GrpoStep, PlannedUpdate, reference_logps
 
@@ -248,10 +255,7 @@ class GRPO(Method):
                     error = str(err)
                 except EngineGaveUp as err:  # the engine's fault: this evaluation is skipped
                     gave_up = str(err)
-                outcomes = dist_utils.all_gather_objects((error, gave_up))
-                if any(e for e, _ in outcomes):
-                    dist_utils.raise_from_any_rank(error)
-                failed = next((g for _, g in outcomes if g), None)
+                failed = engine_gave_up_anywhere(error, gave_up)
                 if failed is not None:
                     self.context.log(f"evaluation skipped (training goes on): {failed}")
                     return None

@@ -35,6 +35,7 @@ import torch
 
 from fsdp_utils.chess_eval.judge import EngineGaveUp
 from fsdp_utils.data.custom import import_function
+from fsdp_utils.parallel import distributed as dist_utils
 
 from . import builtin_rewards
 
@@ -66,6 +67,18 @@ class RewardFunction:
 
         engines = (builtin_rewards.chess_engine, builtin_rewards.chess_centipawn)
         return self.function in engines or isinstance(self.function, EngineReward)
+
+
+def engine_gave_up_anywhere(error: str | None, gave_up: str | None) -> str | None:
+    """Collective, after every rank scored its completions (or had none to score): this rank's
+    `RewardError` message (`error`) and `EngineGaveUp` message (`gave_up`), None for none. A
+    reward function's error on any rank stops every rank (`raise_from_any_rank`: a user's
+    mistake, exit 2); else the first rank's message of an engine that gave up, the same on
+    every rank, for each to skip or stop alike; else None."""
+    outcomes = dist_utils.all_gather_objects((error, gave_up))
+    if any(e for e, _ in outcomes):
+        dist_utils.raise_from_any_rank(error)
+    return next((g for _, g in outcomes if g), None)
 
 
 def load_reward_function(spec: str) -> RewardFunction:

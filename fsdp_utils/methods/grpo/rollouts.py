@@ -38,7 +38,14 @@ from fsdp_utils.parallel.generate import Rollout, RolloutEngine, row_seed
 from fsdp_utils.train.step import Batch, StepFailed, StepInterrupted
 
 from .loss import GrpoSettings, combine_rewards, group_advantages, nanstd
-from .rewards import RewardError, RewardFunction, RewardLog, TrainerState, score
+from .rewards import (
+    RewardError,
+    RewardFunction,
+    RewardLog,
+    TrainerState,
+    engine_gave_up_anywhere,
+    score,
+)
 
 BUFFER_FILE = "grpo_rollouts.pt"  # in a checkpoint's folder, when it holds rollouts
 OLD_LOGPS, REF_LOGPS, ADVANTAGES, LOSS_MASK = "old_logps", "ref_logps", "advantages", "loss_mask"
@@ -233,10 +240,7 @@ class Rollouts:
             except EngineGaveUp as err:
                 gave_up = str(err)
             self.engine_notes.extend(take_restart_notes())
-        outcomes = dist_utils.all_gather_objects((error, gave_up))
-        if any(e for e, _ in outcomes):
-            dist_utils.raise_from_any_rank(error)  # a user's mistake: exit 2
-        failed = next((g for _, g in outcomes if g), None)
+        failed = engine_gave_up_anywhere(error, gave_up)  # a RewardError raises: exit 2
         if failed is not None:  # the engine's fault: what is sampled stays, the run stops
             raise StepFailed(
                 f"{failed}. The run stops: the rollout of step {step} so far is saved with step "
