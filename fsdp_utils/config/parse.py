@@ -135,7 +135,7 @@ def run_options(data: dict[str, Any]) -> dict[str, Any]:
     if options.get("num_epochs") is not None:  # the steps it resolved to follow from the epochs
         options.pop("max_training_steps", None)
     if options.get("auto"):  # the record holds --auto's choices: chosen again, unless kept
-        kept = {name.strip() for name in str(options.get("auto_keep") or "").split(",")}
+        kept = set(auto_kept(str(options.get("auto_keep") or "")))
         for name in (*AUTO_SETTINGS, *AUTO_PINNED_BY):
             if AUTO_PINNED_BY.get(name, name) not in kept:
                 options.pop(name, None)
@@ -228,7 +228,7 @@ def _pin_given_settings(
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     names = set(given) | {k for k, v in from_file.items() if v != defaults.get(k, v)}
     pinned = {AUTO_PINNED_BY.get(name, name) for name in names} & set(AUTO_SETTINGS)
-    kept = auto_kept(config)
+    kept = auto_kept(config.auto_keep)
     kept += sorted(pinned - set(kept), key=AUTO_SETTINGS.index)
     return config.replace(auto_keep=",".join(kept))
 

@@ -269,7 +269,7 @@ def search(
     """The fastest configurations of `config` that fit `gpu` on `cluster`, fastest first."""
     started = time.perf_counter()
     margin = margin or Margin()
-    kept = auto_kept(config)
+    kept = auto_kept(config.auto_keep)
     facts = model_facts(config)
     layers = facts.layers
     free = [name for name in AUTO_SETTINGS if name not in kept]

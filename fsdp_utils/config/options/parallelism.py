@@ -232,9 +232,10 @@ AUTO_PINNED_BY = {
 }
 
 
-def auto_kept(options: ParallelismOptions) -> list[str]:
-    """--auto_keep's names, each one --auto chooses (checked in `check`)."""
-    return [name.strip() for name in options.auto_keep.split(",") if name.strip()]
+def auto_kept(auto_keep: str) -> list[str]:
+    """--auto_keep's names (a run's or a config file's), each one --auto chooses (checked in
+    `check`)."""
+    return [name.strip() for name in auto_keep.split(",") if name.strip()]
 
 
 def check(options: ParallelismOptions) -> None:
@@ -248,7 +249,7 @@ def check(options: ParallelismOptions) -> None:
             "--checkpoint_layers N checkpoints the first N layers; --checkpoint_every_n_layers "
             "spreads them over the stack: give one of the two."
         )
-    unknown = [name for name in auto_kept(options) if name not in AUTO_SETTINGS]
+    unknown = [name for name in auto_kept(options.auto_keep) if name not in AUTO_SETTINGS]
     if unknown:
         raise ValueError(
             f"--auto_keep {','.join(unknown)}: not a setting --auto chooses. It chooses "
