@@ -1477,26 +1477,6 @@ def main(argv: list[str] | None = None) -> int:
         kit.shutdown()
 
 
-def skip_reason(
-    row: Row,
-    *,
-    device: str,
-    left: float,
-    extra_s: float = 0.0,
-    shapes: dict[str, str] | None = None,
-) -> str | None:
-    """Why a row does not run here with `left` seconds (its own estimate and `extra_s` for
-    its weights; what it leaves to the rows after it is the Budget's)."""
-    reason = static_skip(row, device=device, shapes=shapes)
-    if reason:
-        return reason
-    if row.estimate_s + extra_s > left:
-        return (
-            f"the budget: {left:.0f} s left, the row takes about {row.estimate_s + extra_s:.0f} s"
-        )
-    return None
-
-
 def prepare(
     kit: Kit, rows: list[Row], shapes: dict[str, str], *, runnable: set[str]
 ) -> tuple[dict[str, Path], dict[str, int]]:
