@@ -31,11 +31,7 @@ H100 = site.sheet_device("h100-80gb", TrainConfig())
 EFF = Efficiency()
 CLUSTERS = [Cluster(1, 1), Cluster(1, 8), Cluster(16, 8)]
 
-
-@pytest.fixture(autouse=True)
-def _own_site(tmp_path, monkeypatch):
-    monkeypatch.setenv(site.SITE_ENV, str(tmp_path / "site"))
-    site._FITS.clear()
+pytestmark = pytest.mark.usefixtures("own_site")  # each test a speed site of its own
 
 
 def _shape(row: SpeedRow, **changes) -> RunShape:
