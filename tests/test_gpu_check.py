@@ -4,7 +4,6 @@ carried wheels' tooling (bench/device_stack.py) on wheels built here."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,21 +16,12 @@ from unittest import mock
 import pytest
 
 from tests.prefork import launch
+from tests.train_helpers import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _load(name: str) -> object:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kit = _load("gpu_check")
-stack = _load("device_stack")
+kit = bench_module("gpu_check")
+stack = bench_module("device_stack")
 
 
 def test_shapes_have_the_sizes_they_are_named_after() -> None:
