@@ -860,9 +860,8 @@ class Kit:
     # --- the predictions, before each row -----------------------------------------------------
 
     def plan(
-        self, name: str, model: Path, row: Row, *, teacher: Path | None = None,
-        extra: tuple[str, ...] = (),
-    ) -> dict[str, Any]:  # fmt: skip
+        self, model: Path, row: Row, *, teacher: Path | None = None, extra: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         """The planner's prediction for exactly this configuration, on the CPU: its JSON (peak,
         required, the step-time model's step), or {"error": why}."""
         flags = self.common_flags(
@@ -871,7 +870,7 @@ class Kit:
         command = [sys.executable, "-m", "fsdp_utils.plan", *flags, "--json"]
         command += ["--gpus_per_node", str(self.gpus), "--no_fixes"]
         command += ["--gpu_memory", self.gpu_memory]
-        out, err = self.logs / f"{name}.plan.json", self.logs / f"{name}.plan.log"
+        out, err = self.logs / f"{row.name}.plan.json", self.logs / f"{row.name}.plan.log"
         code = run_process(command, env=self.plan_env, timeout=600, log=out, errors=err)
         try:
             return dict(json.loads(out.read_text()))
@@ -897,7 +896,7 @@ class Kit:
         if "error" in choice or not choice.get("flags"):
             return {"choice": choice}
         flags = tuple(choice["flags"].split())
-        return {"choice": choice, "plan": self.plan(row.name, model, row, extra=flags)}
+        return {"choice": choice, "plan": self.plan(model, row, extra=flags)}
 
     def plan_later(self, key: str, task: Any, *args: Any, urgent: bool = False, **kw: Any) -> None:
         pool = self.urgent if urgent else self.planner
@@ -1478,26 +1477,6 @@ def main(argv: list[str] | None = None) -> int:
         kit.shutdown()
 
 
-def skip_reason(
-    row: Row,
-    *,
-    device: str,
-    left: float,
-    extra_s: float = 0.0,
-    shapes: dict[str, str] | None = None,
-) -> str | None:
-    """Why a row does not run here with `left` seconds (its own estimate and `extra_s` for
-    its weights; what it leaves to the rows after it is the Budget's)."""
-    reason = static_skip(row, device=device, shapes=shapes)
-    if reason:
-        return reason
-    if row.estimate_s + extra_s > left:
-        return (
-            f"the budget: {left:.0f} s left, the row takes about {row.estimate_s + extra_s:.0f} s"
-        )
-    return None
-
-
 def prepare(
     kit: Kit, rows: list[Row], shapes: dict[str, str], *, runnable: set[str]
 ) -> tuple[dict[str, Path], dict[str, int]]:
@@ -1518,7 +1497,7 @@ def prepare(
             continue
         teacher = configs["large"] if row.kind == "distill" else None
         if row.kind in ("train", "grpo", "distill"):
-            kit.plan_later(row.name, kit.plan, row.name, configs[row.role], row, teacher=teacher)
+            kit.plan_later(row.name, kit.plan, configs[row.role], row, teacher=teacher)
         elif row.kind == "auto":
             kit.plan_later(row.name, kit.auto, configs[row.role], row)
     return configs, longest
@@ -1653,7 +1632,7 @@ def run_rows(
                 batch=row.batch, total=row.total_batch, flags=list(row.flags),
                 combination=list(combination.notes),
             )  # fmt: skip
-            kit.plan_later(row.name, kit.plan, row.name, configs[row.role], row, urgent=True)
+            kit.plan_later(row.name, kit.plan, configs[row.role], row, urgent=True)
         if row.kind == "auto":
             entry["prediction"] = auto_prediction(kit.planned(row.name, timeout=PLAN_WAIT_S))
             chosen = tuple(entry["prediction"].get("flags", "").split())

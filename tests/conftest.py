@@ -65,6 +65,19 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_demo_assets(tmp_path_factory.mktemp("tiny_assets"), num_games=400, num_shards=2)
 
 
+@pytest.fixture
+def own_site(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A speed site (fsdp_utils/plan/site.py) of the test's own, with the fits another test's
+    rows made forgotten: a calibration or a run's row a test writes moves no other prediction.
+    A module of such tests: `pytestmark = pytest.mark.usefixtures("own_site")`."""
+    from fsdp_utils.plan import site
+
+    folder = tmp_path_factory.mktemp("site")
+    monkeypatch.setenv(site.SITE_ENV, str(folder))
+    site._FITS.clear()
+    return folder
+
+
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A unit of
 # work goes whole to one worker:
 # - every module with a test on the one-node local Slurm (fixture `local_slurm`): one unit, its

@@ -4,7 +4,6 @@ carried wheels' tooling (bench/device_stack.py) on wheels built here."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,21 +16,12 @@ from unittest import mock
 import pytest
 
 from tests.prefork import launch
+from tests.train_helpers import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _load(name: str) -> object:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kit = _load("gpu_check")
-stack = _load("device_stack")
+kit = bench_module("gpu_check")
+stack = bench_module("device_stack")
 
 
 def test_shapes_have_the_sizes_they_are_named_after() -> None:
@@ -245,21 +235,22 @@ def test_only_selects_rows_in_order_and_names_a_typo() -> None:
 
 def test_rows_are_skipped_with_their_reason() -> None:
     rows = {r.name: r for r in kit.ROWS}
-    assert kit.skip_reason(rows["1b-bf16"], device="cuda", left=100.0) is None
-    assert "budget" in kit.skip_reason(rows["1b-bf16"], device="cuda", left=10.0)
-    weights = kit.skip_reason(rows["8b-lora-4k"], device="cuda", left=50.0, extra_s=30.0)
-    assert "about 70 s" in weights  # 40 s of row + 30 s of weights
+    small = {"small"}
+    assert kit.Budget(100).skip_reason(rows["1b-bf16"], [], elapsed=0, written=small) is None
+    assert "budget" in kit.Budget(10).skip_reason(rows["1b-bf16"], [], elapsed=0, written=small)
+    weights = kit.Budget(50).skip_reason(rows["8b-lora-4k"], [], elapsed=0, written=small)
+    assert "about 76 s" in weights  # 40 s of row + 36 s of weights (LARGE_WEIGHTS_S)
     for name in ("1b-sdpa-cudnn", "1b-sdpa-efficient", "1b-liger"):  # a dry run says why not
-        assert kit.skip_reason(rows[name], device="cpu", left=1e9).startswith("GPU only: ")
-    assert kit.skip_reason(rows["1b-sdpa-flash"], device="cpu", left=1e9) is None
-    assert "CUDA" in kit.skip_reason(rows["1b-bf16-offload"], device="cpu", left=1e9)
+        assert kit.static_skip(rows[name], device="cpu").startswith("GPU only: ")
+    assert kit.static_skip(rows["1b-sdpa-flash"], device="cpu") is None
+    assert "CUDA" in kit.static_skip(rows["1b-bf16-offload"], device="cpu")
     qlora = rows["8b-qlora-4k"]
     for large in ("8b", "tiny"):  # the dry run's tiny shape runs QLoRA too
-        assert kit.skip_reason(qlora, device="cpu", left=1e9, shapes={"large": large}) is None
+        assert kit.static_skip(qlora, device="cpu", shapes={"large": large}) is None
     narrow = dataclasses.replace(kit.SHAPES["tiny"], name="narrow", hidden=64, intermediate=128)
     assert not kit.nf4_holds(narrow)  # a 64 x 128 projection: 8,192 elements, half a block group
     with mock.patch.dict(kit.SHAPES, narrow=narrow):
-        reason = kit.skip_reason(qlora, device="cpu", left=1e9, shapes={"large": "narrow"})
+        reason = kit.static_skip(qlora, device="cpu", shapes={"large": "narrow"})
     assert "NF4" in reason and "16,384" in reason
 
 

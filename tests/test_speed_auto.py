@@ -32,11 +32,7 @@ NO_MARGIN = Margin(runtime_bytes=0, allocator_fraction=0.0)
 LAYERS = 3
 CLUSTER = Cluster(1, 2)
 
-
-@pytest.fixture(autouse=True)
-def _own_site(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv(site.SITE_ENV, str(tmp_path_factory.mktemp("site")))
-    site._FITS.clear()
+pytestmark = pytest.mark.usefixtures("own_site")  # each test a speed site of its own
 
 
 _PLANS: dict[tuple, object] = {}
@@ -243,7 +239,7 @@ def test_a_training_run_with_auto_on_a_calibrated_cpu(tiny_assets, tmp_path):
     from fsdp_utils.plan.speed import UNCALIBRATED_CPU
     from tests.train_helpers import run_finetune
 
-    site_dir = Path(os.environ[site.SITE_ENV])  # this test's own (`_own_site`)
+    site_dir = Path(os.environ[site.SITE_ENV])  # this test's own (`own_site`)
     site.write_calibration(site.cpu_key(), UNCALIBRATED_CPU, {"processes": 1})
     env = {site.SITE_ENV: str(site_dir)}
     out = tmp_path / "run"

@@ -22,6 +22,7 @@ from fsdp_utils.plan.hardware import GPU_SPECS, INTERCONNECTS, Gpu, fabric_bandw
 from fsdp_utils.plan.measured import ROWS
 from fsdp_utils.plan.speed import speed_model
 from fsdp_utils.plan.step_time import Efficiency, RunShape, predict
+from tests.train_helpers import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = [SpeedRow.from_dict(row) for row in ROWS]
@@ -31,11 +32,7 @@ H100 = site.sheet_device("h100-80gb", TrainConfig())
 EFF = Efficiency()
 CLUSTERS = [Cluster(1, 1), Cluster(1, 8), Cluster(16, 8)]
 
-
-@pytest.fixture(autouse=True)
-def _own_site(tmp_path, monkeypatch):
-    monkeypatch.setenv(site.SITE_ENV, str(tmp_path / "site"))
-    site._FITS.clear()
+pytestmark = pytest.mark.usefixtures("own_site")  # each test a speed site of its own
 
 
 def _shape(row: SpeedRow, **changes) -> RunShape:
@@ -131,12 +128,7 @@ def test_unknown_gpu_kinds_and_interconnects_name_the_known_ones():
 
 def test_the_shipped_rows_are_the_gpu_kits_measurements():
     """fsdp_utils/plan/measured.py against the raw results (bench/speed_rows.py writes it)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("speed_rows", REPO / "bench" / "speed_rows.py")
-    assert spec and spec.loader
-    rows_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rows_script)
+    rows_script = bench_module("speed_rows")
     for row in ROWS:
         result = REPO / row["source"]
         archive = result.with_name(result.name.replace("gpu_check.json", "logs.tar.gz"))
@@ -159,14 +151,9 @@ def test_a_measured_rows_flags_are_read_as_the_training_command_reads_them():
     """bench/speed_rows.py after the next call: an *-auto row's chosen micro-batch and
     1b-loss-2097's chunk are numbers (not "16", "2097": plan_batch's TypeError), read by the
     project's own parser."""
-    import importlib.util
-
     from fsdp_utils.config.batch import plan_batch
 
-    spec = importlib.util.spec_from_file_location("speed_rows", REPO / "bench" / "speed_rows.py")
-    assert spec and spec.loader
-    rows_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rows_script)
+    rows_script = bench_module("speed_rows")
     auto = {"seq": 2048, "batch": 16, "total": 16, "flags": [
         "--precision", "bf16-mixed", "--sharding", "full", "--checkpoint_layers", "0",
         "--batch_size_per_device", "16", "--compile"]}  # fmt: skip

@@ -186,6 +186,19 @@ def run_finetunes(nproc: int, runs: dict[str, list[str]], root: Path) -> dict[st
     return results
 
 
+def bench_module(name: str) -> Any:
+    """bench/NAME.py loaded as a module (bench/ holds scripts, not a package), registered in
+    sys.modules under NAME: a dataclass looks its module up there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def worker_pids(parent: int) -> list[int]:
     """The child processes of `parent` (torchrun's workers)."""
     out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
