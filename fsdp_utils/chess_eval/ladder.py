@@ -58,6 +58,7 @@ from fsdp_utils.chess_eval.judge import (
     ceiled_cp,
     find_engine,
 )
+from fsdp_utils.chess_eval.referee import random_move
 from fsdp_utils.config.options.evaluation import LADDER_RUNG, ladder_rungs
 
 MOVETIME_S = 0.01  # Skill Level and UCI_Elo rungs: a time per move (they are random anyway)
@@ -128,7 +129,7 @@ class Opponent:
 
     def move(self, board: chess.Board, rng: random.Random) -> chess.Move:
         if self.process is None:
-            return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
+            return random_move(board, rng)
         result = self.process.call(
             lambda engine: engine.play(board, self.limit, game=object()),
             f"a move of {self.rung} in {board.fen()}",

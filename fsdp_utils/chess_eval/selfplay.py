@@ -83,6 +83,7 @@ from fsdp_utils.chess_eval.judge import (
     find_engine,
     guarded,
 )
+from fsdp_utils.chess_eval.referee import random_move
 from fsdp_utils.data.chess_files import position_shard_name, shard_name
 from fsdp_utils.hub.selection import POSITION_SHARDS
 
@@ -196,10 +197,6 @@ def opening(rng: random.Random) -> chess.Board:
                 break
         if not board.is_game_over():
             return board
-
-
-def random_move(board: chess.Board, rng: random.Random) -> chess.Move:
-    return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
 
 
 def play_game(
