@@ -49,7 +49,7 @@ import chess
 import chess.engine
 import chess.pgn
 
-from fsdp_utils.chess_eval.figures import mean, standard_error
+from fsdp_utils.chess_eval.figures import mean, pct, standard_error
 from fsdp_utils.chess_eval.judge import (
     DEFAULT_TIMEOUT_S,
     EngineFailed,
@@ -408,7 +408,7 @@ def ladder_line(m: dict[str, Any], name: str) -> str:
     masked = name.startswith("masked_")
     shown = name.removeprefix("masked_") + (" masked" if masked else "")
     how = (
-        f"model's legal probability {_pct(m.get(k + 'legal_mass'))}"
+        f"model's legal probability {pct(m.get(k + 'legal_mass'))}"
         if masked
         else f"{m[k + 'illegal_losses']} by an illegal move"
     )
@@ -426,7 +426,3 @@ def ladder_line(m: dict[str, Any], name: str) -> str:
             f"{m[k + 'accuracy']:.1f}% ({m[k + 'moves_judged']} judged)"
         )
     return line
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
