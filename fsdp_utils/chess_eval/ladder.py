@@ -119,10 +119,6 @@ class Opponent:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def restarts(self) -> int:
-        return self.process.restarts if self.process is not None else 0
-
     def close(self) -> None:
         if self.process is not None:
             self.process.close()
