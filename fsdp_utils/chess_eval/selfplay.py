@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import random
@@ -85,6 +84,7 @@ from fsdp_utils.chess_eval.judge import (
 )
 from fsdp_utils.chess_eval.referee import random_move
 from fsdp_utils.data.chess_files import position_shard_name, shard_name
+from fsdp_utils.hub.hashing import digest_file
 from fsdp_utils.hub.selection import POSITION_SHARDS
 
 OPENING_PLIES = (4, 8)
@@ -633,7 +633,7 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
         plies += meta["plies"]
         shards.append(
             {"file": path.name, "first": meta["first"], "games": meta["games"],
-             "plies": meta["plies"], "sha256": _sha256(path), **shard_stats(path)}
+             "plies": meta["plies"], "sha256": digest_file(path).sha256, **shard_stats(path)}
         )  # fmt: skip
     position_shards: list[dict[str, Any]] = []
     for s in range(plan.shards if plan.positions else 0):
@@ -646,7 +646,7 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
             )
         position_shards.append(
             {"file": path.name, "first": meta["first"], "games": meta["games"],
-             "positions": rows, "sha256": _sha256(path), **shard_stats(path)}
+             "positions": rows, "sha256": digest_file(path).sha256, **shard_stats(path)}
         )  # fmt: skip
     every = shards + position_shards
     manifest = {
@@ -683,14 +683,6 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
         )
     write_text_atomic(output / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_games(output: Path) -> list[dict[str, Any]]:
