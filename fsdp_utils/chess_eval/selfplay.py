@@ -230,10 +230,6 @@ def play_game(
     }
 
 
-def _play_on(engine: chess.engine.SimpleEngine, *, index: int, plan: Plan) -> dict[str, Any]:
-    return play_game(engine, index, plan=plan)
-
-
 def _play_call(
     engine: chess.engine.SimpleEngine, board: chess.Board, limit: chess.engine.Limit, game: object
 ) -> Any:
@@ -366,7 +362,7 @@ def play_shard(
                 if process is None:
                     rows.append(play_game(None, i, plan=plan))
                 else:
-                    game = functools.partial(_play_on, index=i, plan=plan)
+                    game = functools.partial(play_game, index=i, plan=plan)
                     rows.append(process.call(game, f"game {i}", guard=False))
             # In the shard: what it is (the same bytes whichever task or host plays it);
             # beside it: how it was made here (the task, the host, the seconds).
@@ -721,7 +717,7 @@ def self_play(
     process = EngineProcess(find_engine(path), ENGINE_OPTIONS)
     try:
         for i in range(games):
-            game = functools.partial(_play_on, index=i, plan=plan)
+            game = functools.partial(play_game, index=i, plan=plan)
             yield process.call(game, f"game {i}", guard=False)
     finally:
         process.close()
