@@ -181,7 +181,8 @@ class Recipe:
         ]  # fmt: skip
         self.run("data", command, done=self.data / "selfplay.json")
 
-    def make_model(self) -> Path:
+    def make_model(self) -> tuple[Path, int]:
+        """The model's folder and how many parameters it has."""
         folder = self.root / "model"
         stage = Stage("model")
         if not (folder / "config.json").is_file():
@@ -196,7 +197,7 @@ class Recipe:
         stage.extra["parameters"] = parameters(folder)
         self.stages.append(stage)
         print(f"[model] {folder}: {stage.extra['parameters'] / 1e6:.2f}M parameters", flush=True)
-        return folder
+        return folder, stage.extra["parameters"]
 
     def train_command(self, *args: str) -> list[str]:
         if self.s.nproc > 1:
@@ -459,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs", flush=True)  # fmt: skip
     if args.data is None:
         recipe.make_data()
-    model = recipe.make_model()
+    model, count = recipe.make_model()
     sft = recipe.sft(model)
-    results: dict[str, Any] = {"parameters": parameters(model)}
+    results: dict[str, Any] = {"parameters": count}
     results["sft"] = recipe.judge("sft", sft / "final", sft)
     results["curves"] = {"sft": curves(sft)}
     if not args.skip_grpo:
