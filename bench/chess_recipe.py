@@ -255,10 +255,17 @@ class Recipe:
         s = self.s
         out = self.root / "grpo"
         every = max(1, s.grpo_steps // 4)
+        # chess_centipawn at --grpo_depth (the built-in's depth is fixed): a reward file.
+        rewards = self.root / "rewards.py"
+        rewards.write_text(
+            "from fsdp_utils.chess_eval.rewards import EngineReward\n\n"
+            f"engine = EngineReward(depth={s.grpo_depth}, kind='centipawn', "
+            "name='chess_centipawn')\n"
+        )
         command = self.train_command(
             "--method", "grpo", "--model", str(sft / "final"), "--dataset", str(prompts),
             "--output_dir", str(out), "--data_cache_dir", str(self.root / "cache"),
-            "--reward_funcs", "engine", "--num_generations", str(s.grpo_generations),
+            "--reward_funcs", f"{rewards}:engine", "--num_generations", str(s.grpo_generations),
             "--max_completion_length", "1", "--max_seq_length", str(s.seq_len),
             "--total_batch_size", str(s.grpo_prompts),
             "--batch_size_per_device", str(max(1, s.grpo_prompts // s.nproc)),
@@ -269,13 +276,6 @@ class Recipe:
             "--save_every_steps", str(s.grpo_steps), "--log_every", "1",
             "--log_completions_every", str(every), "--resume", "never", "--device", self.device,
         )  # fmt: skip
-        rewards = self.root / "rewards.py"
-        rewards.write_text(
-            "from fsdp_utils.chess_eval.rewards import EngineReward\n\n"
-            f"engine = EngineReward(depth={s.grpo_depth}, kind='centipawn', "
-            "name='chess_centipawn')\n"
-        )
-        command[command.index("engine")] = f"{rewards}:engine"
         self.run("grpo", command, done=out / "final" / "config.json")
         return out
 
