@@ -178,12 +178,6 @@ class LadderGame:
             f"{self.seed}/{self.rung}/{self.index}" + ("/masked" if self.masked else "")
         )
 
-    @property
-    def kind(self) -> str:
-        """The rung as the metrics name it: `skill0`, `masked_skill0`."""
-        name = self.rung.replace(":", "")
-        return f"masked_{name}" if self.masked else name
-
     def model_plies(self) -> list[int]:
         """The plies of the game at which the model moved (after the opening)."""
         first = len(OPENINGS[(self.index // 2) % len(OPENINGS)][1])
