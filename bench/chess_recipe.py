@@ -181,7 +181,8 @@ class Recipe:
         ]  # fmt: skip
         self.run("data", command, done=self.data / "selfplay.json")
 
-    def make_model(self) -> Path:
+    def make_model(self) -> tuple[Path, int]:
+        """The model's folder and how many parameters it has."""
         folder = self.root / "model"
         stage = Stage("model")
         if not (folder / "config.json").is_file():
@@ -196,7 +197,7 @@ class Recipe:
         stage.extra["parameters"] = parameters(folder)
         self.stages.append(stage)
         print(f"[model] {folder}: {stage.extra['parameters'] / 1e6:.2f}M parameters", flush=True)
-        return folder
+        return folder, stage.extra["parameters"]
 
     def train_command(self, *args: str) -> list[str]:
         if self.s.nproc > 1:
@@ -254,10 +255,17 @@ class Recipe:
         s = self.s
         out = self.root / "grpo"
         every = max(1, s.grpo_steps // 4)
+        # chess_centipawn at --grpo_depth (the built-in's depth is fixed): a reward file.
+        rewards = self.root / "rewards.py"
+        rewards.write_text(
+            "from fsdp_utils.chess_eval.rewards import EngineReward\n\n"
+            f"engine = EngineReward(depth={s.grpo_depth}, kind='centipawn', "
+            "name='chess_centipawn')\n"
+        )
         command = self.train_command(
             "--method", "grpo", "--model", str(sft / "final"), "--dataset", str(prompts),
             "--output_dir", str(out), "--data_cache_dir", str(self.root / "cache"),
-            "--reward_funcs", "engine", "--num_generations", str(s.grpo_generations),
+            "--reward_funcs", f"{rewards}:engine", "--num_generations", str(s.grpo_generations),
             "--max_completion_length", "1", "--max_seq_length", str(s.seq_len),
             "--total_batch_size", str(s.grpo_prompts),
             "--batch_size_per_device", str(max(1, s.grpo_prompts // s.nproc)),
@@ -268,13 +276,6 @@ class Recipe:
             "--save_every_steps", str(s.grpo_steps), "--log_every", "1",
             "--log_completions_every", str(every), "--resume", "never", "--device", self.device,
         )  # fmt: skip
-        rewards = self.root / "rewards.py"
-        rewards.write_text(
-            "from fsdp_utils.chess_eval.rewards import EngineReward\n\n"
-            f"engine = EngineReward(depth={s.grpo_depth}, kind='centipawn', "
-            "name='chess_centipawn')\n"
-        )
-        command[command.index("engine")] = f"{rewards}:engine"
         self.run("grpo", command, done=out / "final" / "config.json")
         return out
 
@@ -459,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs", flush=True)  # fmt: skip
     if args.data is None:
         recipe.make_data()
-    model = recipe.make_model()
+    model, count = recipe.make_model()
     sft = recipe.sft(model)
-    results: dict[str, Any] = {"parameters": parameters(model)}
+    results: dict[str, Any] = {"parameters": count}
     results["sft"] = recipe.judge("sft", sft / "final", sft)
     results["curves"] = {"sft": curves(sft)}
     if not args.skip_grpo:

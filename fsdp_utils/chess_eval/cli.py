@@ -29,8 +29,9 @@ import dataclasses
 import gc
 import json
 import sys
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fsdp_utils.arguments import ArgumentParser
 from fsdp_utils.config.layout import RunLayout
@@ -102,12 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="short for --chess_engine",
     )  # fmt: skip
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
     kinds: dict[str, Any] = {"chess_eval_temperature": float, "chess_eval_ladder": str}
     for short, name in EVAL_OPTIONS.items():
         f = fields[name]
         extra: dict[str, Any] = {"type": kinds.get(name, int)}
-        if name == "chess_eval_masking":
-            extra = {"choices": ["off", "on", "both"]}
+        if typing.get_origin(hints[name]) is Literal:  # its values, from the field's type
+            extra = {"choices": list(typing.get_args(hints[name]))}
         parser.add_argument(
             f"--{short}", f"--{name}", dest=name, default=argparse.SUPPRESS,
             help=f"{f.metadata['help']} (default: {f.default})", **extra,

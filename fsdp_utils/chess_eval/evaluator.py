@@ -42,6 +42,7 @@ from fsdp_utils.chess_eval.figures import (
     engine_metrics,
     judge_board_score,
     move_records,
+    pct,
 )
 from fsdp_utils.chess_eval.games import (
     PHASES,
@@ -827,10 +828,6 @@ def _move_spans(moves: Sequence[str], offset: int) -> list[tuple[int, int]]:
         spans.append((offset, offset + len(move)))
         offset += len(move) + 1
     return spans
-
-
-def pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def format_table(metrics: dict[str, Any], *, step: int | None) -> str:

@@ -75,6 +75,11 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def pct(value: float | None) -> str:
+    """A share as the tables print it (`n/a` for nothing measured)."""
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 def standard_error(values: Sequence[float]) -> float | None:
     """The standard error of the mean: the sample standard deviation / sqrt(n); None under 2."""
     n = len(values)

@@ -49,7 +49,7 @@ import chess
 import chess.engine
 import chess.pgn
 
-from fsdp_utils.chess_eval.figures import mean, standard_error
+from fsdp_utils.chess_eval.figures import mean, pct, standard_error
 from fsdp_utils.chess_eval.judge import (
     DEFAULT_TIMEOUT_S,
     EngineFailed,
@@ -58,6 +58,7 @@ from fsdp_utils.chess_eval.judge import (
     ceiled_cp,
     find_engine,
 )
+from fsdp_utils.chess_eval.referee import random_move
 from fsdp_utils.config.options.evaluation import LADDER_RUNG, ladder_rungs
 
 MOVETIME_S = 0.01  # Skill Level and UCI_Elo rungs: a time per move (they are random anyway)
@@ -118,17 +119,13 @@ class Opponent:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def restarts(self) -> int:
-        return self.process.restarts if self.process is not None else 0
-
     def close(self) -> None:
         if self.process is not None:
             self.process.close()
 
     def move(self, board: chess.Board, rng: random.Random) -> chess.Move:
         if self.process is None:
-            return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
+            return random_move(board, rng)
         result = self.process.call(
             lambda engine: engine.play(board, self.limit, game=object()),
             f"a move of {self.rung} in {board.fen()}",
@@ -180,12 +177,6 @@ class LadderGame:
         self.rng = random.Random(
             f"{self.seed}/{self.rung}/{self.index}" + ("/masked" if self.masked else "")
         )
-
-    @property
-    def kind(self) -> str:
-        """The rung as the metrics name it: `skill0`, `masked_skill0`."""
-        name = self.rung.replace(":", "")
-        return f"masked_{name}" if self.masked else name
 
     def model_plies(self) -> list[int]:
         """The plies of the game at which the model moved (after the opening)."""
@@ -407,7 +398,7 @@ def ladder_line(m: dict[str, Any], name: str) -> str:
     masked = name.startswith("masked_")
     shown = name.removeprefix("masked_") + (" masked" if masked else "")
     how = (
-        f"model's legal probability {_pct(m.get(k + 'legal_mass'))}"
+        f"model's legal probability {pct(m.get(k + 'legal_mass'))}"
         if masked
         else f"{m[k + 'illegal_losses']} by an illegal move"
     )
@@ -425,7 +416,3 @@ def ladder_line(m: dict[str, Any], name: str) -> str:
             f"{m[k + 'accuracy']:.1f}% ({m[k + 'moves_judged']} judged)"
         )
     return line
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"

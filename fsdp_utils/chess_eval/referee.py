@@ -24,6 +24,7 @@ docstring and docs/chess-eval.md:
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,13 @@ def board_after(moves: Sequence[str]) -> chess.Board:
     for uci in moves:
         board.push_uci(uci)
     return board
+
+
+def random_move(board: chess.Board, rng: random.Random) -> chess.Move:
+    """A uniformly random legal move, drawn from the moves in UCI order (so that one seed gives
+    one move whatever order python-chess generates them in): the ladder's random opponent,
+    self-play's openings and random games."""
+    return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
 
 
 def judge(board: chess.Board, text: str, *, plies: int, finished: bool) -> Verdict | None:

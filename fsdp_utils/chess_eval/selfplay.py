@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import random
@@ -83,7 +82,9 @@ from fsdp_utils.chess_eval.judge import (
     find_engine,
     guarded,
 )
+from fsdp_utils.chess_eval.referee import random_move
 from fsdp_utils.data.chess_files import position_shard_name, shard_name
+from fsdp_utils.hub.hashing import digest_file
 from fsdp_utils.hub.selection import POSITION_SHARDS
 
 OPENING_PLIES = (4, 8)
@@ -198,10 +199,6 @@ def opening(rng: random.Random) -> chess.Board:
             return board
 
 
-def random_move(board: chess.Board, rng: random.Random) -> chess.Move:
-    return rng.choice(sorted(board.legal_moves, key=lambda m: m.uci()))
-
-
 def play_game(
     engine: chess.engine.SimpleEngine | None,
     index: int,
@@ -231,10 +228,6 @@ def play_game(
         "Termination": outcome.termination.name,
         "Result": outcome.result(),
     }
-
-
-def _play_on(engine: chess.engine.SimpleEngine, *, index: int, plan: Plan) -> dict[str, Any]:
-    return play_game(engine, index, plan=plan)
 
 
 def _play_call(
@@ -369,7 +362,7 @@ def play_shard(
                 if process is None:
                     rows.append(play_game(None, i, plan=plan))
                 else:
-                    game = functools.partial(_play_on, index=i, plan=plan)
+                    game = functools.partial(play_game, index=i, plan=plan)
                     rows.append(process.call(game, f"game {i}", guard=False))
             # In the shard: what it is (the same bytes whichever task or host plays it);
             # beside it: how it was made here (the task, the host, the seconds).
@@ -636,7 +629,7 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
         plies += meta["plies"]
         shards.append(
             {"file": path.name, "first": meta["first"], "games": meta["games"],
-             "plies": meta["plies"], "sha256": _sha256(path), **shard_stats(path)}
+             "plies": meta["plies"], "sha256": digest_file(path).sha256, **shard_stats(path)}
         )  # fmt: skip
     position_shards: list[dict[str, Any]] = []
     for s in range(plan.shards if plan.positions else 0):
@@ -649,7 +642,7 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
             )
         position_shards.append(
             {"file": path.name, "first": meta["first"], "games": meta["games"],
-             "positions": rows, "sha256": _sha256(path), **shard_stats(path)}
+             "positions": rows, "sha256": digest_file(path).sha256, **shard_stats(path)}
         )  # fmt: skip
     every = shards + position_shards
     manifest = {
@@ -688,14 +681,6 @@ def merge(output: Path, plan: Plan | None = None) -> dict[str, Any] | None:
     return manifest
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_games(output: Path) -> list[dict[str, Any]]:
     """Every game of a data set folder, in order."""
     import pyarrow.parquet as pq
@@ -732,7 +717,7 @@ def self_play(
     process = EngineProcess(find_engine(path), ENGINE_OPTIONS)
     try:
         for i in range(games):
-            game = functools.partial(_play_on, index=i, plan=plan)
+            game = functools.partial(play_game, index=i, plan=plan)
             yield process.call(game, f"game {i}", guard=False)
     finally:
         process.close()
