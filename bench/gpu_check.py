@@ -57,7 +57,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -91,7 +90,7 @@ from gpu_rows import (  # noqa: E402  (the rows: what to measure, what it costs,
     static_skip,
 )
 
-from fsdp_utils.atomic import write_text_atomic  # noqa: E402  (the standard library's alone)
+from fsdp_utils.atomic import file_written_atomically, write_text_atomic  # noqa: E402  (the standard library's alone)
 
 __all__ = [  # what the tests and bench/speed_rows.py read from the kit
     "AC",
@@ -436,13 +435,13 @@ def profile_entry(
     }
     target = output / f"profile-{row_name}.trace.json.gz"
     with (
-        replaced(target) as tmp,
+        file_written_atomically(target) as tmp,
         traces[-1].open("rb") as source,
         gzip.open(tmp, "wb", compresslevel=4) as file,
     ):
         shutil.copyfileobj(source, file)  # as torch wrote it (not gzipped: the trainer's)
     if target.stat().st_size > TRACE_MAX_BYTES:
-        with replaced(target) as tmp, gzip.open(tmp, "wt", compresslevel=9) as file:
+        with file_written_atomically(target) as tmp, gzip.open(tmp, "wt", compresslevel=9) as file:
             json.dump(trim(trace), file)
         out["trace_trimmed"] = True
     if target.stat().st_size > TRACE_MAX_BYTES:
@@ -1240,7 +1239,10 @@ class Report:
         write_text_atomic(self.output / "gpu_check.md", render(self.result))
         # the runs' own rows for the step-time model (FSDP_UTILS_SITE_DIR: Kit's environment)
         runs = self.logs.parent / "site-runs" / "runs.jsonl"
-        with replaced(self.output / "logs.tar.gz") as tmp, tarfile.open(tmp, "w:gz") as archive:
+        with (
+            file_written_atomically(self.output / "logs.tar.gz") as tmp,
+            tarfile.open(tmp, "w:gz") as archive,
+        ):
             for path in sorted(self.logs.glob("*")):
                 archive.add(path, arcname=f"logs/{path.name}")
             if runs.is_file():
@@ -1253,18 +1255,6 @@ def render(result: dict[str, Any]) -> str:
         return render_table(result)
     except Exception:
         return f"The table could not be drawn (gpu_check.json holds every row):\n\n```\n{traceback.format_exc()}```\n"
-
-
-@contextlib.contextmanager
-def replaced(path: Path) -> Iterator[Path]:
-    """A temporary sibling of `path` to write, renamed over it when the block completes (and
-    removed if the block fails): `path` is the old whole file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def install_wheels(args: argparse.Namespace, started: float) -> None:

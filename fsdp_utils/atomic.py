@@ -37,6 +37,21 @@ def folder_written_atomically(destination: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def file_written_atomically(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` (`.<name>.<pid>.tmp`: two processes never share
+    one) for a writer that takes a path (parquet, tarfile, gzip); when the block completes it is
+    renamed over `path`, and removed if the block raises: `path` is the old whole file or the new
+    one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over `path`: readers
     see the old or the new content, never a truncated one, even after a crash."""

@@ -72,7 +72,7 @@ import chess
 import chess.engine
 
 from fsdp_utils.arguments import ArgumentParser
-from fsdp_utils.atomic import write_text_atomic
+from fsdp_utils.atomic import file_written_atomically, write_text_atomic
 from fsdp_utils.chess_eval.judge import (
     DEFAULT_TIMEOUT_S,
     MATE_SCORE,
@@ -446,9 +446,8 @@ def _write_shard(
     table = pa.Table.from_pylist(rows, schema=schema)
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
     write_text_atomic(stats_path(final), json.dumps(stats) + "\n")
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)
+    with file_written_atomically(final) as tmp:
+        pq.write_table(table, tmp)
 
 
 def shard_metadata(path: Path) -> dict[str, Any] | None:
