@@ -327,10 +327,7 @@ def _sharded_state(plan: MemoryPlan, sharding: str) -> int:
     """The state per GPU under another sharding (what the parameters, gradients and optimizer
     state take when split over its shard group), and for shard_grad_op the parameters it keeps
     gathered between forward and backward."""
-    cluster = plan.cluster
-    degree = {"full": cluster.world_size, "shard_grad_op": cluster.world_size}.get(sharding, 1)
-    if sharding == "hybrid":
-        degree = cluster.gpus_per_node
+    degree = plan.cluster.shard_degree(sharding)
     state = plan.state_bytes * plan.shard_degree // degree
     if sharding == "shard_grad_op":
         element = 4 if plan.config.precision == "fp32" else 2
