@@ -36,7 +36,7 @@ from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu, planner_flags, spec_key
 from fsdp_utils.plan.site import append_run, calibrated_device, cpu_key
 from fsdp_utils.plan.speed import SpeedModel, speed_model
-from fsdp_utils.plan.workload import model_facts, run_shape
+from fsdp_utils.plan.workload import workload
 
 AUTO_FILE = "auto.json"
 # A search on a 70B model takes ~30 s on a quiet node, minutes on a busy one.
@@ -232,10 +232,7 @@ def record_run(config: TrainConfig, run: RunSpeed | None, env: DistEnv) -> str |
     it measured at least 3 steps after the warm-up). The log's line, or None."""
     if run is None or not env.is_main or len(run.check.step_times) < 3:
         return None
-    from fsdp_utils.config.batch import plan_batch
-
-    facts = model_facts(config)
-    batch = plan_batch(config, run.cluster.world_size)
+    facts, shape = workload(config, run.cluster.world_size)
     measured = run.check.measured_step_seconds
     assert measured is not None
     row = SpeedRow(
@@ -243,7 +240,7 @@ def record_run(config: TrainConfig, run: RunSpeed | None, env: DistEnv) -> str |
         device=run.speed.device,
         cluster=run.cluster,
         facts=facts,
-        shape=run_shape(config, batch, facts.layers),
+        shape=shape,
         step_seconds=measured,
         peak_allocated_gib=run.check.measured_peak_gib,
         predicted_step_seconds=run.check.prediction.step_seconds,
