@@ -63,6 +63,13 @@ def evaluate(
     )
 
 
+def with_step_time(plan: MemoryPlan, speed: SpeedModel) -> MemoryPlan:
+    """`plan` with the step-time model's prediction of its configuration, and what it rests on."""
+    return dataclasses.replace(
+        plan, step_time=speed.predict(plan.config, plan.cluster), speed_note=speed.describe()
+    )
+
+
 def plan_memory(
     config: TrainConfig,
     *,
@@ -89,9 +96,7 @@ def plan_memory(
     plan = evaluate(config, cluster, gpu, margin, full_trace=full_trace)
     progress(f"planned {config.model} in {plan.trace_seconds:.1f} s ({plan.trace_method})")
     if speed is not None:
-        plan = dataclasses.replace(
-            plan, step_time=speed.predict(config, cluster), speed_note=speed.describe()
-        )
+        plan = with_step_time(plan, speed)
     if plan.fits is False and suggest_fixes:
         fixes, skipped = _fixes(plan, progress, full_trace, speed)
         plan = dataclasses.replace(plan, fixes=tuple(fixes), skipped=tuple(skipped))
