@@ -243,12 +243,9 @@ def _state_lower_bound(config: TrainConfig, cluster: Cluster) -> tuple[int, str]
         facts.trainable * master
     )
     state = trainable_state + max(frozen_bytes, 0)
-    degree = {"full": cluster.world_size, "shard_grad_op": cluster.world_size}.get(
-        config.sharding, cluster.gpus_per_node if config.sharding == "hybrid" else 1
-    )
     if config.cpu_offload:
         return 0, ""
-    bound = state // degree
+    bound = state // cluster.shard_degree(config.sharding)
     if config.sharding == "shard_grad_op":
         gathered = facts.layer_gathered_bytes * facts.layers + facts.ends_gathered_bytes
         return bound + gathered, "its state, and every parameter kept gathered between passes,"

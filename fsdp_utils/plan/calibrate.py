@@ -83,6 +83,13 @@ MIN_SECONDS = 0.15  # each measurement repeats until it has run this long (and a
 _clock = time.perf_counter
 
 
+def _synchronizer(device: torch.device) -> Callable[[], Any]:
+    """What waits for `device`'s queued work: a GPU's synchronize; nothing on a CPU."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
 def _timed(
     work: Callable[[], Any], sync: Callable[[], Any], min_seconds: float = MIN_SECONDS
 ) -> float:
@@ -108,9 +115,7 @@ def measure_compute(
 ) -> dict[str, Any]:
     """The single-process rates (see the module's docstring)."""
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    sync = _synchronizer(device)
 
     table = []
     for width in grid["widths"]:
@@ -227,7 +232,7 @@ def measure_elementwise(device: torch.device, dtype: torch.dtype, grid: dict[str
         (out[0] if isinstance(out, tuple) else out).sum().backward()
 
     gpu = device.type == "cuda"
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync = _synchronizer(device)
     seconds = _timed(run, sync)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
@@ -255,7 +260,7 @@ def measure_fsdp_hooks(device: torch.device) -> tuple[float, float]:
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     x = torch.randn(2, 16, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def layer_like() -> (
         torch.nn.Module
@@ -315,7 +320,7 @@ def measure_toolkit_steps(
     env = DistEnv(rank, rank, world, world, device, "calibration")
     precision: Precision = "bf16-mixed" if device.type == "cuda" else "fp32"
     device_name: DeviceName = "cuda" if device.type == "cuda" else "cpu"
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     rows = []
     for layers in (2, 4):
         hf_config = LlamaConfig(
@@ -382,9 +387,7 @@ def measure_collectives(rank: int, world: int, device: torch.device) -> dict[str
     bytes x (n - 1) / n each rank moves, per second) of the collectives FSDP2 and Ulysses run."""
     import torch.distributed as dist
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    sync = _synchronizer(device)
 
     # torch 2.13 renamed them (the old names warn); 2.11 has only the old ones
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

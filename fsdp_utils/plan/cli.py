@@ -8,7 +8,6 @@ Exit status: 0 it fits (or no GPU size was given), 1 it does not fit, 2 it canno
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ from fsdp_utils.plan.hardware import (
     parse_gpu_memory,
     parse_size,
 )
-from fsdp_utils.plan.planner import max_batch_plan, plan_memory
+from fsdp_utils.plan.planner import max_batch_plan, plan_memory, with_step_time
 from fsdp_utils.plan.report import Margin, MemoryPlan, format_plan
 from fsdp_utils.plan.search import batch_candidates, resolved_total_batch
 from fsdp_utils.plan.speed import SpeedModel, speed_model
@@ -256,11 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.find_max_batch:
             plan, summary = find_max_batch_report(config, target, suggest_fixes=not args.no_fixes)
             if speed is not None:
-                plan = dataclasses.replace(
-                    plan,
-                    step_time=speed.predict(plan.config, target.cluster),
-                    speed_note=speed.describe(),
-                )
+                plan = with_step_time(plan, speed)
         else:
             plan = target.plan(config, suggest_fixes=not args.no_fixes, speed=speed)
             summary = ""

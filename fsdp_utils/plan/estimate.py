@@ -85,6 +85,15 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def shard_degree(self, sharding: str) -> int:
+        """Over how many GPUs `sharding` splits parameters, gradients and optimizer state:
+        every GPU (full, shard_grad_op), a node's (hybrid), one (no_shard)."""
+        if sharding == "no_shard":
+            return 1
+        if sharding == "hybrid":
+            return self.gpus_per_node
+        return self.world_size
+
     def describe(self) -> str:
         gpus = "GPU" if self.world_size == 1 else "GPUs"
         nodes = "node" if self.nodes == 1 else "nodes"

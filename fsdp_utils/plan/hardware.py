@@ -47,6 +47,13 @@ _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*$", re.IGNORECASE)
 
 
+def _preset_key(text: str) -> str:
+    """A GPU kind as `GPU_PRESETS` and `GPU_SPECS` name it: lower case, dashes, aliases resolved
+    (`H100_80GB` and `h100` are `h100-80gb`)."""
+    key = text.strip().lower().replace("_", "-")
+    return _ALIASES.get(key, key)
+
+
 def parse_size(text: str, flag: str) -> int:
     """Bytes in `text`: a number and a unit (GiB/MiB binary, GB/MB decimal)."""
     match = _SIZE.match(text)
@@ -60,8 +67,7 @@ def parse_size(text: str, flag: str) -> int:
 
 def parse_gpu_memory(text: str) -> Gpu:
     """A preset GPU name (`a100-80gb`) or a size (`80GiB`)."""
-    key = text.strip().lower().replace("_", "-")
-    key = _ALIASES.get(key, key)
+    key = _preset_key(text)
     if key in GPU_PRESETS:
         return GPU_PRESETS[key]
     match = _SIZE.match(text)
@@ -82,8 +88,7 @@ def gpu_kind_name(text: str) -> str:
     `spec_key` matches exactly whatever the memory; anything else is the name nvidia-smi or
     CUDA prints ("NVIDIA H100 NVL"), kept as given (`spec_key` reads it, a kind without a data
     sheet is looked up as --calibrate stored it: `gpu:<name>`)."""
-    key = text.strip().lower().replace("_", "-")
-    key = _ALIASES.get(key, key)
+    key = _preset_key(text)
     return GPU_PRESETS[key].name if key in GPU_PRESETS else text.strip()
 
 
@@ -192,8 +197,7 @@ FABRIC_LATENCY_S = 20e-6  # per collective between nodes (assumed)
 def gpu_spec(name: str) -> GpuSpec:
     """A GPU kind by its `--gpu_memory` name (a100-80gb, h100, h200, ...); ValueError naming the
     known kinds otherwise."""
-    key = name.strip().lower().replace("_", "-")
-    key = _ALIASES.get(key, key)
+    key = _preset_key(name)
     if key not in GPU_SPECS:
         raise ValueError(
             f"Unknown GPU kind {name!r} for the step time: give --gpu_memory as one of "

@@ -63,6 +63,13 @@ def evaluate(
     )
 
 
+def with_step_time(plan: MemoryPlan, speed: SpeedModel) -> MemoryPlan:
+    """`plan` with the step-time model's prediction of its configuration, and what it rests on."""
+    return dataclasses.replace(
+        plan, step_time=speed.predict(plan.config, plan.cluster), speed_note=speed.describe()
+    )
+
+
 def plan_memory(
     config: TrainConfig,
     *,
@@ -89,9 +96,7 @@ def plan_memory(
     plan = evaluate(config, cluster, gpu, margin, full_trace=full_trace)
     progress(f"planned {config.model} in {plan.trace_seconds:.1f} s ({plan.trace_method})")
     if speed is not None:
-        plan = dataclasses.replace(
-            plan, step_time=speed.predict(config, cluster), speed_note=speed.describe()
-        )
+        plan = with_step_time(plan, speed)
     if plan.fits is False and suggest_fixes:
         fixes, skipped = _fixes(plan, progress, full_trace, speed)
         plan = dataclasses.replace(plan, fixes=tuple(fixes), skipped=tuple(skipped))
@@ -327,10 +332,7 @@ def _sharded_state(plan: MemoryPlan, sharding: str) -> int:
     """The state per GPU under another sharding (what the parameters, gradients and optimizer
     state take when split over its shard group), and for shard_grad_op the parameters it keeps
     gathered between forward and backward."""
-    cluster = plan.cluster
-    degree = {"full": cluster.world_size, "shard_grad_op": cluster.world_size}.get(sharding, 1)
-    if sharding == "hybrid":
-        degree = cluster.gpus_per_node
+    degree = plan.cluster.shard_degree(sharding)
     state = plan.state_bytes * plan.shard_degree // degree
     if sharding == "shard_grad_op":
         element = 4 if plan.config.precision == "fp32" else 2

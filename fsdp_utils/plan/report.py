@@ -191,12 +191,7 @@ class MemoryPlan:
     @property
     def shard_degree(self) -> int:
         """Over how many GPUs parameters, gradients and optimizer state are split."""
-        sharding = self.config.sharding
-        if sharding == "no_shard":
-            return 1
-        if sharding == "hybrid":
-            return self.cluster.gpus_per_node
-        return self.cluster.world_size
+        return self.cluster.shard_degree(self.config.sharding)
 
     @property
     def state_bytes_per_parameter(self) -> float:

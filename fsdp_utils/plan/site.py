@@ -15,6 +15,7 @@ devices of the same source (fsdp_utils/plan/efficiency.py): `--plan` says how ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -136,7 +137,7 @@ def calibrated_device(key: str, config: TrainConfig) -> Device | None:
                 f"{device.source}; between nodes {INTERCONNECTS[DEFAULT_FABRIC][1]} assumed: "
                 "give --interconnect or --fabric_gbps"
             )
-        device = Device.from_dict({**device.to_dict(), **changes})
+        device = dataclasses.replace(device, **changes)
     return device
 
 

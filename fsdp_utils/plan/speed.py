@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fsdp_utils.config.batch import plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GPU_SPECS, Gpu, spec_key
@@ -17,7 +16,7 @@ from fsdp_utils.plan.site import (
     sheet_device,
 )
 from fsdp_utils.plan.step_time import Device, Efficiency, StepTime, predict
-from fsdp_utils.plan.workload import model_facts, run_shape
+from fsdp_utils.plan.workload import workload
 
 # A CPU nobody calibrated: rough figures for a few server cores (gloo through shared memory),
 # enough to rank configurations; `python -m fsdp_utils.plan --calibrate --device cpu` measures.
@@ -44,11 +43,8 @@ class SpeedModel:
     efficiency: Efficiency
 
     def predict(self, config: TrainConfig, cluster: Cluster) -> StepTime:
-        facts = model_facts(config)
-        batch = plan_batch(config, cluster.world_size)
-        return predict(
-            facts, run_shape(config, batch, facts.layers), cluster, self.device, self.efficiency
-        )
+        facts, shape = workload(config, cluster.world_size)
+        return predict(facts, shape, cluster, self.device, self.efficiency)
 
     def describe(self) -> str:
         eff = self.efficiency

@@ -472,9 +472,7 @@ def predict(
     dispatch = dispatch_cpu if device.serial_dispatch else max(0.0, dispatch_cpu - gpu_work)
 
     # --- FSDP2: what is gathered and reduced, over how many ranks, on which link -----------
-    shard = {"full": world, "shard_grad_op": world, "hybrid": cluster.gpus_per_node}.get(
-        shape.sharding, 1
-    )
+    shard = cluster.shard_degree(shape.sharding)
     replicas = world // shard
     inside = shard <= cluster.gpus_per_node
     shard_bw = device.link_bandwidth if inside else device.fabric_bandwidth

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_utils.config.batch import BatchPlan
+from fsdp_utils.config.batch import BatchPlan, plan_batch
 from fsdp_utils.config.train_config import TrainConfig
 from fsdp_utils.metrics.throughput import attention_flops_per_token, training_flops_per_token
 from fsdp_utils.model.build import build_meta_model, compute_dtype
@@ -162,3 +162,10 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         )
         _FACTS[key] = facts_from_meta(transform_model(built, config), hf_config, config)
     return _FACTS[key]
+
+
+def workload(config: TrainConfig, world_size: int) -> tuple[ModelFacts, RunShape]:
+    """What the step-time model reads of `config` on `world_size` GPUs: its model's counts and
+    its settings with the batch plan's arithmetic (a prediction and a finished run's row)."""
+    facts = model_facts(config)
+    return facts, run_shape(config, plan_batch(config, world_size), facts.layers)

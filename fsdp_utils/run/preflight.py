@@ -10,12 +10,9 @@ goes on.
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -180,30 +177,23 @@ def _basics_line(checked: CheckedRun) -> str:
 
 
 def check_memory(config: TrainConfig, nodes: int, world_size: int, gpu_flags: list[str]) -> str:
-    """Run the memory planner (in a child process with CUDA hidden: it traces on fake CPU
-    tensors and must not touch the GPUs the job is about to use). Raises ValueError with the
+    """Run the memory planner (in a child process: run/speed.py's `run_planner`). Raises ValueError with the
     plan when the run does not fit; any other planner failure is a warning (`read_plan`)."""
     if world_size % nodes:
         raise ValueError(f"--world_size {world_size} is not a multiple of --nodes {nodes}.")
+    from fsdp_utils.run.speed import auto_file, planner_command, run_planner
+
     with tempfile.TemporaryDirectory() as tmp:
         config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(config.to_dict()))
-        command = [
-            sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
-            "--nodes", str(nodes), "--gpus_per_node", str(world_size // nodes),
-            *gpu_flags, "--no_fixes",
-        ]  # fmt: skip
+        config_file.write_text(config.to_json())
+        flags = [*gpu_flags, "--no_fixes"]
         if config.auto:  # the choice, made here once for every leg (fsdp_utils/run/speed.py)
-            from fsdp_utils.run.speed import auto_file
-
             choice = auto_file(config)
             choice.parent.mkdir(parents=True, exist_ok=True)
-            command += ["--auto", "--save_json", str(choice)]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+            flags += ["--auto", "--save_json", str(choice)]
+        command = planner_command(config_file, nodes, world_size // nodes, flags)
         try:
-            result = subprocess.run(
-                command, capture_output=True, text=True, env=env, timeout=PLAN_TIMEOUT_S
-            )
+            result = run_planner(command, timeout=PLAN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return _skipped(f"the planner did not finish in {PLAN_TIMEOUT_S} s")
     rerun = (

@@ -36,7 +36,7 @@ from fsdp_utils.plan.estimate import Cluster
 from fsdp_utils.plan.hardware import GIB, Gpu, planner_flags, spec_key
 from fsdp_utils.plan.site import append_run, calibrated_device, cpu_key
 from fsdp_utils.plan.speed import SpeedModel, speed_model
-from fsdp_utils.plan.workload import model_facts, run_shape
+from fsdp_utils.plan.workload import workload
 
 AUTO_FILE = "auto.json"
 # A search on a 70B model takes ~30 s on a quiet node, minutes on a busy one.
@@ -81,14 +81,23 @@ def _request(config: TrainConfig, env: DistEnv, gpu: Gpu | None) -> dict[str, An
     return _normalized(request_of(config, cluster, key))
 
 
-def search_command(config: TrainConfig, nodes: int, gpus_per_node: int, gpu_flag: list[str],
-                   config_file: Path, out: Path) -> list[str]:  # fmt: skip
-    """`python -m fsdp_utils.plan --auto` for this run (its settings in `config_file`)."""
+def planner_command(
+    config_file: Path, nodes: int, gpus_per_node: int, flags: list[str]
+) -> list[str]:
+    """`python -m fsdp_utils.plan` for the settings in `config_file` on `nodes` x
+    `gpus_per_node` GPUs, with the planner's `flags`."""
     return [
-        sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file), "--auto",
-        "--nodes", str(nodes), "--gpus_per_node", str(gpus_per_node), *gpu_flag,
-        "--save_json", str(out),
+        sys.executable, "-m", "fsdp_utils.plan", "--config", str(config_file),
+        "--nodes", str(nodes), "--gpus_per_node", str(gpus_per_node), *flags,
     ]  # fmt: skip
+
+
+def run_planner(command: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The planner's `command` in a child process with CUDA hidden: it traces on fake CPU
+    tensors and must not touch the GPUs the job is about to use. subprocess.TimeoutExpired
+    after `timeout` seconds."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def resolve_auto(config: TrainConfig, env: DistEnv) -> tuple[TrainConfig, list[str]]:
@@ -147,9 +156,8 @@ def _search(config: TrainConfig, env: DistEnv, gpu: Gpu | None, out: Path) -> No
     with tempfile.TemporaryDirectory() as tmp:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(config.to_json())
-        command = search_command(
-            config, env.num_nodes, env.local_world_size, _gpu_flag(gpu), config_file, out
-        )
+        flags = [*_gpu_flag(gpu), "--auto", "--save_json", str(out)]
+        command = planner_command(config_file, env.num_nodes, env.local_world_size, flags)
         code, stdout, stderr = _run_planner(command)
     if code == 1:
         raise ValueError(f"--auto: no configuration fits.\n{stdout.strip()}")
@@ -160,12 +168,9 @@ def _search(config: TrainConfig, env: DistEnv, gpu: Gpu | None, out: Path) -> No
 
 
 def _run_planner(command: list[str]) -> tuple[int, str, str]:
-    """The planner's command in a child process, CUDA hidden: (exit status, stdout, stderr)."""
-    child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    """`run_planner` within the search's time: (exit status, stdout, stderr)."""
     try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, env=child_env, timeout=SEARCH_TIMEOUT_S
-        )
+        result = run_planner(command, timeout=SEARCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return 3, "", f"error: the search did not finish in {SEARCH_TIMEOUT_S} s"
     return result.returncode, result.stdout, result.stderr
@@ -232,10 +237,7 @@ def record_run(config: TrainConfig, run: RunSpeed | None, env: DistEnv) -> str |
     it measured at least 3 steps after the warm-up). The log's line, or None."""
     if run is None or not env.is_main or len(run.check.step_times) < 3:
         return None
-    from fsdp_utils.config.batch import plan_batch
-
-    facts = model_facts(config)
-    batch = plan_batch(config, run.cluster.world_size)
+    facts, shape = workload(config, run.cluster.world_size)
     measured = run.check.measured_step_seconds
     assert measured is not None
     row = SpeedRow(
@@ -243,7 +245,7 @@ def record_run(config: TrainConfig, run: RunSpeed | None, env: DistEnv) -> str |
         device=run.speed.device,
         cluster=run.cluster,
         facts=facts,
-        shape=run_shape(config, batch, facts.layers),
+        shape=shape,
         step_seconds=measured,
         peak_allocated_gib=run.check.measured_peak_gib,
         predicted_step_seconds=run.check.prediction.step_seconds,
